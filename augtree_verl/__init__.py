@@ -1,0 +1,6 @@
+"""augtree-verl: prompt-reuse replay and prompt-aware context parallelism for verl's update stage."""
+
+from augtree_verl.plan import Plan
+from augtree_verl.replay import ReplayStats, ReplayTree, replay
+
+__all__ = ["Plan", "ReplayStats", "ReplayTree", "replay"]
