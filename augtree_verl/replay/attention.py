@@ -1,0 +1,88 @@
+"""The attention hook the replay runs through: a transformers ``AttentionInterface`` entry named "augtree".
+
+During a replay the model's ``config._attn_implementation`` is "augtree" and each model call carries a
+context object in its kwargs (``augtree_ctx=...``; transformers 5 hands extra kwargs to the attention
+function). The context is read, never mutated, by the replay phase, so activation checkpointing may re-run
+any layer. Calls without a context (e.g. a model left on "augtree" and used elsewhere) run plain SDPA.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+ATTN_NAME = "augtree"
+
+
+@dataclass
+class PrefillContext:
+    """Phase A: causal attention over the prompt; captures each layer's post-RoPE K/V.
+
+    ``kv[layer] = (k, v)``, each [1, H_kv, P, D], still attached to the prompt graph. The first capture
+    wins, so a checkpoint recompute during the delayed backward cannot replace it.
+    """
+
+    kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+    def attend(self, layer: int, q, k, v, scaling: float) -> torch.Tensor:
+        self.kv.setdefault(layer, (k, v))
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=True)
+
+
+@dataclass
+class ResponseContext:
+    """Phase B: response queries attend to [prompt K/V ; own K/V].
+
+    ``prompt_kv[layer] = (k, v)``, each [1, H_kv, P, D] (leaves that collect dK/dV). Responses are right
+    padded, so the one mask [Rq, P + Rq] "key j visible to query i iff j <= P + i" is exact for every real
+    query: padded keys sit after every real query of their row.
+    """
+
+    prompt_kv: list[tuple[torch.Tensor, torch.Tensor]]
+    mask: torch.Tensor  # additive float mask [Rq, P + Rq] in the query dtype
+
+    @staticmethod
+    def build(prompt_kv, num_queries: int, dtype: torch.dtype, device) -> "ResponseContext":
+        p = prompt_kv[0][0].shape[2]
+        visible = torch.ones(num_queries, p + num_queries, dtype=torch.bool, device=device).tril(diagonal=p)
+        mask = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, float("-inf"))
+        return ResponseContext(prompt_kv, mask)
+
+    def attend(self, layer: int, q, k, v, scaling: float) -> torch.Tensor:
+        pk, pv = self.prompt_kv[layer]
+        b = q.shape[0]
+        k = torch.cat([pk.expand(b, -1, -1, -1), k], dim=2)
+        v = torch.cat([pv.expand(b, -1, -1, -1), v], dim=2)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask, scale=scaling, enable_gqa=True)
+
+
+def augtree_attention_forward(module, query, key, value, attention_mask, scaling=None, augtree_ctx=None, **kwargs):
+    """transformers attention signature: q [B, H, S, D], k/v [B, H_kv, S, D] -> ([B, S, H, D], None)."""
+    if augtree_ctx is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+    if kwargs.get("sliding_window"):
+        raise ValueError(f"layer {module.layer_idx} uses sliding-window attention, which augtree does not replay")
+    out = augtree_ctx.attend(module.layer_idx, query, key, value, scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(ATTN_NAME, augtree_attention_forward)
+
+# A mask dict makes transformers skip building its own masks: the contexts carry theirs.
+NO_MASKS = {"full_attention": None, "sliding_attention": None}
+
+
+@contextlib.contextmanager
+def augtree_attention(model):
+    """Route ``model``'s attention through "augtree" for the duration of the block."""
+    previous = model.config._attn_implementation
+    model.config._attn_implementation = ATTN_NAME
+    try:
+        yield
+    finally:
+        model.config._attn_implementation = previous
