@@ -1,0 +1,1 @@
+"""``augtree bench``: the update-stage benchmark on real workload shapes (workloads, methods, runner, report)."""
