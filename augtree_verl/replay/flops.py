@@ -1,0 +1,41 @@
+"""FLOP counts of one training step (forward + backward = 3x forward) for the two schedules.
+
+Per token and layer the dense part costs 2 x (parameters touched); attention costs 4 x H_q x D per visible
+key (QK^T and PV). The LM head runs on the R scored positions in both schedules.
+"""
+
+from __future__ import annotations
+
+
+def _per_token_dense(cfg) -> float:
+    h, d = cfg.hidden_size, getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
+    per_layer = 2 * (h * q + 2 * h * kv + q * h + 3 * h * cfg.intermediate_size)
+    return cfg.num_hidden_layers * per_layer
+
+
+def _attn_per_key(cfg) -> float:
+    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return cfg.num_hidden_layers * 4 * cfg.num_attention_heads * d
+
+
+def _causal_keys(n: int, offset: int = 0) -> int:
+    """Visible keys summed over n causal queries that also see ``offset`` earlier keys."""
+    return n * offset + n * (n + 1) // 2
+
+
+def step_flops(cfg, prompt_len: int, response_lens: list[int], reuse: bool) -> float:
+    """Training FLOPs of one tree: flattened (``reuse=False``) or prefill-once replay (``reuse=True``)."""
+    dense, per_key = _per_token_dense(cfg), _attn_per_key(cfg)
+    head = 2 * cfg.hidden_size * cfg.vocab_size * sum(response_lens)
+    if reuse:
+        tokens = prompt_len + sum(r - 1 for r in response_lens)
+        keys = _causal_keys(prompt_len) + sum(_causal_keys(r - 1, prompt_len) for r in response_lens)
+    else:
+        tokens = sum(prompt_len + r for r in response_lens)
+        keys = sum(_causal_keys(prompt_len + r) for r in response_lens)
+    return 3 * (dense * tokens + per_key * keys + head)
+
+
+def ideal_speedup(cfg, prompt_len: int, response_lens: list[int]) -> float:
+    return step_flops(cfg, prompt_len, response_lens, False) / step_flops(cfg, prompt_len, response_lens, True)
