@@ -1,0 +1,95 @@
+"""attn_ops + merge: blockwise attention merged with the online softmax equals plain attention."""
+
+import pytest
+import torch
+
+from augtree_verl.cp.attn_ops import attention_backward, attention_forward
+from augtree_verl.cp.merge import accum_dtype, empty_state, merge_into
+
+# float32 CPU: blockwise attention sums the same exponentials in another order; 1e-5 relative is ~100x eps.
+RTOL = 1e-5
+# float64 shows the merge is exact math, not a tolerance hiding a bug: only rounding at 1e-12 remains.
+RTOL64 = 1e-12
+
+
+def plain_attention(q, k, v, scale, visible):
+    """Reference: softmax(q k^T * scale, masked) v with GQA heads repeated; visible [Sq, Sk] bool."""
+    rep = q.shape[0] // k.shape[0]
+    k, v = k.repeat_interleave(rep, 0), v.repeat_interleave(rep, 0)
+    scores = (q @ k.transpose(-1, -2)) * scale
+    scores = scores.masked_fill(~visible, float("-inf"))
+    return torch.softmax(scores, -1) @ v, torch.logsumexp(scores, -1)
+
+
+def rel(a, b):
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+@pytest.mark.parametrize("dtype,rtol", [(torch.float32, RTOL), (torch.float64, RTOL64)])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (6, 1)])
+def test_single_block_matches_plain_attention(dtype, rtol, heads, kv_heads):
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(heads, 7, 16, generator=g, dtype=dtype)
+    k = torch.randn(kv_heads, 7, 16, generator=g, dtype=dtype)
+    v = torch.randn(kv_heads, 7, 16, generator=g, dtype=dtype)
+    for causal in (False, True):
+        visible = torch.ones(7, 7, dtype=torch.bool)
+        if causal:
+            visible = visible.tril()
+        out, lse = attention_forward(q, k, v, causal=causal, scale=0.25)
+        ref_out, ref_lse = plain_attention(q, k, v, 0.25, visible)
+        assert out.dtype == dtype and lse.dtype == accum_dtype(dtype) and lse.shape == (heads, 7)
+        assert rel(out, ref_out) <= rtol
+        assert rel(lse, ref_lse) <= rtol
+
+
+@pytest.mark.parametrize("dtype,rtol", [(torch.float32, RTOL), (torch.float64, RTOL64)])
+def test_blockwise_merge_and_backward_equal_plain_attention(dtype, rtol):
+    """Queries [prefix 5 ; 3 chunks of a causal sequence] split into full + diagonal blocks, merged in an
+    arbitrary order; per-block backward with the merged (out, lse) sums to the plain gradients."""
+    g = torch.Generator().manual_seed(1)
+    heads, kv_heads, dim, prefix, chunks = 4, 2, 8, 5, [3, 4, 2]
+    n = sum(chunks)
+    q = torch.randn(heads, n, dim, generator=g, dtype=dtype, requires_grad=True)
+    k = torch.randn(kv_heads, prefix + n, dim, generator=g, dtype=dtype, requires_grad=True)
+    v = torch.randn(kv_heads, prefix + n, dim, generator=g, dtype=dtype, requires_grad=True)
+    dout = torch.randn(heads, n, dim, generator=g, dtype=dtype)
+    visible = torch.ones(n, prefix + n, dtype=torch.bool).tril(diagonal=prefix)
+    ref_out, ref_lse = plain_attention(q, k, v, 0.3, visible)
+    ref_out.backward(dout)
+
+    starts = [sum(chunks[:c]) for c in range(len(chunks))]
+    blocks = []  # (query rows, key cols, causal)
+    for c, (s, ln) in enumerate(zip(starts, chunks)):
+        blocks.append((slice(s, s + ln), slice(0, prefix), False))
+        blocks.append((slice(s, s + ln), slice(prefix + s, prefix + s + ln), True))
+        for c2 in range(c):
+            blocks.append((slice(s, s + ln), slice(prefix + starts[c2], prefix + starts[c2] + chunks[c2]), False))
+    blocks = blocks[::-1]  # merge order must not matter
+    qd, kd, vd = q.detach(), k.detach(), v.detach()
+    out, lse = empty_state(heads, n, dim, qd)
+    for rows, cols, causal in blocks:
+        bo, bl = attention_forward(qd[:, rows], kd[:, cols], vd[:, cols], causal=causal, scale=0.3)
+        merge_into(out[:, rows], lse[:, rows], bo, bl)
+    assert rel(out.to(dtype), ref_out) <= rtol
+    assert rel(lse, ref_lse) <= rtol
+
+    merged_out = out.to(dtype)
+    dq, dk, dv = torch.zeros_like(qd), torch.zeros_like(kd), torch.zeros_like(vd)
+    for rows, cols, causal in blocks:
+        bq, bk, bv = attention_backward(dout[:, rows], qd[:, rows], kd[:, cols], vd[:, cols],
+                                        merged_out[:, rows], lse[:, rows], causal=causal, scale=0.3)
+        dq[:, rows] += bq
+        dk[:, cols] += bk
+        dv[:, cols] += bv
+    assert rel(dq, q.grad) <= rtol
+    assert rel(dk, k.grad) <= rtol
+    assert rel(dv, v.grad) <= rtol
+
+
+def test_bad_blocks_raise():
+    q = torch.randn(2, 3, 4)
+    with pytest.raises(ValueError, match="square"):
+        attention_forward(q, torch.randn(2, 4, 4), torch.randn(2, 4, 4), causal=True, scale=1.0)
+    with pytest.raises(ValueError, match="no queries"):
+        attention_forward(q[:, :0], torch.randn(2, 4, 4), torch.randn(2, 4, 4), causal=False, scale=1.0)
