@@ -1,6 +1,7 @@
 """augtree-verl: prompt-reuse replay and prompt-aware context parallelism for verl's update stage."""
 
 from augtree_verl.plan import Plan
+from augtree_verl.planner import ClusterProfile, plan_tree
 from augtree_verl.replay import ReplayStats, ReplayTree, replay
 
-__all__ = ["Plan", "ReplayStats", "ReplayTree", "replay"]
+__all__ = ["ClusterProfile", "Plan", "ReplayStats", "ReplayTree", "plan_tree", "replay"]

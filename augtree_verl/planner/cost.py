@@ -1,0 +1,160 @@
+"""The planner's cost model: per-rank time and memory of one replay tree under each primitive.
+
+Notation: P prompt tokens, R_i response tokens, L layers, H hidden size, I MLP width, V vocab,
+H_q / H_kv query / key-value heads of width D, beta bytes per element (``dtype_bytes``), F achieved FLOP/s.
+
+Compute (summed over layers, forward only, per token or per query-key pair):
+    lin  = L * (2H(H_q + 2H_kv)D + 2 H_q D H + 6 H I)   QKV and output projections, SwiGLU MLP
+    head = 2 H V                                        LM head, only for scored (response) tokens
+    attn = L * 4 H_q D                                  QK^T and PV per (query, key) pair; causal halves it
+Training multiplies forward FLOPs by f_fwd + 2 (backward = 2 x forward), f_fwd = 2 with activation
+checkpointing (the forward runs again in backward), else 1. A pass (one forward+backward over a chunk of
+tokens) costs max(compute, launch floor): GPU launches pipeline, so only tiny passes are launch-bound.
+
+Communication per rank (bytes / bandwidth + latency per step; not credited with overlap):
+    ring over k ranks, keys of N tokens:  (f_fwd + 2) * (k-1)/k * N * kv,     kv = L * 2 H_kv D beta
+        (each forward rotates K/V; backward rotates K/V again and returns dK/dV; k-1 steps per layer each)
+        TreeMoveKV replaying R in a lane of m ranks moves N = P + R: C_TreeMoveKV ~ 2(L_P + L_R) H_kv.
+    MoveQ, Q queries over d prompt owners:  (f_fwd + 1) * (d-1)/d * Q * (q + s)
+        q = L H_q D beta (the queries travel), s = L H_q (D + 1) 4 (fp32 partial (out, lse) return for the
+        reduction); backward moves the same volume (dO and states out, dQ back): C_MoveQ ~ L_R H_q + T_red.
+        Two collectives per layer, each ceil(log2 d) latency steps.
+
+Memory per rank: saved activations (with checkpointing only the layer input, L H beta per token, plus one
+layer's full activations while it is recomputed), prompt K/V leaves and their gradients (2 kv per prompt
+token), fp32 logits and their gradient for scored tokens, ring/exchange buffers, float32 log-prob outputs.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+import numpy as np
+
+from augtree_verl.planner.profile import ClusterProfile
+
+KERNELS_PER_LAYER = 12        # norms, QKV, RoPE, attention, O, 2 residual adds, gate/up, act*mul, down
+LOGIT_BYTES_PER_ENTRY = 8     # fp32 logits and their gradient, per vocab entry per scored token
+RING_BUFFERS = 4              # send + receive buffers for K/V, and again for dK/dV, one layer at a time
+OUTPUT_BYTES_PER_TOKEN = 4    # float32 log-probs of every response, held on every rank
+
+
+class CostModel:
+    """Vectorised cost formulas for one profile. Arrays are float64 [G] over a tree's responses."""
+
+    def __init__(self, profile: ClusterProfile):
+        p = profile
+        self.profile = p
+        L, H, I, V = p.num_layers, p.hidden_size, p.intermediate_size, p.vocab_size
+        Hq, Hkv, D, beta = p.num_heads, p.num_kv_heads, p.head_dim, p.dtype_bytes
+        forward_passes = 2 if p.activation_checkpointing else 1
+        self.train_factor = forward_passes + 2
+        self.ring_transfers = forward_passes + 2
+        self.moveq_exchanges = forward_passes + 1
+        self.lin_flops = L * (2 * H * (Hq + 2 * Hkv) * D + 2 * Hq * D * H + 6 * H * I)
+        self.head_flops = 2 * H * V
+        self.attn_flops = L * 4 * Hq * D
+        self.kv_bytes = L * 2 * Hkv * D * beta
+        self.query_state_bytes = L * Hq * (D * beta + (D + 1) * 4)
+        self.pass_floor_s = KERNELS_PER_LAYER * L * (forward_passes + 2) * p.launch_latency_s
+        # Elements a decoder layer saves per token for backward: 4 H (norm inputs/outputs, residual),
+        # (H_q + 2 H_kv) D (Q, K, V), 2 H_q D (attention out, O-proj input), 3 I (gate, up, act*up).
+        layer_bytes = (4 * H + (Hq + 2 * Hkv) * D + 2 * Hq * D + 3 * I) * beta
+        self.saved_bytes_per_token = L * H * beta if p.activation_checkpointing else L * layer_bytes
+        self.working_bytes_per_token = layer_bytes if p.activation_checkpointing else 0
+        self.logit_bytes_per_token = LOGIT_BYTES_PER_ENTRY * V
+        self.exchange_layers_kept = 1 if p.activation_checkpointing else L
+
+    # ---- building blocks -------------------------------------------------------------------------
+    def _bandwidth(self, ranks: int, collective: bool) -> float:
+        p = self.profile
+        if ranks > p.ranks_per_node:
+            return p.internode_bytes_per_s
+        return p.collective_bytes_per_s if collective else p.p2p_bytes_per_s
+
+    def pass_time(self, forward_flops_per_rank):
+        """Seconds of one forward+backward pass doing ``forward_flops_per_rank`` forward FLOPs on a rank."""
+        return np.maximum(self.train_factor * forward_flops_per_rank / self.profile.flops_per_s,
+                          self.pass_floor_s)
+
+    def ring_comm(self, kv_tokens, ranks: int):
+        """Seconds a rank spends rotating ``kv_tokens`` tokens' K/V around a ring of ``ranks`` (fwd+bwd)."""
+        if ranks == 1:
+            return np.zeros_like(np.asarray(kv_tokens, dtype=np.float64))
+        per_rank = (ranks - 1) / ranks * kv_tokens * self.kv_bytes / self._bandwidth(ranks, False)
+        steps = self.profile.num_layers * (ranks - 1) * self.profile.launch_latency_s
+        return self.ring_transfers * (per_rank + steps)
+
+    def moveq_comm(self, queries, owners: int):
+        """Seconds a rank spends sending ``queries`` queries to ``owners`` prompt owners and merging states."""
+        if owners == 1:
+            return np.zeros_like(np.asarray(queries, dtype=np.float64))
+        per_rank = (owners - 1) / owners * queries * self.query_state_bytes / self._bandwidth(owners, True)
+        steps = 2 * self.profile.num_layers * math.ceil(math.log2(owners)) * self.profile.launch_latency_s
+        return self.moveq_exchanges * (per_rank + steps)
+
+    def prefill(self, P: int, ranks: int) -> tuple[float, float]:
+        """(compute s, comm s) of the prompt's forward + delayed backward sharded over a ring of ``ranks``."""
+        flops = (self.lin_flops * P + self.attn_flops * P * P / 2) / ranks
+        return float(self.pass_time(flops)), float(self.ring_comm(P, ranks))
+
+    # ---- per-primitive times ---------------------------------------------------------------------
+    def ring_sequences(self, P: int, R: np.ndarray, d: int) -> tuple[np.ndarray, np.ndarray]:
+        """RingCP: (compute s, comm s) per response of [P || R_i] sharded over d ranks, prompt recomputed."""
+        seq = P + R
+        flops = (self.lin_flops * seq + self.head_flops * R + self.attn_flops * seq * seq / 2) / d
+        return self.pass_time(flops), self.ring_comm(seq, d)
+
+    def tree_responses(self, P: int, R: np.ndarray, m: int) -> tuple[np.ndarray, np.ndarray]:
+        """TreeMoveKV: (compute s, comm s) per response replayed in a lane of m ranks (prompt + own K/V ring)."""
+        flops = ((self.lin_flops + self.head_flops) * R + self.attn_flops * (R * P + R * R / 2)) / m
+        return self.pass_time(flops), self.ring_comm(P + R, m)
+
+    def moveq_lane(self, R: np.ndarray, m: int) -> tuple[np.ndarray, np.ndarray]:
+        """MoveQ, lane-local part: (compute s, comm s) of response R's projections, MLP, head and causal
+        self-attention sharded over its lane's m ranks (its own K/V ring)."""
+        flops = ((self.lin_flops + self.head_flops) * R + self.attn_flops * R * R / 2) / m
+        return self.pass_time(flops), self.ring_comm(R, m)
+
+    def moveq_round_shared(self, P: int, round_queries: np.ndarray, d: int) -> tuple[np.ndarray, np.ndarray]:
+        """MoveQ, per round: (compute s, comm s) of every owner scoring the round's queries against its P/d
+        prompt keys, and of moving queries and partial states."""
+        compute = self.train_factor * self.attn_flops * round_queries * P / d / self.profile.flops_per_s
+        return compute, self.moveq_comm(round_queries, d)
+
+    # ---- per-primitive memory (bytes per rank) ---------------------------------------------------
+    def _ring_buffer(self, kv_tokens_per_rank: float) -> float:
+        return RING_BUFFERS * kv_tokens_per_rank * self.kv_bytes / self.profile.num_layers
+
+    def ring_memory(self, P: int, R_max: float, R_sum: float, d: int) -> float:
+        seq = (P + R_max) / d
+        return (seq * (self.saved_bytes_per_token + self.working_bytes_per_token)
+                + R_max / d * self.logit_bytes_per_token + self._ring_buffer(seq)
+                + OUTPUT_BYTES_PER_TOKEN * R_sum)
+
+    def tree_memory(self, P: int, R_max: float, R_sum: float, m: int) -> float:
+        prompt = P / m
+        response = R_max / m
+        resident = prompt * (self.saved_bytes_per_token + 2 * self.kv_bytes)
+        peak = max(prompt * self.working_bytes_per_token,
+                   response * (self.saved_bytes_per_token + self.working_bytes_per_token
+                               + self.logit_bytes_per_token))
+        return resident + peak + self._ring_buffer(prompt + response) + OUTPUT_BYTES_PER_TOKEN * R_sum
+
+    def moveq_memory(self, P: int, R_max: float, R_sum: float, round_max_queries: float, d: int, m: int) -> float:
+        prompt = P / d
+        response = R_max / m
+        resident = prompt * (self.saved_bytes_per_token + 2 * self.kv_bytes)
+        exchange = (round_max_queries * self.query_state_bytes / self.profile.num_layers
+                    * self.exchange_layers_kept)
+        peak = max(prompt * self.working_bytes_per_token,
+                   response * (self.saved_bytes_per_token + self.working_bytes_per_token
+                               + self.logit_bytes_per_token) + exchange)
+        return resident + peak + self._ring_buffer(max(prompt, response)) + OUTPUT_BYTES_PER_TOKEN * R_sum
+
+
+@lru_cache(maxsize=16)
+def cost_model(profile: ClusterProfile) -> CostModel:
+    """The (cached) cost model of a profile; profiles are frozen and hashable."""
+    return CostModel(profile)

@@ -1,0 +1,125 @@
+"""The cluster profile: what the planner's cost model knows about the hardware and the model.
+
+Hardware figures are per rank (one accelerator). ``default()`` describes an 8-GPU H100 SXM node training a
+Qwen2.5-7B-shaped model; ``calibrate()`` replaces the hardware figures with numbers measured on the
+current device and process group; ``save``/``load`` keep a profile as JSON.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+_POSITIVE_FLOATS = ("flops_per_s", "p2p_bytes_per_s", "collective_bytes_per_s", "internode_bytes_per_s",
+                    "launch_latency_s", "memory_per_rank_bytes")
+_POSITIVE_INTS = ("ranks_per_node", "num_layers", "num_heads", "num_kv_heads", "head_dim", "hidden_size",
+                  "intermediate_size", "vocab_size", "dtype_bytes")
+
+
+@dataclass(frozen=True)
+class ClusterProfile:
+    # --- hardware, per rank ---
+    flops_per_s: float              # achieved dense matmul throughput (FLOP/s) in the training dtype
+    p2p_bytes_per_s: float          # point-to-point bandwidth to a neighbour inside a node, one direction
+    collective_bytes_per_s: float   # per-rank bandwidth of all-gather / all-to-all inside a node
+    internode_bytes_per_s: float    # per-rank bandwidth once a group spans nodes (p2p and collectives)
+    launch_latency_s: float         # one kernel launch or one small communication step
+    memory_per_rank_bytes: float    # what replay may use: activations, prompt K/V, comm buffers, outputs
+    ranks_per_node: int             # groups larger than this must span whole nodes
+    # --- model shape ---
+    num_layers: int
+    num_heads: int                  # query heads H_q
+    num_kv_heads: int               # key/value heads H_kv (GQA: H_q % H_kv == 0)
+    head_dim: int
+    hidden_size: int
+    intermediate_size: int          # SwiGLU MLP width
+    vocab_size: int
+    dtype_bytes: int = 2            # bf16 activations and communication
+    activation_checkpointing: bool = True
+    # Policy: a plan on d ranks is admissible only if it keeps this fraction of ideal scaling relative to
+    # the best plan on the smallest degree that fits in memory (see planner/search.py). 0 = pure fastest.
+    min_parallel_efficiency: float = 0.8
+
+    def __post_init__(self):
+        for name in _POSITIVE_FLOATS:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                    or value <= 0:
+                raise ValueError(f"ClusterProfile.{name} must be a positive finite number, got {value!r}")
+        for name in _POSITIVE_INTS:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"ClusterProfile.{name} must be a positive int, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"ClusterProfile.num_kv_heads={self.num_kv_heads} must divide "
+                             f"num_heads={self.num_heads}")
+        if not isinstance(self.activation_checkpointing, bool):
+            raise ValueError(f"ClusterProfile.activation_checkpointing must be a bool, "
+                             f"got {self.activation_checkpointing!r}")
+        eff = self.min_parallel_efficiency
+        if isinstance(eff, bool) or not isinstance(eff, (int, float)) or not 0.0 <= eff <= 1.0:
+            raise ValueError(f"ClusterProfile.min_parallel_efficiency must be in [0, 1], got {eff!r}")
+
+    @classmethod
+    def default(cls) -> "ClusterProfile":
+        """An 8 x H100 SXM node (HGX/DGX H100) training a Qwen2.5-7B-shaped model in bf16.
+
+        Sources (an H200 has the same compute and NVLink, 141 GB and 4.8 TB/s HBM3e):
+        - flops: NVIDIA H100 Tensor Core GPU datasheet, SXM dense BF16 989 TFLOPS (1,979 is with
+          sparsity); we assume 60% of it is reached by the replay's GEMMs and flash attention.
+        - p2p: 4th-gen NVLink, 18 links x 25 GB/s = 450 GB/s per direction (900 GB/s bidirectional per the
+          datasheet); we assume 80% (360 GB/s) for large send/recv.
+        - collectives: all-to-all and all-gather through NVSwitch reach less than a single p2p stream;
+          we assume 250 GB/s per rank (nccl-tests class figure; calibrate() measures the real one).
+        - internode: one 400 Gb/s ConnectX-7 NDR InfiniBand port per GPU in DGX H100 = 50 GB/s; 90% usable.
+        - latency: ~5 us per CUDA kernel launch and ~10 us for a small NCCL step inside a node: 10 us.
+        - memory: 80 GB HBM3, minus a 7.6B model's FSDP-sharded bf16 weights, fp32 grads and Adam states
+          (~16 B/param / 8 ranks ~ 15 GB) and ~15 GB for CUDA context, NCCL buffers and fragmentation.
+        - model: Qwen2.5-7B-Instruct config.json (28 layers, 28 heads, 4 KV heads, hidden 3584,
+          intermediate 18944, vocab 152064; head_dim = 3584 / 28 = 128).
+        """
+        return cls(flops_per_s=0.6 * 989e12, p2p_bytes_per_s=360e9, collective_bytes_per_s=250e9,
+                   internode_bytes_per_s=45e9, launch_latency_s=10e-6, memory_per_rank_bytes=50e9,
+                   ranks_per_node=8, num_layers=28, num_heads=28, num_kv_heads=4, head_dim=128,
+                   hidden_size=3584, intermediate_size=18944, vocab_size=152064)
+
+    def with_model(self, config) -> "ClusterProfile":
+        """This profile with the model shape read from a Hugging Face config (``LlamaConfig``, ``Qwen2Config``...)."""
+        heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        return dataclasses.replace(
+            self, num_layers=config.num_hidden_layers, num_heads=heads,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or heads, head_dim=head_dim,
+            hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
+            vocab_size=config.vocab_size)
+
+    def calibrate(self, group=None, device=None) -> "ClusterProfile":
+        """This profile with compute, bandwidth, latency (and, on CUDA, memory) measured here; see calibrate.py.
+
+        Collective: when ``torch.distributed`` is initialised with more than one rank, every rank of ``group``
+        must call it, and all of them get the same profile back.
+        """
+        from augtree_verl.planner.calibrate import measure_hardware
+
+        return dataclasses.replace(self, **measure_hardware(self, group=group, device=device))
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ClusterProfile":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"ClusterProfile has no field(s) {unknown}")
+        return cls(**d)
+
+    def save(self, path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path) -> "ClusterProfile":
+        return cls.from_dict(json.loads(Path(path).read_text()))
