@@ -92,9 +92,10 @@ def _pack(units: list[list[int]], work: WorkModel, num_bins: int, capacity: int)
 
     Units stay whole where they fit. When all units have one size that divides the capacity (the usual
     GRPO batch: every group has n samples), verl's Karmarkar-Karp partition balances unit workloads
-    with equal unit counts per bin. Otherwise (padding samples, uneven groups): largest work first, each
-    into the least-loaded bin with room; units that fit nowhere are split last, into the bins with the
-    most room first, so they break into as few pieces as possible.
+    with equal unit counts per bin. Otherwise (padding samples, uneven groups): largest units first (they
+    are the hard ones to fit; heavier first among equals), each into the least-loaded bin with room;
+    units that fit nowhere are split last, into the bins with the most room first, so they break into
+    as few pieces as possible.
     """
     unit_work = [work(u) for u in units]
     sizes = {len(u) for u in units}
@@ -105,7 +106,7 @@ def _pack(units: list[list[int]], work: WorkModel, num_bins: int, capacity: int)
     bins: list[list[int]] = [[] for _ in range(num_bins)]
     load = [0] * num_bins
     deferred = []
-    for u in sorted(range(len(units)), key=lambda u: (-unit_work[u], -len(units[u]), u)):
+    for u in sorted(range(len(units)), key=lambda u: (-len(units[u]), -unit_work[u], u)):
         fits = [b for b in range(num_bins) if capacity - len(bins[b]) >= len(units[u])]
         if not fits:
             deferred.append(units[u])
