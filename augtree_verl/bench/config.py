@@ -1,0 +1,49 @@
+"""What one ``augtree bench`` run measures: workloads, budget, group size, CP degree, model, device, repeats."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from augtree_verl.bench.workloads import WORKLOADS
+from augtree_verl.models import DEFAULT_MODEL
+
+# Defaults sized so the full run (4 workloads, every method) takes about 10 minutes on 2 CPU cores, and
+# --quick about 2 (see the README for the measured times).
+DEFAULT_BUDGET = 32_768
+DEFAULT_GROUP_SIZE = 8
+DEFAULT_REPEATS = 3
+QUICK = dict(budget_tokens=8_192, group_size=4, repeats=1, model="qwen2-tiny")
+DEVICES = ("cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    workloads: tuple[str, ...] = WORKLOADS
+    budget_tokens: int = DEFAULT_BUDGET     # logical tokens per group (G·P + ΣR_i), see workloads.py
+    group_size: int = DEFAULT_GROUP_SIZE
+    num_groups: int = 1
+    cp: int = 1
+    model: str = DEFAULT_MODEL
+    device: str = "cpu"
+    repeats: int = DEFAULT_REPEATS
+    seed: int = 0
+
+    def __post_init__(self):
+        for w in self.workloads:
+            if w not in WORKLOADS:
+                raise ValueError(f"unknown workload {w!r}; choose one of {WORKLOADS} or 'all'")
+        if not self.workloads:
+            raise ValueError("no workload given")
+        for name in ("budget_tokens", "group_size", "num_groups", "cp", "repeats"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.device not in DEVICES:
+            raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
+
+    @classmethod
+    def quick(cls, **overrides) -> "BenchConfig":
+        return cls(**{**QUICK, **overrides})
+
+    def with_(self, **changes) -> "BenchConfig":
+        return replace(self, **changes)

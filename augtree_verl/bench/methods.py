@@ -1,0 +1,66 @@
+"""The strategies ``augtree bench`` compares, and the per-tree plans each one runs with.
+
+- MegaN: no prompt reuse, what verl does today. One device: the flattened baseline
+  (``flattened_replay``: each [prompt ‖ response] its own sequence). CP degree d > 1: ring CP over each
+  [prompt ‖ response] (the "ring" primitive, prompt recomputed per response).
+- MegaR: prompt reuse with plain ring CP over the whole group: the prompt and *all* responses in one K/V
+  ring, i.e. TreeMoveKV with one round of one lane (every response in cell (0, 0)). Needs d > 1; on one
+  device it is exactly AugTree.
+- AugTree: the grouped replay; with d > 1 the planner picks primitive, grid and placement per tree.
+- AugTree[<primitive>]: the planner restricted to one split primitive (forced "ring" is MegaN itself).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from augtree_verl.plan import Plan
+from augtree_verl.replay.tree import ReplayTree
+
+SPLIT_PRIMITIVES = ("tree_move_kv", "move_q")
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str
+    flattened: bool = False         # run the flattened baseline instead of ``replay``
+    fixed: str | None = None        # "ring" or "megar": a plan built here, not by the planner
+    force: str | None = None        # planner restricted to this primitive
+
+    def plans(self, trees: Sequence[ReplayTree], degree: int, profile=None) -> list[Plan] | None:
+        """One plan per tree for CP degree ``degree`` (None: single device, no plan)."""
+        if degree == 1 or self.flattened:
+            return None
+        if self.fixed == "ring":
+            return [Plan(degree=degree, primitive="ring") for _ in trees]
+        if self.fixed == "megar":
+            return [Plan(degree=degree, primitive="tree_move_kv", rounds=1, lanes=1,
+                         placement=((0, 0),) * len(t.responses)) for t in trees]
+        from augtree_verl import plan_tree  # the planner (issue 4)
+
+        return [plan_tree(t.prompt_len, t.response_lens, degrees=[degree], profile=profile,
+                          force_primitive=self.force) for t in trees]
+
+
+def methods_for(cp: int) -> list[Method]:
+    """MegaN first (the reference every other method is compared with)."""
+    if cp == 1:
+        return [Method("MegaN", flattened=True), Method("AugTree")]
+    return ([Method("MegaN", fixed="ring"), Method("MegaR", fixed="megar"), Method("AugTree")]
+            + [Method(f"AugTree[{p}]", force=p) for p in SPLIT_PRIMITIVES])
+
+
+def describe_plans(plans: Sequence[Plan] | None, flattened: bool) -> str:
+    """Short text for the table: "flattened", "single", or each distinct plan as primitive(d,b,s)."""
+    if flattened:
+        return "flattened"
+    if plans is None:
+        return "single"
+    seen: list[str] = []
+    for p in plans:
+        text = f"{p.primitive}(d={p.degree})" if p.primitive == "ring" else \
+            f"{p.primitive}(d={p.degree},b={p.rounds},s={p.lanes})"
+        if text not in seen:
+            seen.append(text)
+    return "+".join(seen)

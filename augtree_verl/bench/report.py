@@ -1,0 +1,91 @@
+"""What ``augtree bench`` shows: the results table, the JSON file, the PNG plot."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Sequence
+
+from augtree_verl.bench.runner import MethodResult
+
+JSON_KEYS = ("workload", "method", "step_time_s", "executed_tokens", "logical_tokens", "comm_bytes",
+             "max_grad_rel_err", "plan")
+
+
+def format_table(results: Sequence[MethodResult]) -> str:
+    header = ("workload", "method", "step s", "vs MegaN", "executed/logical tok", "bytes moved", "plan",
+              "max grad err", "")
+    rows = [header]
+    for r in results:
+        rows.append((r.workload, r.method, f"{r.step_time_s:.3f}", f"{r.speedup_vs_megan:.2f}x",
+                     f"{r.executed_tokens:,}/{r.logical_tokens:,}", _bytes(r.comm_bytes), r.plan,
+                     f"{r.max_grad_rel_err:.1e}", "WRONG" if r.wrong else "ok"))
+    widths = [max(len(row[c]) for row in rows) for c in range(len(header))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths).rstrip())
+    return "\n".join(lines)
+
+
+def format_ideal(results: Sequence[MethodResult]) -> str:
+    """Per workload: the ideal FLOP-count speedup of prompt reuse and what AugTree reached of it."""
+    lines = []
+    for workload in dict.fromkeys(r.workload for r in results):
+        rows = {r.method: r for r in results if r.workload == workload}
+        aug = rows.get("AugTree")
+        ideal = next(iter(rows.values())).ideal_speedup
+        reached = f", AugTree reached {aug.speedup_vs_megan / ideal:.0%} of it" if aug else ""
+        lines.append(f"{workload}: ideal FLOP-count speedup of prompt reuse over flattened {ideal:.2f}x{reached}")
+    return "\n".join(lines)
+
+
+def write_json(results: Sequence[MethodResult], path: str | Path, config: dict) -> None:
+    rows = []
+    for r in results:
+        full = r.to_dict()
+        rows.append({**{k: full[k] for k in JSON_KEYS},
+                     **{k: v for k, v in full.items() if k not in JSON_KEYS}})
+    Path(path).write_text(json.dumps({"config": config, "results": rows}, indent=1) + "\n")
+
+
+def write_plot(results: Sequence[MethodResult], path: str | Path, title: str) -> None:
+    """One column per workload: step time per method (top, with speedup vs MegaN) and bytes moved (bottom)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    workloads = list(dict.fromkeys(r.workload for r in results))
+    methods = list(dict.fromkeys(r.method for r in results))
+    colors = {m: f"C{k}" for k, m in enumerate(methods)}
+    fig, axes = plt.subplots(2, len(workloads), figsize=(2.2 + 2.6 * len(workloads), 6.5), squeeze=False)
+    for col, workload in enumerate(workloads):
+        rows = [r for r in results if r.workload == workload]
+        xs = range(len(rows))
+        ax_t, ax_b = axes[0][col], axes[1][col]
+        bars = ax_t.bar(xs, [r.step_time_s for r in rows], color=[colors[r.method] for r in rows])
+        for bar, r in zip(bars, rows):
+            label = "WRONG" if r.wrong else f"{r.speedup_vs_megan:.2f}x"
+            ax_t.annotate(label, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center",
+                          va="bottom", fontsize=7, color="red" if r.wrong else "black")
+        ax_t.set_title(f"{workload} (ideal {rows[0].ideal_speedup:.2f}x)", fontsize=9)
+        ax_b.bar(xs, [r.comm_bytes / 2**20 for r in rows], color=[colors[r.method] for r in rows])
+        if not any(r.comm_bytes for r in rows):
+            ax_b.text(0.5, 0.5, "no communication", ha="center", va="center", transform=ax_b.transAxes, fontsize=8)
+            ax_b.set_yticks([])
+        for ax in (ax_t, ax_b):
+            ax.set_xticks(list(xs), [r.method for r in rows], rotation=35, ha="right", fontsize=7)
+            ax.tick_params(axis="y", labelsize=7)
+            ax.margins(y=0.15)
+    axes[0][0].set_ylabel("update step time (s, median)")
+    axes[1][0].set_ylabel("bytes moved (MiB, all ranks)")
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _bytes(n: int) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} B"

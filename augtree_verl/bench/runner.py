@@ -1,0 +1,183 @@
+"""One benchmark process (a CP rank, or the only process): every method's update step, timed side by side.
+
+Per workload: build the trees, then ``repeats`` rounds in which every method runs one full update step
+(forward + backward of the GRPO loss, gradients zeroed before). Methods are interleaved within a round so
+slow drifts of a shared machine hit them alike; the reported step time is the median over rounds. After
+every step the method's parameter gradients (summed over CP ranks) are compared with the reference: the
+flattened baseline's gradients (MegaN's own first step on one device; with CP, the flattened baseline run
+untimed with the responses split over the ranks and the gradients summed).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from augtree_verl.bench.config import BenchConfig
+from augtree_verl.bench.flops import ModelShape, ideal_speedup
+from augtree_verl.bench.loss import grpo_loss
+from augtree_verl.bench.methods import Method, describe_plans, methods_for
+from augtree_verl.bench.workloads import build_workload
+from augtree_verl.models import load_model, vocab_size
+from augtree_verl.replay import ReplayStats, ReplayTree, replay
+from augtree_verl.replay.baseline import flattened_replay
+
+# float32: every method sums the same terms in another order (prompt adjoints accumulated over micro-batches,
+# attention split over [prompt ; response] or over ranks), so gradients differ by rounding only; 1e-5 of a
+# tensor's largest magnitude is ~100x float32 epsilon and far below any real bug.
+FLOAT32_GRAD_RTOL = 1e-5
+# bf16 (the CUDA path): epsilon 2^-8, so rounding of long sums in another order reaches ~1e-2.
+BF16_GRAD_RTOL = 1e-2
+
+
+@dataclass
+class MethodResult:
+    workload: str
+    method: str
+    step_times_s: list[float]
+    executed_tokens: int
+    logical_tokens: int
+    comm_bytes: int
+    max_grad_rel_err: float
+    plan: str
+    ideal_speedup: float
+    tolerance: float
+    speedup_vs_megan: float | None = None
+    groups: list[dict] = field(default_factory=list)
+
+    @property
+    def step_time_s(self) -> float:
+        return statistics.median(self.step_times_s)
+
+    @property
+    def wrong(self) -> bool:
+        return not self.max_grad_rel_err <= self.tolerance  # NaN is wrong too
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "step_time_s": self.step_time_s, "status": "WRONG" if self.wrong else "ok"}
+
+
+def run_benchmark(cfg: BenchConfig, rank: int = 0, world: int = 1, device: str = "cpu") -> list[MethodResult]:
+    """Run every workload and method; with ``world`` > 1 all ranks call this inside one process group."""
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    tolerance = FLOAT32_GRAD_RTOL if dtype == torch.float32 else BF16_GRAD_RTOL
+    model = load_model(cfg.model, device=device, dtype=dtype, seed=cfg.seed)
+    shape = ModelShape.from_config(model.config)
+    methods = methods_for(world)
+    bar = tqdm(total=len(cfg.workloads) * (cfg.repeats * len(methods) + (world > 1)), disable=rank != 0,
+               desc="augtree bench", unit="step", dynamic_ncols=True)
+    results = []
+    for name in cfg.workloads:
+        workload = build_workload(name, cfg.budget_tokens, cfg.group_size, cfg.num_groups,
+                                  vocab_size=vocab_size(model), seed=cfg.seed)
+        trees = [ReplayTree(t.prompt.to(device), [r.to(device) for r in t.responses]) for t in workload.trees]
+        loss_fn = grpo_loss(trees, cfg.seed)
+        reference = None
+        if world > 1:
+            bar.set_postfix_str(f"{name}: reference")
+            reference = _split_flattened_grads(model, trees, loss_fn, rank, world)
+            bar.update()
+        per_method = {m.name: MethodResult(
+            workload=name, method=m.name, step_times_s=[], executed_tokens=0, logical_tokens=workload.logical_tokens,
+            comm_bytes=0, max_grad_rel_err=0.0, plan="", ideal_speedup=ideal_speedup(shape, workload.groups),
+            tolerance=tolerance, groups=[{"id": g.id, "prompt_len": g.prompt_len,
+                                          "response_lens": list(g.response_lens)} for g in workload.groups],
+        ) for m in methods}
+        plans = {m.name: m.plans(trees, world) for m in methods}
+        for _ in range(cfg.repeats):
+            for m in methods:
+                bar.set_postfix_str(f"{name}: {m.name}")
+                res = per_method[m.name]
+                seconds, stats = _timed_step(model, trees, loss_fn, m, plans[m.name], world)
+                grads = _summed_grads(model, world)
+                if reference is None:  # one device: MegaN's first step is the flattened reference
+                    reference = grads
+                res.step_times_s.append(seconds)
+                err = max_rel_err(grads, reference)
+                res.max_grad_rel_err = err if err != err else max(res.max_grad_rel_err, err)  # keep a NaN
+                res.executed_tokens, res.comm_bytes = _totals(stats, workload.logical_tokens, m, world, device)
+                res.plan = describe_plans(plans[m.name], m.flattened)
+                bar.update()
+        base = per_method[methods[0].name].step_time_s
+        for res in per_method.values():
+            res.speedup_vs_megan = base / res.step_time_s
+            results.append(res)
+    bar.close()
+    return results
+
+
+def _timed_step(model, trees, loss_fn, method: Method, plans, world: int) -> tuple[float, ReplayStats | None]:
+    model.zero_grad(set_to_none=True)
+    _sync(model, world)
+    start = time.perf_counter()
+    stats = None
+    if method.flattened:
+        flattened_replay(model, trees, loss_fn)
+    else:
+        stats = ReplayStats()
+        replay(model, trees, loss_fn, plans=plans, stats=stats)
+    _sync(model, world)
+    return time.perf_counter() - start, stats
+
+
+def _sync(model, world: int) -> None:
+    device = model.get_input_embeddings().weight.device
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    if world > 1:
+        dist.barrier()
+
+
+def _totals(stats: ReplayStats | None, logical: int, method: Method, world: int, device) -> tuple[int, int]:
+    """(executed tokens, bytes sent) summed over ranks. The flattened baseline runs every logical token."""
+    if stats is None:
+        return logical, 0
+    both = torch.tensor([stats.executed_tokens, stats.total_comm_bytes], dtype=torch.int64, device=device)
+    if world > 1:
+        dist.all_reduce(both)
+    return int(both[0]), int(both[1])
+
+
+def _summed_grads(model, world: int) -> dict[str, torch.Tensor]:
+    """Every parameter's gradient (zeros where none), summed over the CP ranks, in float32."""
+    names, flat = [], []
+    for n, p in model.named_parameters():
+        names.append(n)
+        flat.append((p.grad if p.grad is not None else torch.zeros_like(p)).detach().float().reshape(-1))
+    sizes = [f.numel() for f in flat]
+    buf = torch.cat(flat)
+    if world > 1:
+        dist.all_reduce(buf)
+    shapes = [p.shape for _, p in model.named_parameters()]
+    return {n: t.view(s) for n, t, s in zip(names, buf.split(sizes), shapes)}
+
+
+def _split_flattened_grads(model, trees, loss_fn, rank: int, world: int) -> dict[str, torch.Tensor]:
+    """The flattened baseline's gradients with the responses dealt round-robin over the ranks, summed.
+
+    The loss is a sum over responses, so the shares add up to the full flattened gradient exactly
+    (up to the order of the final sum)."""
+    model.zero_grad(set_to_none=True)
+    flat = [(t, i) for t, tree in enumerate(trees) for i in range(len(tree.responses))]
+    for t, i in flat[rank::world]:
+        one = ReplayTree(trees[t].prompt, [trees[t].responses[i]])
+        flattened_replay(model, [one], lambda _t, _i, logp, t=t, i=i: loss_fn(t, i, logp))
+    return _summed_grads(model, world)
+
+
+def max_rel_err(grads: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> float:
+    """max over parameters of max|g - g0| / max|g0| (a parameter whose reference is all zero: max|g|)."""
+    worst = 0.0
+    for n, g0 in reference.items():
+        diff = (grads[n] - g0).abs().max().item()
+        scale = g0.abs().max().item()
+        err = diff / scale if scale > 0 else diff
+        if err != err:  # NaN
+            return float("nan")
+        worst = max(worst, err)
+    return worst

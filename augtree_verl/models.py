@@ -1,0 +1,58 @@
+"""Models for the benchmark: built-in small configs by name (random weights, seeded, no download) or a local
+Hugging Face checkpoint directory.
+
+Built-in shapes are Qwen2 (GQA, the family the workloads were tokenized for) scaled down so a CPU can run a
+full update step on real long-context lengths. The vocabulary is cut to ``BENCH_VOCAB_SIZE``: token ids are
+random, and with the LM head scored only at response positions (both schedules) a full 151k vocabulary would
+only add the same per-response-token cost to every method.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+BENCH_VOCAB_SIZE = 8192
+_COMMON = dict(vocab_size=BENCH_VOCAB_SIZE, max_position_embeddings=65_536, rope_theta=1_000_000.0,
+               tie_word_embeddings=False)
+BUILTIN_MODELS = {
+    # name: (config class, model class, shape)
+    "qwen2-tiny": (Qwen2Config, Qwen2ForCausalLM, dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+                                                       num_attention_heads=4, num_key_value_heads=2)),
+    "qwen2-small": (Qwen2Config, Qwen2ForCausalLM, dict(hidden_size=128, intermediate_size=352, num_hidden_layers=4,
+                                                        num_attention_heads=4, num_key_value_heads=2)),
+    "qwen2-base": (Qwen2Config, Qwen2ForCausalLM, dict(hidden_size=256, intermediate_size=704, num_hidden_layers=8,
+                                                       num_attention_heads=8, num_key_value_heads=2)),
+    "llama-small": (LlamaConfig, LlamaForCausalLM, dict(hidden_size=128, intermediate_size=352, num_hidden_layers=4,
+                                                        num_attention_heads=4, num_key_value_heads=4)),
+}
+DEFAULT_MODEL = "qwen2-small"
+
+
+def attn_implementation(device: str) -> str:
+    """HF attention backend for the flattened baseline: flash-attn on CUDA, SDPA on CPU."""
+    return "flash_attention_2" if device.startswith("cuda") else "sdpa"
+
+
+def load_model(name_or_path: str, *, device: str = "cpu", dtype: torch.dtype = torch.float32, seed: int = 0):
+    """A causal LM in train mode: built-in ``name_or_path`` (random weights from ``seed``) or a local HF checkpoint."""
+    attn = attn_implementation(device)
+    if name_or_path in BUILTIN_MODELS:
+        config_cls, model_cls, shape = BUILTIN_MODELS[name_or_path]
+        config = config_cls(**_COMMON, **shape, attn_implementation=attn)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = model_cls(config)
+    elif Path(name_or_path).is_dir():
+        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype, attn_implementation=attn,
+                                                     local_files_only=True)
+    else:
+        raise ValueError(f"--model {name_or_path!r} is neither a built-in model ({', '.join(BUILTIN_MODELS)}) "
+                         "nor a local Hugging Face checkpoint directory")
+    return model.to(device=device, dtype=dtype).train()
+
+
+def vocab_size(model) -> int:
+    return model.get_input_embeddings().num_embeddings

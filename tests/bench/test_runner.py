@@ -1,0 +1,77 @@
+"""The benchmark run in-process on one device (real model, real engine), and what it writes."""
+
+import json
+import math
+
+import pytest
+
+from augtree_verl.bench.config import BenchConfig
+from augtree_verl.bench.report import JSON_KEYS, format_ideal, format_table, write_json, write_plot
+from augtree_verl.bench.runner import FLOAT32_GRAD_RTOL, MethodResult, max_rel_err, run_benchmark
+
+import torch
+
+
+@pytest.fixture(scope="module")
+def results():
+    cfg = BenchConfig(workloads=("rag", "chat"), budget_tokens=600, group_size=3, model="qwen2-tiny", repeats=2)
+    return run_benchmark(cfg)
+
+
+def test_every_method_runs_every_workload_and_matches_the_baseline(results):
+    assert [(r.workload, r.method) for r in results] == [
+        ("rag", "MegaN"), ("rag", "AugTree"), ("chat", "MegaN"), ("chat", "AugTree")]
+    for r in results:
+        assert len(r.step_times_s) == 2 and r.step_time_s > 0
+        assert r.max_grad_rel_err <= FLOAT32_GRAD_RTOL and not r.wrong
+        assert r.comm_bytes == 0
+    megan, aug = results[0], results[1]
+    assert megan.plan == "flattened" and aug.plan == "single"
+    assert megan.speedup_vs_megan == 1.0
+    # rag is prompt-heavy: the grouped replay runs the prompt once (3 branches -> about a third of the tokens).
+    assert megan.executed_tokens == megan.logical_tokens
+    assert aug.executed_tokens < 0.5 * aug.logical_tokens
+    assert results[0].ideal_speedup > 2.5
+
+
+def test_json_has_the_documented_keys(results, tmp_path):
+    path = tmp_path / "r.json"
+    write_json(results, path, config={"model": "qwen2-tiny"})
+    data = json.loads(path.read_text())
+    assert data["config"] == {"model": "qwen2-tiny"}
+    assert len(data["results"]) == 4
+    for row, r in zip(data["results"], results):
+        assert list(row)[: len(JSON_KEYS)] == list(JSON_KEYS)
+        assert (row["workload"], row["method"], row["plan"]) == (r.workload, r.method, r.plan)
+        assert row["step_time_s"] == r.step_time_s and row["status"] == "ok"
+
+
+def test_plot_is_a_png(results, tmp_path):
+    path = tmp_path / "r.png"
+    write_plot(results, path, title="test")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
+
+
+def test_table_and_ideal_lines(results):
+    table = format_table(results)
+    assert table.count("\n") == 5 and "flattened" in table and "WRONG" not in table
+    assert format_ideal(results).splitlines()[0].startswith("rag: ideal FLOP-count speedup")
+
+
+def test_max_rel_err_is_relative_per_parameter_and_keeps_nan():
+    ref = {"a": torch.tensor([10.0, -20.0]), "b": torch.tensor([0.001, 0.0])}
+    assert max_rel_err({"a": torch.tensor([10.0, -20.2]), "b": torch.tensor([0.001, 0.0])}, ref) == \
+        pytest.approx(0.01, rel=1e-4)
+    # A small tensor is judged against its own scale, not the largest parameter's.
+    assert max_rel_err({"a": ref["a"], "b": torch.tensor([0.002, 0.0])}, ref) == pytest.approx(1.0)
+    assert math.isnan(max_rel_err({"a": torch.tensor([float("nan"), 0.0]), "b": ref["b"]}, ref))
+
+
+def test_a_method_beyond_tolerance_is_wrong():
+    def result(err):
+        return MethodResult(workload="rag", method="AugTree", step_times_s=[1.0], executed_tokens=1,
+                            logical_tokens=1, comm_bytes=0, max_grad_rel_err=err, plan="single",
+                            ideal_speedup=1.0, tolerance=FLOAT32_GRAD_RTOL, speedup_vs_megan=1.0)
+    assert not result(FLOAT32_GRAD_RTOL).wrong
+    assert result(2 * FLOAT32_GRAD_RTOL).wrong and result(float("nan")).wrong
+    assert "WRONG" in format_table([result(1.0)])
