@@ -1,0 +1,92 @@
+import dataclasses
+import socket
+import time
+
+import pytest
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from transformers import Qwen2Config
+
+from augtree_verl.planner import ClusterProfile
+
+CALIBRATE_SECONDS = 20      # "in seconds" on a shared 2-core CPU, with generous slack
+COMM_FIELDS = ("p2p_bytes_per_s", "collective_bytes_per_s")
+
+
+def test_default_is_an_h100_node_with_a_qwen7b_shape():
+    p = ClusterProfile.default()
+    assert p.ranks_per_node == 8 and p.num_layers == 28 and p.num_kv_heads == 4 and p.head_dim == 128
+    assert 300e12 < p.flops_per_s < 989e12
+
+
+@pytest.mark.parametrize("field, value", [
+    ("flops_per_s", 0), ("p2p_bytes_per_s", -1.0), ("launch_latency_s", float("nan")),
+    ("memory_per_rank_bytes", float("inf")), ("num_layers", 0), ("head_dim", 2.0), ("ranks_per_node", True),
+    ("num_kv_heads", 3), ("min_parallel_efficiency", 1.5), ("activation_checkpointing", 1),
+])
+def test_validation_names_the_field(field, value):
+    with pytest.raises(ValueError, match=f"ClusterProfile.{field}"):
+        dataclasses.replace(ClusterProfile.default(), **{field: value})
+
+
+def test_save_load_roundtrip(tmp_path):
+    p = dataclasses.replace(ClusterProfile.default(), flops_per_s=1.25e14, activation_checkpointing=False)
+    p.save(tmp_path / "profile.json")
+    assert ClusterProfile.load(tmp_path / "profile.json") == p
+
+
+def test_from_dict_rejects_unknown_fields():
+    d = ClusterProfile.default().to_dict() | {"nvlink_gen": 4}
+    with pytest.raises(ValueError, match=r"no field\(s\) \['nvlink_gen'\]"):
+        ClusterProfile.from_dict(d)
+
+
+def test_with_model_reads_a_hugging_face_config():
+    cfg = Qwen2Config(hidden_size=256, num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=2,
+                      intermediate_size=512, vocab_size=1000)
+    p = ClusterProfile.default().with_model(cfg)
+    assert (p.num_layers, p.num_heads, p.num_kv_heads, p.head_dim, p.hidden_size, p.intermediate_size,
+            p.vocab_size) == (3, 8, 2, 32, 256, 512, 1000)
+
+
+@pytest.mark.timeout(60)
+def test_calibrate_without_process_group_measures_compute_and_keeps_comm():
+    base = ClusterProfile.default()
+    start = time.perf_counter()
+    p = base.calibrate()
+    assert time.perf_counter() - start < CALIBRATE_SECONDS
+    assert p.flops_per_s != base.flops_per_s and p.launch_latency_s != base.launch_latency_s
+    assert 1e8 < p.flops_per_s < 1e13 and 0 < p.launch_latency_s < 1e-2
+    assert all(getattr(p, f) == getattr(base, f) for f in COMM_FIELDS + ("memory_per_rank_bytes",))
+    assert p.num_layers == base.num_layers
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _calibrate_worker(rank, world, port, results):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        start = time.perf_counter()
+        profile = ClusterProfile.default().calibrate()
+        results[rank] = (profile.to_dict(), time.perf_counter() - start)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+def test_calibrate_on_gloo_agrees_across_ranks():
+    world = 2
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(_calibrate_worker, args=(world, _free_port(), results), nprocs=world, join=True)
+        results = dict(results)
+    (p0, t0), (p1, t1) = results[0], results[1]
+    assert p0 == p1
+    assert max(t0, t1) < CALIBRATE_SECONDS
+    base = ClusterProfile.default()
+    for f in COMM_FIELDS:
+        assert p0[f] != getattr(base, f) and 1e6 < p0[f] < 1e12
