@@ -10,6 +10,7 @@ untimed with the responses split over the ranks and the gradients summed).
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -19,13 +20,14 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from augtree_verl.bench.config import BenchConfig
-from augtree_verl.bench.flops import ModelShape, ideal_speedup
 from augtree_verl.bench.loss import grpo_loss
 from augtree_verl.bench.methods import Method, describe_plans, methods_for
-from augtree_verl.bench.workloads import build_workload
+from augtree_verl.bench.workloads import Workload, build_workload
+from augtree_verl.planner import ClusterProfile
 from augtree_verl.models import load_model, vocab_size
 from augtree_verl.replay import ReplayStats, ReplayTree, replay
 from augtree_verl.replay.baseline import flattened_replay
+from augtree_verl.replay.flops import step_flops
 
 # float32: every method sums the same terms in another order (prompt adjoints accumulated over micro-batches,
 # attention split over [prompt ; response] or over ranks), so gradients differ by rounding only; 1e-5 of a
@@ -65,50 +67,72 @@ class MethodResult:
 def run_benchmark(cfg: BenchConfig, rank: int = 0, world: int = 1, device: str = "cpu") -> list[MethodResult]:
     """Run every workload and method; with ``world`` > 1 all ranks call this inside one process group."""
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
-    tolerance = FLOAT32_GRAD_RTOL if dtype == torch.float32 else BF16_GRAD_RTOL
     model = load_model(cfg.model, device=device, dtype=dtype, seed=cfg.seed)
-    shape = ModelShape.from_config(model.config)
     methods = methods_for(world)
+    # The planner's cost model, measured on this machine and process group (collective: every rank calls it).
+    profile = None
+    if world > 1:
+        profile = dataclasses.replace(ClusterProfile.default().with_model(model.config), activation_checkpointing=False,
+                                      dtype_bytes=dtype.itemsize).calibrate(device=device)
     bar = tqdm(total=len(cfg.workloads) * (cfg.repeats * len(methods) + (world > 1)), disable=rank != 0,
                desc="augtree bench", unit="step", dynamic_ncols=True)
+    _warm_up(model, methods, world, profile, device)
     results = []
     for name in cfg.workloads:
         workload = build_workload(name, cfg.budget_tokens, cfg.group_size, cfg.num_groups,
                                   vocab_size=vocab_size(model), seed=cfg.seed)
-        trees = [ReplayTree(t.prompt.to(device), [r.to(device) for r in t.responses]) for t in workload.trees]
-        loss_fn = grpo_loss(trees, cfg.seed)
-        reference = None
-        if world > 1:
-            bar.set_postfix_str(f"{name}: reference")
-            reference = _split_flattened_grads(model, trees, loss_fn, rank, world)
-            bar.update()
-        per_method = {m.name: MethodResult(
-            workload=name, method=m.name, step_times_s=[], executed_tokens=0, logical_tokens=workload.logical_tokens,
-            comm_bytes=0, max_grad_rel_err=0.0, plan="", ideal_speedup=ideal_speedup(shape, workload.groups),
-            tolerance=tolerance, groups=[{"id": g.id, "prompt_len": g.prompt_len,
-                                          "response_lens": list(g.response_lens)} for g in workload.groups],
-        ) for m in methods}
-        plans = {m.name: m.plans(trees, world) for m in methods}
-        for _ in range(cfg.repeats):
-            for m in methods:
-                bar.set_postfix_str(f"{name}: {m.name}")
-                res = per_method[m.name]
-                seconds, stats = _timed_step(model, trees, loss_fn, m, plans[m.name], world)
-                grads = _summed_grads(model, world)
-                if reference is None:  # one device: MegaN's first step is the flattened reference
-                    reference = grads
-                res.step_times_s.append(seconds)
-                err = max_rel_err(grads, reference)
-                res.max_grad_rel_err = err if err != err else max(res.max_grad_rel_err, err)  # keep a NaN
-                res.executed_tokens, res.comm_bytes = _totals(stats, workload.logical_tokens, m, world, device)
-                res.plan = describe_plans(plans[m.name], m.flattened)
-                bar.update()
-        base = per_method[methods[0].name].step_time_s
-        for res in per_method.values():
-            res.speedup_vs_megan = base / res.step_time_s
-            results.append(res)
+        results += _run_workload(model, workload, methods, cfg.repeats, cfg.seed, rank, world, profile, bar,
+                                 FLOAT32_GRAD_RTOL if dtype == torch.float32 else BF16_GRAD_RTOL)
     bar.close()
     return results
+
+
+def _run_workload(model, workload: Workload, methods: list[Method], repeats: int, seed: int, rank: int,
+                  world: int, profile, bar, tolerance: float) -> list[MethodResult]:
+    device = model.get_input_embeddings().weight.device
+    trees = [ReplayTree(t.prompt.to(device), [r.to(device) for r in t.responses]) for t in workload.trees]
+    loss_fn = grpo_loss(trees, seed)
+    reference = None
+    if world > 1:
+        bar.set_postfix_str(f"{workload.name}: flattened reference")
+        reference = _split_flattened_grads(model, trees, loss_fn, rank, world)
+        bar.update()
+    plans = {m.name: m.plans(trees, world, profile) for m in methods}
+    results = {m.name: MethodResult(
+        workload=workload.name, method=m.name, step_times_s=[], executed_tokens=0,
+        logical_tokens=workload.logical_tokens, comm_bytes=0, max_grad_rel_err=0.0,
+        plan=describe_plans(plans[m.name], m.flattened), ideal_speedup=ideal_speedup(model.config, workload.groups),
+        tolerance=tolerance,
+        groups=[{"id": g.id, "prompt_len": g.prompt_len, "response_lens": list(g.response_lens)}
+                for g in workload.groups],
+    ) for m in methods}
+    for _ in range(repeats):
+        for m in methods:
+            bar.set_postfix_str(f"{workload.name}: {m.name}")
+            res = results[m.name]
+            seconds, stats = _timed_step(model, trees, loss_fn, m, plans[m.name], world)
+            grads = _summed_grads(model, world)
+            if reference is None:  # one device: MegaN's first step is the flattened reference
+                reference = grads
+            res.step_times_s.append(seconds)
+            res.max_grad_rel_err = _worse(res.max_grad_rel_err, max_rel_err(grads, reference))
+            res.executed_tokens, res.comm_bytes = _totals(stats, workload.logical_tokens, world, device)
+            bar.update()
+    base = results[methods[0].name].step_time_s
+    for res in results.values():
+        res.speedup_vs_megan = base / res.step_time_s
+    return list(results.values())
+
+
+def _warm_up(model, methods: list[Method], world: int, profile, device) -> None:
+    """One untimed step per method on a small tree: first-call allocations, kernel choice, comm setup."""
+    gen = torch.Generator().manual_seed(0)
+    ids = lambda n: torch.randint(0, vocab_size(model), (n,), generator=gen).to(device)
+    trees = [ReplayTree(ids(64), [ids(16), ids(24)])]
+    loss_fn = grpo_loss(trees, 0)
+    for m in methods:
+        _timed_step(model, trees, loss_fn, m, m.plans(trees, world, profile), world)
+    model.zero_grad(set_to_none=True)
 
 
 def _timed_step(model, trees, loss_fn, method: Method, plans, world: int) -> tuple[float, ReplayStats | None]:
@@ -133,7 +157,7 @@ def _sync(model, world: int) -> None:
         dist.barrier()
 
 
-def _totals(stats: ReplayStats | None, logical: int, method: Method, world: int, device) -> tuple[int, int]:
+def _totals(stats: ReplayStats | None, logical: int, world: int, device) -> tuple[int, int]:
     """(executed tokens, bytes sent) summed over ranks. The flattened baseline runs every logical token."""
     if stats is None:
         return logical, 0
@@ -170,6 +194,11 @@ def _split_flattened_grads(model, trees, loss_fn, rank: int, world: int) -> dict
     return _summed_grads(model, world)
 
 
+def _worse(a: float, b: float) -> float:
+    """The larger error, NaN winning."""
+    return a if a != a else b if b != b else max(a, b)
+
+
 def max_rel_err(grads: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> float:
     """max over parameters of max|g - g0| / max|g0| (a parameter whose reference is all zero: max|g|)."""
     worst = 0.0
@@ -181,3 +210,10 @@ def max_rel_err(grads: dict[str, torch.Tensor], reference: dict[str, torch.Tenso
             return float("nan")
         worst = max(worst, err)
     return worst
+
+
+def ideal_speedup(config, groups) -> float:
+    """Flattened over prompt-reuse training FLOPs for one step over ``groups`` (replay/flops.py's count)."""
+    flat = sum(step_flops(config, g.prompt_len, list(g.response_lens), reuse=False) for g in groups)
+    reuse = sum(step_flops(config, g.prompt_len, list(g.response_lens), reuse=True) for g in groups)
+    return flat / reuse
