@@ -51,6 +51,7 @@ class AugTreeSyncTrainer(PPOTrainerSync):
     def __init__(self, config):
         super().__init__(config)
         self.planner = None
+        self.planner_actor = None
         self._plan_round = itertools.count()
 
     def init(self):
@@ -69,7 +70,8 @@ class AugTreeSyncTrainer(PPOTrainerSync):
         from augtree_verl.planner.service import PlannerClient, start_planner_service
 
         degrees = tuple(engine_config.cp_degrees)
-        start_planner_service(engine_config.planner_name, degrees=degrees)
+        # Keep the handle: Ray destroys a non-detached named actor once its creator's handles are gone.
+        self.planner_actor = start_planner_service(engine_config.planner_name, degrees=degrees)
         return PlannerClient(engine_config.planner_name, degrees=degrees,
                              timeout_s=engine_config.planner_timeout_s)
 
@@ -123,7 +125,8 @@ class AugTreeSyncTrainer(PPOTrainerSync):
         if self.planner is not None:
             plans = self.planner.fetch(plan_round, [t.tree_id for t in trees])
             entries = plan_entries(trees, plans, len(uids))
-            metrics.update({f"augtree/planner/{k}": v for k, v in self.planner.metrics().items()})
+            # The client's counters since the last step ("planner/fallbacks", "planner/plans_move_q", ...).
+            metrics.update({f"augtree/{k}": v for k, v in self.planner.metrics(reset=True).items()})
 
         order = [i for rank in ranks for i in rank]
         batch.reorder(order)
