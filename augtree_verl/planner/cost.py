@@ -66,62 +66,57 @@ class CostModel:
         self.logit_bytes_per_token = LOGIT_BYTES_PER_ENTRY * V
         self.exchange_layers_kept = 1 if p.activation_checkpointing else L
 
-    # ---- building blocks -------------------------------------------------------------------------
-    def _bandwidth(self, ranks: int, collective: bool) -> float:
+    # ---- building blocks (``ranks`` may be an int or an int array broadcasting against the tokens) ----
+    def _bandwidth(self, ranks, collective: bool):
         p = self.profile
-        if ranks > p.ranks_per_node:
-            return p.internode_bytes_per_s
-        return p.collective_bytes_per_s if collective else p.p2p_bytes_per_s
+        intra = p.collective_bytes_per_s if collective else p.p2p_bytes_per_s
+        return np.where(ranks > p.ranks_per_node, p.internode_bytes_per_s, intra)
 
     def pass_time(self, forward_flops_per_rank):
         """Seconds of one forward+backward pass doing ``forward_flops_per_rank`` forward FLOPs on a rank."""
         return np.maximum(self.train_factor * forward_flops_per_rank / self.profile.flops_per_s,
                           self.pass_floor_s)
 
-    def ring_comm(self, kv_tokens, ranks: int):
+    def ring_comm(self, kv_tokens, ranks):
         """Seconds a rank spends rotating ``kv_tokens`` tokens' K/V around a ring of ``ranks`` (fwd+bwd)."""
-        if ranks == 1:
-            return np.zeros_like(np.asarray(kv_tokens, dtype=np.float64))
         per_rank = (ranks - 1) / ranks * kv_tokens * self.kv_bytes / self._bandwidth(ranks, False)
         steps = self.profile.num_layers * (ranks - 1) * self.profile.launch_latency_s
         return self.ring_transfers * (per_rank + steps)
 
-    def moveq_comm(self, queries, owners: int):
-        """Seconds a rank spends sending ``queries`` queries to ``owners`` prompt owners and merging states."""
-        if owners == 1:
-            return np.zeros_like(np.asarray(queries, dtype=np.float64))
-        per_rank = (owners - 1) / owners * queries * self.query_state_bytes / self._bandwidth(owners, True)
-        steps = 2 * self.profile.num_layers * math.ceil(math.log2(owners)) * self.profile.launch_latency_s
-        return self.moveq_exchanges * (per_rank + steps)
-
-    def prefill(self, P: int, ranks: int) -> tuple[float, float]:
+    def prefill(self, P: int, ranks):
         """(compute s, comm s) of the prompt's forward + delayed backward sharded over a ring of ``ranks``."""
         flops = (self.lin_flops * P + self.attn_flops * P * P / 2) / ranks
-        return float(self.pass_time(flops)), float(self.ring_comm(P, ranks))
+        return self.pass_time(flops), self.ring_comm(P, ranks)
 
-    # ---- per-primitive times ---------------------------------------------------------------------
-    def ring_sequences(self, P: int, R: np.ndarray, d: int) -> tuple[np.ndarray, np.ndarray]:
+    # ---- per-primitive times: [K, G] arrays for ranks [K, 1] and response lengths R [G] ------------
+    def ring_sequences(self, P: int, R, d):
         """RingCP: (compute s, comm s) per response of [P || R_i] sharded over d ranks, prompt recomputed."""
         seq = P + R
         flops = (self.lin_flops * seq + self.head_flops * R + self.attn_flops * seq * seq / 2) / d
         return self.pass_time(flops), self.ring_comm(seq, d)
 
-    def tree_responses(self, P: int, R: np.ndarray, m: int) -> tuple[np.ndarray, np.ndarray]:
+    def tree_responses(self, P: int, R, m):
         """TreeMoveKV: (compute s, comm s) per response replayed in a lane of m ranks (prompt + own K/V ring)."""
         flops = ((self.lin_flops + self.head_flops) * R + self.attn_flops * (R * P + R * R / 2)) / m
         return self.pass_time(flops), self.ring_comm(P + R, m)
 
-    def moveq_lane(self, R: np.ndarray, m: int) -> tuple[np.ndarray, np.ndarray]:
+    def moveq_lane(self, R, m):
         """MoveQ, lane-local part: (compute s, comm s) of response R's projections, MLP, head and causal
         self-attention sharded over its lane's m ranks (its own K/V ring)."""
         flops = ((self.lin_flops + self.head_flops) * R + self.attn_flops * R * R / 2) / m
         return self.pass_time(flops), self.ring_comm(R, m)
 
-    def moveq_round_shared(self, P: int, round_queries: np.ndarray, d: int) -> tuple[np.ndarray, np.ndarray]:
-        """MoveQ, per round: (compute s, comm s) of every owner scoring the round's queries against its P/d
-        prompt keys, and of moving queries and partial states."""
-        compute = self.train_factor * self.attn_flops * round_queries * P / d / self.profile.flops_per_s
-        return compute, self.moveq_comm(round_queries, d)
+    def moveq_owners(self, P: int, queries: float, rounds: int, d: int) -> tuple[float, float]:
+        """MoveQ, all rounds together: (compute s, comm s) of every owner scoring ``queries`` queries against
+        its P/d prompt keys, and of moving queries and partial states (two collectives per layer per round)."""
+        compute = self.train_factor * self.attn_flops * queries * P / d / self.profile.flops_per_s
+        if d == 1:
+            return compute, 0.0
+        p = self.profile
+        bandwidth = p.internode_bytes_per_s if d > p.ranks_per_node else p.collective_bytes_per_s
+        per_rank = (d - 1) / d * queries * self.query_state_bytes / bandwidth
+        steps = rounds * 2 * self.profile.num_layers * math.ceil(math.log2(d)) * self.profile.launch_latency_s
+        return compute, self.moveq_exchanges * (per_rank + steps)
 
     # ---- per-primitive memory (bytes per rank) ---------------------------------------------------
     def _ring_buffer(self, kv_tokens_per_rank: float) -> float:

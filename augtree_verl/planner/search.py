@@ -139,95 +139,121 @@ def _node_aligned(ranks: int, ranks_per_node: int) -> bool:
 
 
 class _Search:
-    """Candidate enumeration, bounds and exact times for one tree; caches per group size."""
+    """Candidate enumeration, bounds and exact times for one tree.
+
+    Per-response costs are computed once for every group size k the candidates need, as [K, G] arrays
+    (K sizes x G responses); a candidate then costs a few scalar operations.
+    """
 
     def __init__(self, cost: CostModel, P: int, R: np.ndarray):
         self.cost, self.P, self.R = cost, P, R
         self.G = R.shape[0]
         self.R_max, self.R_sum = float(R.max()), float(R.sum())
         self.by_length = np.argsort(-R, kind="stable")          # longest first
-        self.prefix_sorted = np.concatenate(([0.0], np.cumsum(R[self.by_length])))
-        self._prefill: dict[int, tuple[float, float]] = {}
-        self._tree: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         self._labels: dict[tuple[int, int], np.ndarray] = {}
-
-    # ---- cached pieces ---------------------------------------------------------------------------
-    def prefill(self, ranks: int) -> tuple[float, float]:
-        if ranks not in self._prefill:
-            self._prefill[ranks] = self.cost.prefill(self.P, ranks)
-        return self._prefill[ranks]
-
-    def tree_loads(self, m: int):
-        """(compute [G], comm [G], load = compute + comm [G]) of each response in a lane of m ranks."""
-        if m not in self._tree:
-            compute, comm = self.cost.tree_responses(self.P, self.R, m)
-            self._tree[m] = (compute, comm, compute + comm)
-        return self._tree[m]
-
-    def lanes_of(self, lanes: int, m: int) -> np.ndarray:
-        if (lanes, m) not in self._labels:
-            self._labels[(lanes, m)] = balanced_lanes(self.tree_loads(m)[2], lanes)
-        return self._labels[(lanes, m)]
 
     # ---- enumeration -----------------------------------------------------------------------------
     def candidates(self, degrees, force_primitive) -> list[_Candidate]:
         rpn = self.cost.profile.ranks_per_node
         allowed = PRIMITIVES if force_primitive is None else (force_primitive,)
-        out = []
+        grid = []                                                # (d, [s...]) that obey topology
         for d in degrees:
-            if not _node_aligned(d, rpn):
-                continue
+            if _node_aligned(d, rpn):
+                grid.append((d, [s for s in range(1, min(d, self.G) + 1)
+                                 if d % s == 0 and _node_aligned(d // s, rpn)]))
+        if not grid:
+            return []
+        self._tabulate(sorted({d for d, _ in grid} | {d // s for d, lanes in grid for s in lanes}), grid, allowed)
+        out = []
+        for d, lanes in grid:
             if "ring" in allowed:
                 out.append(self._ring(d))
-            for s in range(1, min(d, self.G) + 1):
-                if d % s or not _node_aligned(d // s, rpn):
-                    continue
+            for s in lanes:
                 if "tree_move_kv" in allowed:
                     out.append(self._tree_move_kv(d, s))
                 if "move_q" in allowed:
                     out.append(self._move_q(d, s))
         return out
 
+    def _tabulate(self, sizes: list[int], grid, allowed) -> None:
+        """Per group size k: prefill, ring, TreeMoveKV and MoveQ-lane costs of every response."""
+        cost, P, R = self.cost, self.P, self.R
+        self.row = {k: i for i, k in enumerate(sizes)}
+        k = np.array(sizes, dtype=np.float64)
+        pre_compute, pre_comm = cost.prefill(P, k)
+        self.pre = list(zip(pre_compute.tolist(), pre_comm.tolist()))
+        k = k[:, None]
+        if "ring" in allowed:
+            compute, comm = cost.ring_sequences(P, R, k)
+            self.ring = list(zip(compute.sum(1).tolist(), comm.sum(1).tolist()))
+        if "tree_move_kv" in allowed:
+            self.tree_compute, self.tree_comm = cost.tree_responses(P, R, k)
+            self.tree_load = self.tree_compute + self.tree_comm
+            desc = -np.sort(-self.tree_load, axis=1)
+            self.tree_desc = desc.tolist()                       # loads, largest first, per size
+            self.tree_sum = desc.sum(1).tolist()
+            heaviest = self.tree_load.argmax(1)[:, None]
+            self.tree_one_lane = list(zip(self.tree_compute.sum(1).tolist(), self.tree_comm.sum(1).tolist()))
+            self.tree_heaviest = list(zip(np.take_along_axis(self.tree_compute, heaviest, 1)[:, 0].tolist(),
+                                          np.take_along_axis(self.tree_comm, heaviest, 1)[:, 0].tolist()))
+        if "move_q" in allowed:
+            compute, comm = cost.moveq_lane(R[self.by_length], k)
+            lane_counts = {s for _, lanes in grid for s in lanes}
+            # Per lane count s and size m: the rounds' slowest lanes (every s-th response by length).
+            self.moveq_rounds = {s: list(zip(compute[:, ::s].sum(1).tolist(), comm[:, ::s].sum(1).tolist()))
+                                 for s in lane_counts}
+
     def _ring(self, d: int) -> _Candidate:
-        compute, comm = self.cost.ring_sequences(self.P, self.R, d)
-        parts = (0.0, float(compute.sum()), float(comm.sum()))
+        compute, comm = self.ring[self.row[d]]
+        parts = (0.0, compute, comm)
         memory = self.cost.ring_memory(self.P, self.R_max, self.R_sum, d)
         return _Candidate(d, "ring", 1, memory, sum(parts), parts)
 
     def _tree_move_kv(self, d: int, s: int) -> _Candidate:
         m = d // s
-        pre_compute, pre_comm = self.prefill(m)
-        load = self.tree_loads(m)[2]
-        bound = pre_compute + pre_comm + max(float(load.max()), float(load.sum()) / s)
+        row = self.row[m]
+        desc = self.tree_desc[row]
+        # Some lane holds the largest response; if G > s some lane holds two of the s+1 largest.
+        lane_bound = max(desc[0], self.tree_sum[row] / s, desc[s - 1] + desc[s] if self.G > s else 0.0)
+        bound = sum(self.pre[row]) + lane_bound
         memory = self.cost.tree_memory(self.P, self.R_max, self.R_sum, m)
         cand = _Candidate(d, "tree_move_kv", s, memory, bound)
         if s in (1, self.G):                   # one lane holds all, or one response per lane: no search
-            self.exact(cand)
+            compute, comm = self.tree_one_lane[row] if s == 1 else self.tree_heaviest[row]
+            pre_compute, pre_comm = self.pre[row]
+            cand.parts = (pre_compute, compute, pre_comm + comm)
+            cand.bound = sum(cand.parts)
         return cand
 
     def _move_q(self, d: int, s: int) -> _Candidate:
         m = d // s
-        pre_compute, pre_comm = self.prefill(d)
+        row = self.row[m]
+        rounds = -(-self.G // s)
         # Round r holds the r-th block of s responses in length order; its slowest lane is its first.
-        firsts = self.R[self.by_length[::s]]
-        lane_compute, lane_comm = self.cost.moveq_lane(firsts, m)
-        round_queries = np.diff(self.prefix_sorted[::s] if self.G % s == 0 else
-                                np.append(self.prefix_sorted[::s], self.prefix_sorted[-1]))
-        shared_compute, shared_comm = self.cost.moveq_round_shared(self.P, round_queries, d)
-        parts = (pre_compute, float(lane_compute.sum() + shared_compute.sum()),
-                 pre_comm + float(lane_comm.sum() + shared_comm.sum()))
-        memory = self.cost.moveq_memory(self.P, self.R_max, self.R_sum, float(round_queries[0]), d, m)
+        lane_compute, lane_comm = self.moveq_rounds[s][row]
+        owner_compute, owner_comm = self.cost.moveq_owners(self.P, self.R_sum, rounds, d)
+        pre_compute, pre_comm = self.pre[self.row[d]]
+        parts = (pre_compute, lane_compute + owner_compute, pre_comm + lane_comm + owner_comm)
+        round_max_queries = float(self.R[self.by_length[:s]].sum())
+        memory = self.cost.moveq_memory(self.P, self.R_max, self.R_sum, round_max_queries, d, m)
         return _Candidate(d, "move_q", s, memory, sum(parts), parts)
 
     # ---- exact time and choice -------------------------------------------------------------------
+    def lanes_of(self, lanes: int, m: int) -> np.ndarray:
+        if (lanes, m) not in self._labels:
+            self._labels[(lanes, m)] = balanced_lanes(self.tree_load[self.row[m]], lanes)
+        return self._labels[(lanes, m)]
+
     def exact(self, cand: _Candidate) -> None:
         """Fill ``parts`` of a TreeMoveKV candidate from its lane assignment (critical lane's parts)."""
         m = cand.degree // cand.lanes
-        pre_compute, pre_comm = self.prefill(m)
-        compute, comm, load = self.tree_loads(m)
+        row = self.row[m]
         labels = self.lanes_of(cand.lanes, m)
-        critical = labels == int(np.argmax(np.bincount(labels, weights=load, minlength=cand.lanes)))
-        cand.parts = (pre_compute, float(compute[critical].sum()), pre_comm + float(comm[critical].sum()))
+        critical = labels == int(np.argmax(np.bincount(labels, weights=self.tree_load[row],
+                                                       minlength=cand.lanes)))
+        pre_compute, pre_comm = self.pre[row]
+        cand.parts = (pre_compute, float(self.tree_compute[row][critical].sum()),
+                      pre_comm + float(self.tree_comm[row][critical].sum()))
 
     def choose(self, fitting: list[_Candidate], min_efficiency: float) -> _Candidate:
         most_efficient = None                          # smallest rank-seconds d * T
@@ -268,7 +294,7 @@ class _Search:
         else:
             m = c.degree // c.lanes
             labels = self.lanes_of(c.lanes, m)
-            load = self.tree_loads(m)[2]
+            load = self.tree_load[self.row[m]]
             rounds = 0
             for lane in range(c.lanes):
                 members = np.flatnonzero(labels == lane)
