@@ -23,7 +23,8 @@ def log_runs(results: Sequence[MethodResult], config: dict) -> str:
     group = f"bench-{time.strftime('%Y%m%d-%H%M%S')}"
     for method in dict.fromkeys(r.method for r in results):
         run = wandb.init(project=PROJECT, group=group, name=method, job_type="bench", mode=mode,
-                         config={**config, "method": method}, reinit="create_new")
+                         config={**config, "method": method}, reinit="create_new",
+                         settings=wandb.Settings(quiet=True))
         for r in (r for r in results if r.method == method):
             metrics = {"step_time_s": r.step_time_s, "speedup_vs_megan": r.speedup_vs_megan,
                        "executed_tokens": r.executed_tokens, "logical_tokens": r.logical_tokens,

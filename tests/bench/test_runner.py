@@ -5,17 +5,10 @@ import math
 
 import pytest
 
-from augtree_verl.bench.config import BenchConfig
 from augtree_verl.bench.report import JSON_KEYS, format_ideal, format_table, write_json, write_plot
-from augtree_verl.bench.runner import FLOAT32_GRAD_RTOL, MethodResult, max_rel_err, run_benchmark
+from augtree_verl.bench.runner import FLOAT32_GRAD_RTOL, MethodResult, max_rel_err
 
 import torch
-
-
-@pytest.fixture(scope="module")
-def results():
-    cfg = BenchConfig(workloads=("rag", "chat"), budget_tokens=600, group_size=3, model="qwen2-tiny", repeats=2)
-    return run_benchmark(cfg)
 
 
 def test_every_method_runs_every_workload_and_matches_the_baseline(results):
