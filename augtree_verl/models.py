@@ -9,6 +9,8 @@ only add the same per-response-token cost to every method.
 
 from __future__ import annotations
 
+import importlib.util
+import warnings
 from pathlib import Path
 
 import torch
@@ -32,8 +34,13 @@ DEFAULT_MODEL = "qwen2-small"
 
 
 def attn_implementation(device: str) -> str:
-    """HF attention backend for the flattened baseline: flash-attn on CUDA, SDPA on CPU."""
-    return "flash_attention_2" if device.startswith("cuda") else "sdpa"
+    """HF attention backend for the flattened baseline: flash-attn on CUDA (SDPA if it is not installed), SDPA on CPU."""
+    if not device.startswith("cuda"):
+        return "sdpa"
+    if importlib.util.find_spec("flash_attn") is None:
+        warnings.warn("flash-attn is not installed (pip install -e '.[gpu]'): the CUDA baseline uses SDPA")
+        return "sdpa"
+    return "flash_attention_2"
 
 
 def load_model(name_or_path: str, *, device: str = "cpu", dtype: torch.dtype = torch.float32, seed: int = 0):
