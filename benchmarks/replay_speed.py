@@ -36,6 +36,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="quarter-length groups, one repetition")
+    parser.add_argument("--group", choices=sorted(GROUPS), action="append", help="run only these groups")
     args = parser.parse_args()
     torch.manual_seed(0)
     cfg = Qwen2Config(**CONFIG)
@@ -43,6 +44,8 @@ def main() -> None:
     print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params, torch threads {torch.get_num_threads()}")
     print(f"{'group':16}{'P':>6}{'R':>6}{'G':>4}{'flattened s':>13}{'replay s':>10}{'speedup':>9}{'ideal':>7}{'of ideal':>10}")
     for name, (p, r, g) in GROUPS.items():
+        if args.group and name not in args.group:
+            continue
         if args.quick:
             p, r = p // 4, r // 4
         ids = lambda n: torch.randint(0, cfg.vocab_size, (n,))

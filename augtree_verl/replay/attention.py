@@ -16,6 +16,8 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from augtree_verl.replay.prefix_attention import prefix_causal_attention
+
 ATTN_NAME = "augtree"
 
 
@@ -36,29 +38,16 @@ class PrefillContext:
 
 @dataclass
 class ResponseContext:
-    """Phase B: response queries attend to [prompt K/V ; own K/V].
+    """Phase B: response queries attend to [prompt K/V ; own K/V] (see ``prefix_attention``).
 
-    ``prompt_kv[layer] = (k, v)``, each [1, H_kv, P, D] (leaves that collect dK/dV). Responses are right
-    padded, so the one mask [Rq, P + Rq] "key j visible to query i iff j <= P + i" is exact for every real
-    query: padded keys sit after every real query of their row.
+    ``prompt_kv[layer] = (k, v)``, each [1, H_kv, P, D]: the leaves that collect dK/dV.
     """
 
     prompt_kv: list[tuple[torch.Tensor, torch.Tensor]]
-    mask: torch.Tensor  # additive float mask [Rq, P + Rq] in the query dtype
-
-    @staticmethod
-    def build(prompt_kv, num_queries: int, dtype: torch.dtype, device) -> "ResponseContext":
-        p = prompt_kv[0][0].shape[2]
-        visible = torch.ones(num_queries, p + num_queries, dtype=torch.bool, device=device).tril(diagonal=p)
-        mask = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, float("-inf"))
-        return ResponseContext(prompt_kv, mask)
 
     def attend(self, layer: int, q, k, v, scaling: float) -> torch.Tensor:
         pk, pv = self.prompt_kv[layer]
-        b = q.shape[0]
-        k = torch.cat([pk.expand(b, -1, -1, -1), k], dim=2)
-        v = torch.cat([pv.expand(b, -1, -1, -1), v], dim=2)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask, scale=scaling, enable_gqa=True)
+        return prefix_causal_attention(q, k, v, pk, pv, scaling)
 
 
 def augtree_attention_forward(module, query, key, value, attention_mask, scaling=None, augtree_ctx=None, **kwargs):

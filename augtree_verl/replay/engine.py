@@ -111,7 +111,7 @@ def _replay_tree(model, t, tree, loss_fn, temperature, micro_batch_tokens, stats
             ids = torch.zeros(len(rows), rq, dtype=tree.prompt.dtype, device=tree.prompt.device)
             for b, i in enumerate(rows):
                 ids[b, : lengths[i] - 1] = tree.responses[i][:-1]
-            ctx = ResponseContext.build(leaf_kv, rq, leaf_kv[0][0].dtype, ids.device)
+            ctx = ResponseContext(leaf_kv)
             positions = torch.arange(p, p + rq, device=ids.device)[None].expand(len(rows), -1)
             hid = base(input_ids=ids, position_ids=positions, attention_mask=NO_MASKS, use_cache=False,
                        augtree_ctx=ctx).last_hidden_state
