@@ -18,9 +18,9 @@ Choice: a plan's cost in rank-seconds is d * T. Let A be the smallest rank-secon
 A plan is admissible when its parallel efficiency A / (d * T) is at least ``min_parallel_efficiency``; the
 plan returned is the fastest admissible one (ties: fewer ranks). Extra ranks must earn their keep: otherwise
 a short group would spread over every rank to save milliseconds. Both minimisations are branch and bound:
-candidates are visited by a lower bound on their time (exact for ring and MoveQ, prefill + max(largest
-response, mean lane load) for TreeMoveKV before its lanes are assigned) and the visit stops once no
-remaining bound can win.
+candidates are visited by a lower bound on their time (exact for ring, MoveQ and TreeMoveKV with one lane or
+one response per lane; otherwise prefill + max(largest load, mean lane load, sum of the s-th and (s+1)-th
+largest loads), valid before the lanes are assigned) and the visit stops once no remaining bound can win.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def plan_tree(prompt_len: int, response_lens, *, degrees, profile: ClusterProfil
     ``degrees``: the CP degrees it may use. ``force_primitive`` restricts the choice to one primitive.
     Raises ``ValueError`` for bad input, or when no plan fits in a rank's memory.
     """
-    P, R = _check_tree(prompt_len, response_lens)
+    P, R = check_tree_lengths(prompt_len, response_lens)
     degrees = _check_degrees(degrees)
     if force_primitive is not None and force_primitive not in PRIMITIVES:
         raise ValueError(f"force_primitive must be one of {PRIMITIVES} or None, got {force_primitive!r}")
@@ -110,7 +110,8 @@ def _positive_int(value, what: str) -> int:
     return value
 
 
-def _check_tree(prompt_len, response_lens) -> tuple[int, np.ndarray]:
+def check_tree_lengths(prompt_len, response_lens) -> tuple[int, np.ndarray]:
+    """(P, float64 R [G]) after checking a tree's lengths; ``ValueError`` naming the bad one."""
     P = _positive_int(prompt_len, "prompt_len")
     try:
         lens = list(response_lens)
@@ -258,7 +259,7 @@ class _Search:
     def choose(self, fitting: list[_Candidate], min_efficiency: float) -> _Candidate:
         most_efficient = None                          # smallest rank-seconds d * T
         for c in sorted(fitting, key=lambda c: c.degree * c.bound):
-            if most_efficient is not None and c.degree * c.bound >= most_efficient.degree * most_efficient.time:
+            if most_efficient is not None and c.degree * c.bound > most_efficient.degree * most_efficient.time:
                 break
             if c.parts is None:
                 self.exact(c)

@@ -30,7 +30,7 @@ import ray
 
 from augtree_verl.plan import PRIMITIVES, Plan
 from augtree_verl.planner.profile import ClusterProfile
-from augtree_verl.planner.search import _check_tree, plan_tree
+from augtree_verl.planner.search import check_tree_lengths, plan_tree
 
 logger = logging.getLogger(__name__)
 
@@ -138,7 +138,7 @@ class PlannerClient:
                 raise ValueError(f"group {gid!r} of step {step}: expected (prompt_len, response_lens), "
                                  f"got {value!r}")
             try:
-                P, R = _check_tree(*value)
+                P, R = check_tree_lengths(*value)
             except ValueError as err:
                 raise ValueError(f"group {gid!r} of step {step}: {err}") from None
             clean[gid] = (P, [int(r) for r in R])
