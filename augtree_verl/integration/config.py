@@ -1,0 +1,77 @@
+"""The AugTree engine's knobs: verl's FSDP engine config plus the replay and planner settings.
+
+Selected in a verl run with::
+
+    actor_rollout_ref.actor.strategy=augtree
+    actor_rollout_ref.actor.fsdp_config._target_=augtree_verl.integration.config.AugTreeEngineConfig
+    +actor_rollout_ref.actor.fsdp_config.micro_batch_tokens=16384   # any knob below, with a leading +
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from verl.workers.config import FSDPEngineConfig
+from verl.workers.config.engine import EngineConfig
+
+from augtree_verl.integration.registration import STRATEGY
+from augtree_verl.plan import PRIMITIVES
+from augtree_verl.replay.engine import DEFAULT_MICRO_BATCH_TOKENS
+
+# The FSDP sharding the "augtree" strategy builds on. "fsdp"/"fsdp2" are accepted as the strategy too: verl's
+# fsdp_config yaml says "fsdp" until the actor config copies its own strategy ("augtree") onto it.
+FSDP_STRATEGY = "fsdp2"
+ACCEPTED_STRATEGIES = (STRATEGY, "fsdp", FSDP_STRATEGY)
+
+
+@dataclass
+class AugTreeEngineConfig(FSDPEngineConfig):
+    """verl's ``FSDPEngineConfig`` plus:
+
+    micro_batch_tokens: token budget of one replay micro-batch (rows x longest response).
+    cp_degrees: context-parallel degrees the planner may choose from (1 = one device per tree).
+    use_planner: run plans from the planner; False runs every tree on one device, ignoring plans in the batch.
+    force_primitive: pin the planner to one primitive ("ring", "tree_move_kv", "move_q"); None lets it choose.
+    fallback_threshold_tokens: a group whose prompt + longest response is shorter than this runs without CP.
+    planner_name: name of the planner service (a named Ray actor) the trainer hook sends group lengths to.
+    planner_timeout_s: how long to wait for a plan before falling back to no CP (counted as a fallback).
+    """
+
+    strategy: str = STRATEGY
+    micro_batch_tokens: int = DEFAULT_MICRO_BATCH_TOKENS
+    cp_degrees: list[int] = field(default_factory=lambda: [1])
+    use_planner: bool = True
+    force_primitive: Optional[str] = None
+    fallback_threshold_tokens: int = 0
+    planner_name: str = "augtree_planner"
+    planner_timeout_s: float = 5.0
+
+    def __post_init__(self):
+        # FSDPEngineConfig.__post_init__ only adds a strategy assertion that rejects "augtree".
+        EngineConfig.__post_init__(self)
+        if self.strategy not in ACCEPTED_STRATEGIES:
+            raise ValueError(f"AugTreeEngineConfig.strategy must be one of {ACCEPTED_STRATEGIES}, got {self.strategy!r}")
+        _check_int("micro_batch_tokens", self.micro_batch_tokens, minimum=1)
+        _check_int("fallback_threshold_tokens", self.fallback_threshold_tokens, minimum=0)
+        degrees = list(self.cp_degrees) if not isinstance(self.cp_degrees, (str, bytes)) else None
+        if not degrees:
+            raise ValueError(f"AugTreeEngineConfig.cp_degrees must be a non-empty list of ints, got {self.cp_degrees!r}")
+        for d in degrees:
+            _check_int("cp_degrees entry", d, minimum=1)
+        object.__setattr__(self, "cp_degrees", sorted(set(degrees)))
+        if self.force_primitive is not None and self.force_primitive not in PRIMITIVES:
+            raise ValueError(
+                f"AugTreeEngineConfig.force_primitive must be None or one of {PRIMITIVES}, got {self.force_primitive!r}")
+        if not isinstance(self.use_planner, bool):
+            raise ValueError(f"AugTreeEngineConfig.use_planner must be a bool, got {self.use_planner!r}")
+        if not isinstance(self.planner_name, str) or not self.planner_name:
+            raise ValueError(f"AugTreeEngineConfig.planner_name must be a non-empty string, got {self.planner_name!r}")
+        if isinstance(self.planner_timeout_s, bool) or not isinstance(self.planner_timeout_s, (int, float)) \
+                or not self.planner_timeout_s > 0:
+            raise ValueError(f"AugTreeEngineConfig.planner_timeout_s must be a number > 0, got {self.planner_timeout_s!r}")
+
+
+def _check_int(name: str, value, *, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"AugTreeEngineConfig.{name} must be an int >= {minimum}, got {value!r}")

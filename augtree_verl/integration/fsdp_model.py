@@ -1,0 +1,94 @@
+"""The view of verl's FSDP2-wrapped model that ``augtree_verl.replay`` runs on.
+
+``replay`` calls the decoder (``model.get_decoder()``) and the LM head (``model.get_output_embeddings()``)
+separately. Under FSDP2 that needs care, because verl shards the model as: one FSDP unit per decoder layer,
+one each for ``embed_tokens`` and ``lm_head`` (untied models), and the root unit holding the rest (the final
+norm; with tied embeddings also the embedding / LM head weight):
+
+- Root parameters are only unsharded inside a call of the root module, so every decoder and LM head call
+  enters through the root (its ``forward`` is swapped for the duration of the call).
+- The call's arguments travel in an opaque box the root does not look into. Otherwise FSDP would register
+  its post-backward hook on the LM head's input and reduce the root's gradients as soon as the LM head's
+  backward ends, before the final norm's gradient exists; with nothing to hook, the root reduces in FSDP's
+  end-of-backward callback, after every gradient of that backward.
+- The replay's attention context goes to the layers in a proxy that is not a dataclass: FSDP2's
+  ``cast_forward_inputs`` rebuilds dataclasses found in forward kwargs, and the prefill context must be
+  the replay's own object (it collects each layer's K/V).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable
+
+import torch
+
+
+class SharedAttentionContext:
+    """Forwards ``attend`` to the replay's context; FSDP passes it on unchanged (it is not a dataclass)."""
+
+    __slots__ = ("_context",)
+
+    def __init__(self, context):
+        self._context = context
+
+    def attend(self, *args, **kwargs):
+        return self._context.attend(*args, **kwargs)
+
+
+class _Box:
+    """Arguments FSDP's root pre-forward must not see (see the module docstring)."""
+
+    __slots__ = ("args", "kwargs")
+
+    def __init__(self, args, kwargs):
+        self.args, self.kwargs = args, kwargs
+
+
+@contextlib.contextmanager
+def _root_forward(root: torch.nn.Module, target: Callable):
+    """Make ``root(box)`` run ``target(*box.args, **box.kwargs)`` inside FSDP's root hooks."""
+    root.forward = lambda box: target(*box.args, **box.kwargs)
+    try:
+        yield
+    finally:
+        del root.forward
+
+
+class _ThroughRoot:
+    def __init__(self, root: torch.nn.Module, target: Callable, after: Callable | None = None):
+        self._root, self._target, self._after = root, target, after
+
+    def __call__(self, *args, **kwargs):
+        if "augtree_ctx" in kwargs and kwargs["augtree_ctx"] is not None:
+            kwargs["augtree_ctx"] = SharedAttentionContext(kwargs["augtree_ctx"])
+        with _root_forward(self._root, self._target):
+            out = self._root(_Box(args, kwargs))
+        return self._after(out) if self._after is not None else out
+
+
+class FSDPReplayModel:
+    """What ``replay`` reads of a causal LM, for verl's FSDP2 root module ``root``.
+
+    ``on_logits(logits)``, if given, sees every LM head output (``logits`` [N, V], in the graph when
+    training) right after it is computed; the engine uses it to compute entropies.
+    """
+
+    def __init__(self, root: torch.nn.Module, on_logits: Callable[[torch.Tensor], None] | None = None):
+        self._root = root
+        self.config = root.config
+        self._on_logits = on_logits
+
+    def get_input_embeddings(self):
+        return self._root.get_input_embeddings()
+
+    def get_decoder(self):
+        return _ThroughRoot(self._root, self._root.get_decoder())
+
+    def get_output_embeddings(self):
+        return _ThroughRoot(self._root, self._root.get_output_embeddings(), after=self._logits_seen)
+
+    def _logits_seen(self, logits: torch.Tensor) -> torch.Tensor:
+        if self._on_logits is not None:
+            self._on_logits(logits)
+        return logits

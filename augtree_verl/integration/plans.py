@@ -1,0 +1,40 @@
+"""The plans the trainer hook put in the batch (``augtree_plan``, one entry per sample), matched to our trees.
+
+A ring plan (no split) applies to any part of its tree. A split plan places each response of the whole
+tree, so it applies only when this rank holds the complete tree; otherwise the tree runs without a plan
+and the step counts a planner fallback.
+"""
+
+from __future__ import annotations
+
+from tensordict import TensorDict
+
+from augtree_verl.integration.batch_trees import BatchTrees
+from augtree_verl.plan import Plan
+from augtree_verl.trainer.plan_field import PLAN_FIELD
+
+
+def plans_for_trees(micro_batches: list[TensorDict], grouped: BatchTrees) -> tuple[list[Plan | None], int]:
+    """(one plan or None per tree, number of trees whose plan could not apply here)."""
+    if PLAN_FIELD not in micro_batches[0].keys():
+        return [None] * len(grouped.trees), 0
+    entries = [list(mb[PLAN_FIELD]) for mb in micro_batches]
+    plans: list[Plan | None] = []
+    fallbacks = 0
+    for t, rows in enumerate(grouped.rows):
+        tree_entries = [entries[m][k] for m, k in rows]
+        tree_ids = {e["tree_id"] for e in tree_entries}
+        if len(tree_ids) != 1:
+            raise ValueError(f"tree {t} (uid {grouped.uids[t]!r}) has samples planned as different trees {sorted(tree_ids)}")
+        plan = Plan.from_dict(tree_entries[0])
+        if plan.primitive == "ring":
+            plans.append(plan)
+        elif len(rows) == int(tree_entries[0]["num_responses"]):
+            # Our response i is the planner's response ``response_index``: reorder the placement to match.
+            placement = tuple(plan.placement[int(e["response_index"])] for e in tree_entries)
+            plans.append(Plan(degree=plan.degree, primitive=plan.primitive, rounds=plan.rounds, lanes=plan.lanes,
+                              placement=placement, est_time_s=plan.est_time_s, est_parts=plan.est_parts))
+        else:
+            plans.append(None)
+            fallbacks += 1
+    return plans, fallbacks

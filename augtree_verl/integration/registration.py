@@ -1,0 +1,27 @@
+"""Registering ``AugTreeEngine`` with verl's ``EngineRegistry`` (idempotently: ``register`` asserts on repeats)."""
+
+from __future__ import annotations
+
+from augtree_verl.integration.import_hooks import after_import
+
+# The backend name users select with actor_rollout_ref.actor.strategy.
+STRATEGY = "augtree"
+MODEL_TYPE = "language_model"
+# verl resolves the engine by its platform's device name: "cuda" (NVIDIA and ROCm), "npu", or "cpu" with our
+# CPU platform. The replay runs on CUDA and CPU (SDPA); NPU is not tested, so it is not claimed.
+DEVICES = ("cuda", "cpu")
+
+
+def register_engine(engine_package) -> None:
+    """Register ``AugTreeEngine`` for every device in ``DEVICES`` not registered yet."""
+    from augtree_verl.integration.engine import AugTreeEngine
+
+    registry = engine_package.EngineRegistry
+    registered = registry._engines.get(MODEL_TYPE, {}).get(STRATEGY, {})
+    missing = [d for d in DEVICES if d not in registered]
+    if missing:
+        registry.register(model_type=MODEL_TYPE, backend=STRATEGY, device=missing)(AugTreeEngine)
+
+
+def register_engine_when_verl_loads() -> None:
+    after_import("verl.workers.engine", register_engine)

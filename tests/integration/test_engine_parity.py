@@ -1,0 +1,101 @@
+"""Our engine against verl's stock FSDP engine on CPU (world size 1, in-process): same model, batch, loss."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from tests.integration import verl_harness as H
+from verl.utils import tensordict_utils as tu  # noqa: I001  (after the harness: it selects the CPU platform)
+from tests.parity import RTOL, rel_err
+
+STEPS = 3
+# (prompt length, response lengths): groups of several sizes, a group of one, 1-token prompt and responses.
+GROUPS = [(9, [3, 5, 4, 2]), (4, [6, 2, 3, 1, 5, 2]), (6, [4]), (1, [2, 1, 3])]
+ROWS = sum(len(rs) for _, rs in GROUPS)
+# ppo_kl is a mean of differences of log-probs (magnitude ~log(vocab) = 5) that nearly cancel, so only an
+# absolute tolerance makes sense: float32 rounding of each log-prob is ~5e-7.
+KL_ATOL = 1e-6
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    H.init_process_group()
+    return H.save_tiny_qwen2(str(tmp_path_factory.mktemp("tiny-qwen2")))
+
+
+def _infer(engine, batch, entropy=False):
+    batch = batch.clone()
+    tu.assign_non_tensor(batch, calculate_entropy=entropy)
+    with engine.eval_mode():
+        return engine.infer_batch(batch, loss_function=None)
+
+
+def _train(engine, loss_fn, batch):
+    with engine.train_mode():
+        return engine.train_batch(batch.clone(), loss_function=loss_fn)
+
+
+def _assert_close(what, got, want):
+    err = rel_err(got, want)
+    assert err <= RTOL, f"{what}: relative error {err:.2e} > {RTOL:.0e}"
+
+
+def _assert_params_match(ours, stock, step):
+    got, want = H.full_params(ours), H.full_params(stock)
+    assert got.keys() == want.keys()
+    for name in want:
+        _assert_close(f"step {step} parameter {name}", got[name], want[name])
+
+
+def _run_steps(model_path, *, loss_agg_mode, order, entropy_coeff=0.0, knobs=None):
+    """STEPS optimizer steps of both engines; ours sees the rows permuted by ``order``."""
+    stock, stock_loss = H.build_engine("fsdp2", model_path, loss_agg_mode=loss_agg_mode, entropy_coeff=entropy_coeff)
+    ours, our_loss = H.build_engine("augtree", model_path, loss_agg_mode=loss_agg_mode, entropy_coeff=entropy_coeff,
+                                    engine_knobs=knobs)
+    inverse = sorted(range(ROWS), key=lambda k: order[k])
+    for step in range(STEPS):
+        batch = H.group_batch(GROUPS, seed=step)
+        mine = H.group_batch(GROUPS, seed=step, order=order)
+        want = _infer(stock, batch, entropy=True)
+        got = _infer(ours, mine, entropy=True)
+        for key in ("log_probs", "entropy"):
+            w, g = H.response_logps(want, batch, key), H.response_logps(got, mine, key)
+            for row in range(ROWS):
+                _assert_close(f"step {step} {key} row {row}", g[inverse[row]], w[row])
+        current = H.response_logps(want, batch)
+        H.set_old_log_probs(batch, current, seed=step)
+        mine["old_log_probs"] = torch.nested.as_nested_tensor(
+            [batch["old_log_probs"][k] for k in order], layout=torch.jagged)
+        for b in (batch, mine):
+            tu.assign_non_tensor(b, calculate_entropy=entropy_coeff != 0)
+        out_stock = _train(stock, stock_loss, batch)
+        out_ours = _train(ours, our_loss, mine)
+        # Per-micro-batch losses are partial sums of the global loss: their total is order-independent.
+        _assert_close(f"step {step} loss", torch.tensor(sum(out_ours["loss"])), torch.tensor(sum(out_stock["loss"])))
+        _assert_close(f"step {step} grad norm", torch.tensor(out_ours["metrics"]["grad_norm"]),
+                      torch.tensor(out_stock["metrics"]["grad_norm"]))
+        assert out_stock["metrics"]["actor/pg_clipfrac"].aggregate() == 0, "old log-probs must not clip"
+        _assert_params_match(ours, stock, step)
+    return out_ours, out_stock
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("loss_agg_mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"])
+def test_training_matches_stock_engine(model_path, loss_agg_mode):
+    out_ours, out_stock = _run_steps(model_path, loss_agg_mode=loss_agg_mode, order=list(range(ROWS)))
+    # Same micro-batches, same loss calls: verl's own metrics come out the same.
+    _assert_close("actor/pg_loss", torch.tensor(out_ours["metrics"]["actor/pg_loss"].aggregate()),
+                  torch.tensor(out_stock["metrics"]["actor/pg_loss"].aggregate()))
+    kl = [out["metrics"]["actor/ppo_kl"].aggregate() for out in (out_ours, out_stock)]
+    assert abs(kl[0] - kl[1]) <= KL_ATOL, f"actor/ppo_kl {kl[0]} vs stock {kl[1]}"
+
+
+@pytest.mark.timeout(300)
+def test_shuffled_rows_and_entropy_loss_match_stock_engine(model_path):
+    order = list(range(ROWS))
+    random.Random(7).shuffle(order)
+    _run_steps(model_path, loss_agg_mode="token-mean", order=order, entropy_coeff=0.01,
+               knobs={"micro_batch_tokens": 8})

@@ -1,0 +1,169 @@
+"""Run verl 0.9.1's real engines on CPU (VERL_ON_CPU.md): our CPU platform, gloo, a tiny Qwen2 from a config.
+
+Import this module before anything imports ``verl.workers.engine``: it selects the CPU platform.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import socket
+import tempfile
+
+os.environ["VERL_PLATFORM"] = "cpu"
+# Some runs leave an (empty) inductor cache folder behind even with torch.compile off.
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="augtree-inductor-"))
+
+import verl  # noqa: E402,F401  (loads our entry point when the package is installed)
+import augtree_verl.integration  # noqa: E402,F401  (and this covers a plain checkout)
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from tensordict import TensorDict  # noqa: E402
+from transformers import Qwen2Config, Qwen2ForCausalLM  # noqa: E402
+
+VOCAB = 128
+MODEL_SHAPE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                   tie_word_embeddings=False, architectures=["Qwen2ForCausalLM"])
+FP32 = {"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"}
+# Noise added to the current policy's log-probs to make "old" ones: small enough that no token is clipped
+# (a clipped token has zero gradient and would hide a wrong log-prob), large enough that ratios differ from 1.
+OLD_LOGP_NOISE = 0.02
+# AdamW's update g / (sqrt(v) + eps) turns a gradient near eps (e.g. k_proj biases, nearly invariant under
+# softmax) into a sign, amplifying float32 rounding by orders of magnitude. A larger eps keeps the update a
+# smooth function of the gradient, so weights after a step compare at the gradients' tolerance.
+ADAM_EPS = 1e-3
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_process_group(rank: int = 0, world_size: int = 1, port: int | None = None) -> None:
+    """A gloo group (world size 1 in-process by default); a no-op if this process already has one."""
+    if dist.is_initialized():
+        return
+    port = port or free_port()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+
+
+def save_tiny_qwen2(directory: str, seed: int = 0) -> str:
+    """A random-weight tiny Qwen2 (GQA) saved as a Hugging Face checkpoint; returns its path."""
+    torch.manual_seed(seed)
+    Qwen2ForCausalLM(Qwen2Config(**MODEL_SHAPE)).save_pretrained(directory)
+    return directory
+
+
+def build_engine(strategy: str, model_path: str, *, loss_agg_mode: str = "token-mean", lr: float = 1e-2,
+                 entropy_coeff: float = 0.0, gradient_checkpointing: bool = False, engine_knobs: dict | None = None):
+    """verl's engine for ``strategy`` ("fsdp2" = stock, "augtree" = ours), built the way verl's workers build it.
+
+    Returns ``(engine, loss_fn)`` with ``loss_fn`` verl's ``ppo_loss`` bound to the actor config.
+    """
+    from verl.trainer.config import CheckpointConfig
+    from verl.workers.config import FSDPActorConfig, FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
+    from verl.workers.engine import EngineRegistry
+    from verl.workers.utils.losses import ppo_loss
+
+    from augtree_verl.integration.config import AugTreeEngineConfig
+
+    model_config = HFModelConfig(path=model_path, load_tokenizer=False, use_remove_padding=True,
+                                 enable_gradient_checkpointing=gradient_checkpointing,
+                                 override_config={"attn_implementation": "sdpa"})
+    common = dict(mixed_precision=FP32, use_torch_compile=False)
+    if strategy == "augtree":
+        fsdp_config = AugTreeEngineConfig(**common, **(engine_knobs or {}))
+    else:
+        fsdp_config = FSDPEngineConfig(strategy=strategy, **common)
+    optim = FSDPOptimizerConfig(lr=lr, clip_grad=1.0, total_training_steps=100, weight_decay=0.0,
+                                override_optimizer_config={"eps": ADAM_EPS})
+    actor_config = FSDPActorConfig(strategy=strategy, rollout_n=1, ppo_mini_batch_size=8,
+                                   ppo_micro_batch_size_per_gpu=2, use_dynamic_bsz=False,
+                                   loss_agg_mode=loss_agg_mode, entropy_coeff=entropy_coeff,
+                                   fsdp_config=fsdp_config, optim=optim, use_torch_compile=False)
+    # What ActorRolloutRefWorker.init_model sets on the engine config.
+    engine_config = actor_config.engine
+    engine_config.use_dynamic_bsz = False
+    engine_config.micro_batch_size_per_gpu = 2
+    engine_config.infer_micro_batch_size_per_gpu = 2
+    engine = EngineRegistry.new(model_type="language_model", backend=strategy, model_config=model_config,
+                                engine_config=engine_config, optimizer_config=optim,
+                                checkpoint_config=CheckpointConfig())
+    engine.initialize()
+    return engine, functools.partial(ppo_loss, config=actor_config)
+
+
+def group_batch(groups: list[tuple[int, list[int]]], *, seed: int = 0, micro_batch_size: int = 2,
+                order: list[int] | None = None, temperature: float = 1.0) -> TensorDict:
+    """A verl V1 batch (nested, no padding): ``groups[g] = (prompt_len, [response_len, ...])``, one uid per group.
+
+    Rows are listed group by group, then permuted by ``order`` (e.g. a shuffle). ``old_log_probs`` and
+    ``advantages`` are placeholders: set them with :func:`set_old_log_probs`.
+    """
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for gi, (p, rs) in enumerate(groups):
+        prompt = torch.randint(0, VOCAB, (p,), generator=g)
+        advantages = torch.randn(len(rs), generator=g)
+        for ri, r in enumerate(rs):
+            rows.append(dict(uid=f"group-{gi}", prompt=prompt, response=torch.randint(0, VOCAB, (r,), generator=g),
+                             advantage=float(advantages[ri])))
+    if order is not None:
+        rows = [rows[i] for i in order]
+    return rows_to_batch(rows, micro_batch_size=micro_batch_size, temperature=temperature)
+
+
+def rows_to_batch(rows: list[dict], *, micro_batch_size: int = 2, temperature: float = 1.0) -> TensorDict:
+    """``rows[k] = {uid, prompt, response, advantage}`` -> the TensorDict verl's engines take."""
+    from verl.utils import tensordict_utils as tu
+
+    def nested(tensors):
+        return torch.nested.as_nested_tensor(tensors, layout=torch.jagged)
+
+    seqs = [torch.cat([row["prompt"], row["response"]]) for row in rows]
+    responses = [row["response"] for row in rows]
+    ones = [torch.ones(len(r), dtype=torch.float32) for r in responses]
+    batch = tu.get_tensordict(
+        tensor_dict={
+            "input_ids": nested(seqs),
+            "position_ids": nested([torch.arange(len(s)) for s in seqs]),
+            "attention_mask": nested([torch.ones(len(s), dtype=torch.int64) for s in seqs]),
+            "prompts": nested([row["prompt"] for row in rows]),
+            "responses": nested(responses),
+            "response_mask": nested([torch.ones(len(r), dtype=torch.int64) for r in responses]),
+            "loss_mask": nested([torch.ones(len(r), dtype=torch.int64) for r in responses]),
+            "old_log_probs": nested([torch.zeros(len(r)) for r in responses]),
+            "advantages": nested([o * row["advantage"] for o, row in zip(ones, rows)]),
+            "uid": [row["uid"] for row in rows],
+        },
+        non_tensor_dict=dict(temperature=temperature, global_batch_size=len(rows), use_dynamic_bsz=False,
+                             micro_batch_size_per_gpu=micro_batch_size, use_remove_padding=True,
+                             use_fused_kernels=False, calculate_entropy=False),
+    )
+    return batch
+
+
+def response_logps(output, batch: TensorDict, key: str = "log_probs") -> list[torch.Tensor]:
+    """Per row, the response part of a nested model output: position k scores token k + 1."""
+    values = output["model_output"][key]
+    seq_lens = batch["input_ids"].offsets().diff().tolist()
+    resp_lens = batch["responses"].offsets().diff().tolist()
+    return [v[s - r - 1: s - 1] for v, s, r in zip(values.unbind(), seq_lens, resp_lens)]
+
+
+def set_old_log_probs(batch: TensorDict, current: list[torch.Tensor], seed: int = 0) -> None:
+    """old_log_probs = current log-probs + small noise (see OLD_LOGP_NOISE)."""
+    g = torch.Generator().manual_seed(seed)
+    batch["old_log_probs"] = torch.nested.as_nested_tensor(
+        [c + OLD_LOGP_NOISE * torch.randn(c.shape, generator=g) for c in current], layout=torch.jagged)
+
+
+def full_params(engine) -> dict[str, torch.Tensor]:
+    """Every parameter as a full (unsharded) tensor, by name."""
+    out = {}
+    for name, value in engine.module.state_dict().items():
+        out[name] = (value.full_tensor() if hasattr(value, "full_tensor") else value).detach().clone()
+    return out
