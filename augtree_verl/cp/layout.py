@@ -86,3 +86,13 @@ class ZigzagLayout:
                 if c.start <= position < c.start + c.length:
                     return member, c.local_start + position - c.start
         raise AssertionError("unreachable: chunks cover the sequence")
+
+
+def lane_members(degree: int, lanes: int, lane: int) -> tuple[int, ...]:
+    """CP ranks of lane ``lane`` when ``degree`` ranks form ``lanes`` lanes: the contiguous block
+    [lane * d // s, (lane + 1) * d // s); with s dividing d, ranks lane*d/s .. (lane+1)*d/s - 1."""
+    if not 1 <= lanes <= degree:
+        raise ValueError(f"lanes must be in [1, degree={degree}], got {lanes}")
+    if not 0 <= lane < lanes:
+        raise ValueError(f"lane {lane} outside {lanes} lanes")
+    return tuple(range(lane * degree // lanes, (lane + 1) * degree // lanes))

@@ -36,11 +36,18 @@ class Reference:
     dpv: torch.Tensor
 
 
-def prefix_causal_reference(prefix_len: int, seq_len: int, dtype, seed: int) -> Reference:
+def random_heads(heads: int, n: int, dtype, g: torch.Generator) -> torch.Tensor:
+    return torch.randn(heads, n, HEAD_DIM, generator=g, dtype=dtype)
+
+
+def prefix_causal_reference(prefix_len: int, seq_len: int, dtype, seed: int, prefix_kv=None) -> Reference:
+    """Random q/k/v/dout for a causal sequence of ``seq_len`` after a prefix (random, or ``prefix_kv``)."""
     g = torch.Generator().manual_seed(seed)
-    make = lambda h, n: torch.randn(h, n, HEAD_DIM, generator=g, dtype=dtype)
-    q, k, v = make(HEADS, seq_len), make(KV_HEADS, seq_len), make(KV_HEADS, seq_len)
-    pk, pv, dout = make(KV_HEADS, prefix_len), make(KV_HEADS, prefix_len), make(HEADS, seq_len)
+    q, k, v = (random_heads(h, seq_len, dtype, g) for h in (HEADS, KV_HEADS, KV_HEADS))
+    dout = random_heads(HEADS, seq_len, dtype, g)
+    pk, pv = prefix_kv if prefix_kv is not None else (random_heads(KV_HEADS, prefix_len, dtype, g),
+                                                      random_heads(KV_HEADS, prefix_len, dtype, g))
+    seq_len, prefix_len = q.shape[1], pk.shape[1]
     leaves = [t.clone().requires_grad_() for t in (q, k, v, pk, pv)]
     lq, lk, lv, lpk, lpv = leaves
     keys = torch.cat([lpk, lk], 1).repeat_interleave(HEADS // KV_HEADS, 0)

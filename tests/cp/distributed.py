@@ -5,6 +5,8 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import sys
+import traceback
 
 import torch
 import torch.distributed as dist
@@ -27,6 +29,10 @@ def _entry(rank, world_size, port, fn, args):
                             timeout=datetime.timedelta(seconds=GLOO_TIMEOUT_S))
     try:
         fn(rank, world_size, *args)
+    except BaseException:
+        # spawn re-raises only the first failing rank, often a peer's "connection closed": log every rank's.
+        print(f"---- rank {rank} of {world_size} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        raise
     finally:
         dist.destroy_process_group()
 
