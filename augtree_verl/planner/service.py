@@ -102,8 +102,7 @@ class PlannerService:
 def start_planner_service(name: str = "augtree_planner", *, degrees=(1, 2, 4, 8),
                           profile: ClusterProfile | None = None, namespace: str | None = None):
     """The named planner actor (created unless it exists). Needs ``ray.init`` first. Not detached: keep the
-    returned handle, since Ray ends the actor once no handle refers to it (a client's name lookup does not
-    count before its first call). It reserves no CPU, so it never blocks training placement."""
+    returned handle for the whole run: Ray ends a non-detached actor once no handle refers to it. It reserves no CPU, so it never blocks training placement."""
     profile = profile if profile is not None else ClusterProfile.default()
     return ray.remote(PlannerService).options(
         name=name, namespace=namespace, get_if_exists=True, num_cpus=0, max_concurrency=1000,
