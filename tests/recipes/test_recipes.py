@@ -1,0 +1,132 @@
+"""Every recipe composes on verl's own ppo_trainer (pip-installed verl) and sets the keys that matter."""
+
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+from verl.trainer.ppo.utils import need_critic, need_reference_policy
+from verl.utils.config import omega_conf_to_dataclass, validate_config
+
+from augtree_verl.integration.config import AugTreeEngineConfig
+
+REPO = Path(__file__).resolve().parents[2]
+RECIPES = REPO / "recipes"
+PRIMARY = sorted(p.stem for p in RECIPES.glob("*.yaml"))
+ENGINE_TARGET = "augtree_verl.integration.config.AugTreeEngineConfig"
+
+
+def compose_recipe(name, overrides=()):
+    with initialize_config_dir(config_dir=str(RECIPES), version_base=None):
+        return compose(config_name=name, overrides=list(overrides))
+
+
+def test_the_recipes_are_grpo_and_dapo():
+    assert PRIMARY == ["dapo_augtree", "grpo_augtree"]
+
+
+@pytest.mark.parametrize("name", PRIMARY)
+def test_recipe_selects_augtree_everywhere_and_passes_verls_validation(name):
+    cfg = compose_recipe(name)
+    # composed through the searchpath: verl's own defaults are there
+    assert cfg.trainer.use_v1 and cfg.algorithm._target_ == "verl.trainer.config.AlgoConfig"
+    actor, ref = cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.ref
+    assert actor.strategy == "augtree" and ref.strategy == "augtree"
+    assert actor.fsdp_config._target_ == ENGINE_TARGET and ref.fsdp_config._target_ == ENGINE_TARGET
+    assert cfg.trainer.v1.trainer_mode == "augtree_sync"
+    assert cfg.algorithm.adv_estimator == "grpo"
+    assert actor.loss_agg_mode == "token-mean"
+    assert cfg.actor_rollout_ref.model.path == "Qwen/Qwen2.5-7B-Instruct"
+    # long context: prompt + response fill Qwen2.5's native 32k window, and the rollout follows the data keys
+    assert cfg.data.max_prompt_length >= 16384
+    assert cfg.data.max_prompt_length + cfg.data.max_response_length == 32768
+    OmegaConf.resolve(cfg)
+    assert cfg.actor_rollout_ref.rollout.prompt_length == cfg.data.max_prompt_length
+    # the knobs reach the engine config dataclass verl's workers build (actor and the forward-only ref)
+    actor_engine = omega_conf_to_dataclass(actor.fsdp_config)
+    ref_engine = omega_conf_to_dataclass(ref.fsdp_config)
+    assert type(actor_engine) is AugTreeEngineConfig and type(ref_engine) is AugTreeEngineConfig
+    assert actor_engine.cp_degrees == ref_engine.cp_degrees == [1, 2, 4, 8]
+    assert actor_engine.use_planner and ref_engine.forward_only and not actor_engine.forward_only
+    assert omega_conf_to_dataclass(actor).engine.strategy == "augtree"
+    validate_config(config=cfg, use_reference_policy=need_reference_policy(cfg), use_critic=need_critic(cfg))
+
+
+def test_grpo_recipe():
+    cfg = compose_recipe("grpo_augtree")
+    actor = cfg.actor_rollout_ref.actor
+    assert cfg.actor_rollout_ref.rollout.n == 8
+    assert actor.clip_ratio_low == actor.clip_ratio_high == 0.2
+    assert actor.use_kl_loss and actor.kl_loss_type == "low_var_kl" and need_reference_policy(cfg)
+    assert not cfg.algorithm.filter_groups.enable
+
+
+def test_dapo_recipe_is_verls_dapo():
+    cfg = compose_recipe("dapo_augtree")
+    actor = cfg.actor_rollout_ref.actor
+    assert cfg.actor_rollout_ref.rollout.n == 16
+    assert (actor.clip_ratio_low, actor.clip_ratio_high) == (0.2, 0.28)  # clip-higher
+    assert cfg.algorithm.filter_groups.enable and cfg.algorithm.filter_groups.metric == "reward"  # dynamic sampling
+    assert not actor.use_kl_loss and not cfg.algorithm.use_kl_in_reward and not need_reference_policy(cfg)
+    assert cfg.reward.reward_manager.name == "dapo"
+    overlong = cfg.reward.reward_kwargs.overlong_buffer_cfg  # overlong reward shaping
+    assert overlong.enable and overlong.len == 2048 and overlong.penalty_factor == 1.0
+    OmegaConf.resolve(cfg)
+    assert cfg.reward.reward_kwargs.max_resp_len == cfg.data.max_response_length == 8192
+
+
+def test_overrides_work_as_on_any_verl_config():
+    cfg = compose_recipe("grpo_augtree", ["actor_rollout_ref.rollout.n=4",
+                                          "actor_rollout_ref.actor.fsdp_config.cp_degrees=[1,2]",
+                                          "actor_rollout_ref.actor.fsdp_config.use_planner=false"])
+    OmegaConf.resolve(cfg)
+    assert cfg.actor_rollout_ref.rollout.n == 4
+    assert cfg.actor_rollout_ref.ref.fsdp_config.cp_degrees == [1, 2]  # the ref follows the actor's knobs
+    assert cfg.actor_rollout_ref.ref.fsdp_config.use_planner is False
+
+
+def main_ppo_cfg_job(args, cwd):
+    """verl's real CLI entry point, asked to print the composed job config instead of training."""
+    out = subprocess.run([sys.executable, "-m", "verl.trainer.main_ppo", *args, "--cfg", "job"],
+                         capture_output=True, text=True, timeout=280, cwd=cwd)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return yaml.safe_load(out.stdout)
+
+
+@pytest.mark.timeout(300)
+def test_single_node_script_composes_through_main_ppo(tmp_path):
+    """examples/run_grpo_single_node.sh, extra arguments passed through to hydra: here --cfg job."""
+    env = dict(os.environ, MODEL="/models/qwen2.5-7b-instruct", DATA_DIR=str(tmp_path), NGPUS="4")
+    out = subprocess.run(["bash", str(REPO / "examples/run_grpo_single_node.sh"), "--cfg", "job"],
+                         capture_output=True, text=True, timeout=280, cwd=tmp_path, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    cfg = yaml.safe_load(out.stdout)
+    assert cfg["actor_rollout_ref"]["actor"]["strategy"] == "augtree"
+    assert cfg["actor_rollout_ref"]["model"]["path"] == "/models/qwen2.5-7b-instruct"
+    assert cfg["data"]["train_files"] == f"{tmp_path}/train.parquet"
+    assert cfg["trainer"]["n_gpus_per_node"] == 4 and cfg["trainer"]["v1"]["trainer_mode"] == "augtree_sync"
+
+
+@pytest.mark.timeout(300)
+def test_ray_job_script_submits_a_command_that_composes_on_the_cluster_side(tmp_path):
+    """DRY_RUN=1 prints the ``ray job submit`` command; its entrypoint runs from the uploaded working_dir."""
+    env = dict(os.environ, DRY_RUN="1", RAY_ADDRESS="http://head:8265", NNODES="2", DATA_DIR="/shared/musique")
+    out = subprocess.run(["bash", str(REPO / "examples/run_dapo_ray_job.sh")], capture_output=True, text=True,
+                         timeout=60, cwd=tmp_path, env=env)
+    assert out.returncode == 0, out.stderr
+    argv = shlex.split(out.stdout.strip().splitlines()[-1])
+    assert argv[:3] == ["ray", "job", "submit"] and argv[argv.index("--address") + 1] == "http://head:8265"
+    runtime_env = yaml.safe_load(argv[argv.index("--runtime-env-json") + 1])  # JSON is YAML
+    assert Path(runtime_env["working_dir"]) == REPO
+    entrypoint = argv[argv.index("--") + 1:]
+    assert entrypoint[:3] == ["python", "-m", "verl.trainer.main_ppo"]
+    # Ray runs the entrypoint with the uploaded working_dir as the current directory.
+    cfg = main_ppo_cfg_job(entrypoint[3:], cwd=runtime_env["working_dir"])
+    assert cfg["trainer"]["nnodes"] == 2 and cfg["trainer"]["v1"]["trainer_mode"] == "augtree_sync"
+    assert cfg["actor_rollout_ref"]["actor"]["clip_ratio_high"] == 0.28
+    assert cfg["data"]["train_files"] == "/shared/musique/train.parquet"
