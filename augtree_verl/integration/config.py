@@ -57,8 +57,8 @@ class AugTreeEngineConfig(FSDPEngineConfig):
         degrees = list(self.cp_degrees) if not isinstance(self.cp_degrees, (str, bytes)) else None
         if not degrees:
             raise ValueError(f"AugTreeEngineConfig.cp_degrees must be a non-empty list of ints, got {self.cp_degrees!r}")
-        for d in degrees:
-            _check_int("cp_degrees entry", d, minimum=1)
+        if any(isinstance(d, bool) or not isinstance(d, int) or d < 1 for d in degrees):
+            raise ValueError(f"AugTreeEngineConfig.cp_degrees must hold ints >= 1, got {degrees!r}")
         object.__setattr__(self, "cp_degrees", sorted(set(degrees)))
         if self.force_primitive is not None and self.force_primitive not in PRIMITIVES:
             raise ValueError(

@@ -98,11 +98,18 @@ def build_engine(strategy: str, model_path: str, *, loss_agg_mode: str = "token-
 
 def group_batch(groups: list[tuple[int, list[int]]], *, seed: int = 0, micro_batch_size: int = 2,
                 order: list[int] | None = None, temperature: float = 1.0) -> TensorDict:
-    """A verl V1 batch (nested, no padding): ``groups[g] = (prompt_len, [response_len, ...])``, one uid per group.
+    """A verl V1 batch (nested, no padding) of :func:`group_rows`, permuted by ``order`` (e.g. a shuffle).
 
-    Rows are listed group by group, then permuted by ``order`` (e.g. a shuffle). ``old_log_probs`` and
-    ``advantages`` are placeholders: set them with :func:`set_old_log_probs`.
+    ``old_log_probs`` are placeholders: set them with :func:`set_old_log_probs`.
     """
+    rows = group_rows(groups, seed=seed)
+    if order is not None:
+        rows = [rows[i] for i in order]
+    return rows_to_batch(rows, micro_batch_size=micro_batch_size, temperature=temperature)
+
+
+def group_rows(groups: list[tuple[int, list[int]]], *, seed: int = 0) -> list[dict]:
+    """``groups[g] = (prompt_len, [response_len, ...])`` -> rows, group by group, one uid per group."""
     g = torch.Generator().manual_seed(seed)
     rows = []
     for gi, (p, rs) in enumerate(groups):
@@ -111,13 +118,15 @@ def group_batch(groups: list[tuple[int, list[int]]], *, seed: int = 0, micro_bat
         for ri, r in enumerate(rs):
             rows.append(dict(uid=f"group-{gi}", prompt=prompt, response=torch.randint(0, VOCAB, (r,), generator=g),
                              advantage=float(advantages[ri])))
-    if order is not None:
-        rows = [rows[i] for i in order]
-    return rows_to_batch(rows, micro_batch_size=micro_batch_size, temperature=temperature)
+    return rows
 
 
-def rows_to_batch(rows: list[dict], *, micro_batch_size: int = 2, temperature: float = 1.0) -> TensorDict:
-    """``rows[k] = {uid, prompt, response, advantage}`` -> the TensorDict verl's engines take."""
+def rows_to_batch(rows: list[dict], *, micro_batch_size: int = 2, temperature: float = 1.0,
+                  extra: dict[str, list] | None = None) -> TensorDict:
+    """``rows[k] = {uid, prompt, response, advantage}`` -> the TensorDict verl's engines take.
+
+    ``extra[key]``: one non-tensor value per row (e.g. the trainer's plan entries).
+    """
     from verl.utils import tensordict_utils as tu
 
     def nested(tensors):
@@ -138,6 +147,7 @@ def rows_to_batch(rows: list[dict], *, micro_batch_size: int = 2, temperature: f
             "old_log_probs": nested([torch.zeros(len(r)) for r in responses]),
             "advantages": nested([o * row["advantage"] for o, row in zip(ones, rows)]),
             "uid": [row["uid"] for row in rows],
+            **(extra or {}),
         },
         non_tensor_dict=dict(temperature=temperature, global_batch_size=len(rows), use_dynamic_bsz=False,
                              micro_batch_size_per_gpu=micro_batch_size, use_remove_padding=True,
