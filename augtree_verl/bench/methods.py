@@ -3,9 +3,10 @@
 - MegaN: no prompt reuse, what verl does today. One device: the flattened baseline
   (``flattened_replay``: each [prompt ‖ response] its own sequence). CP degree d > 1: ring CP over each
   [prompt ‖ response] (the "ring" primitive, prompt recomputed per response).
-- MegaR: prompt reuse with plain ring CP over the whole group: the prompt and *all* responses in one K/V
-  ring, i.e. TreeMoveKV with one round of one lane (every response in cell (0, 0)). Needs d > 1; on one
-  device it is exactly AugTree.
+- MegaR: prompt reuse with plain ring CP: the prompt is prefilled once, sharded over all d ranks, and the
+  responses are replayed one after another, each with a K/V ring over all d ranks that carries the prompt
+  shards and that response's K/V. That is TreeMoveKV with a single lane (response i in cell (i, 0)).
+  Needs d > 1; on one device it is exactly AugTree.
 - AugTree: the grouped replay; with d > 1 the planner picks primitive, grid and placement per tree.
 - AugTree[<primitive>]: the planner restricted to one split primitive (forced "ring" is MegaN itself).
 """
@@ -35,8 +36,8 @@ class Method:
         if self.fixed == "ring":
             return [Plan(degree=degree, primitive="ring") for _ in trees]
         if self.fixed == "megar":
-            return [Plan(degree=degree, primitive="tree_move_kv", rounds=1, lanes=1,
-                         placement=((0, 0),) * len(t.responses)) for t in trees]
+            return [Plan(degree=degree, primitive="tree_move_kv", rounds=len(t.responses), lanes=1,
+                         placement=tuple((i, 0) for i in range(len(t.responses)))) for t in trees]
         from augtree_verl import plan_tree  # the planner (issue 4)
 
         return [plan_tree(t.prompt_len, t.response_lens, degrees=[degree], profile=profile,

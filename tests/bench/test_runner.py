@@ -68,3 +68,18 @@ def test_a_method_beyond_tolerance_is_wrong():
     assert not result(FLOAT32_GRAD_RTOL).wrong
     assert result(2 * FLOAT32_GRAD_RTOL).wrong and result(float("nan")).wrong
     assert "WRONG" in format_table([result(1.0)])
+
+
+def test_cp_plans_of_the_fixed_methods():
+    from augtree_verl.bench.methods import methods_for
+    from augtree_verl.replay.tree import ReplayTree
+
+    trees = [ReplayTree(torch.arange(5), [torch.arange(3), torch.arange(2)])]
+    by = {m.name: m for m in methods_for(4)}
+    assert list(by) == ["MegaN", "MegaR", "AugTree", "AugTree[tree_move_kv]", "AugTree[move_q]"]
+    (ring,), (megar,) = by["MegaN"].plans(trees, 4), by["MegaR"].plans(trees, 4)
+    assert (ring.primitive, ring.degree) == ("ring", 4)
+    assert (megar.primitive, megar.lanes, megar.rounds, megar.placement) == ("tree_move_kv", 1, 2, ((0, 0), (1, 0)))
+    (forced,) = by["AugTree[move_q]"].plans(trees, 4)
+    assert forced.primitive == "move_q" and forced.degree == 4
+    assert [m.name for m in methods_for(1)] == ["MegaN", "AugTree"] and by["MegaN"].plans(trees, 1) is None
