@@ -83,11 +83,12 @@ def test_dapo_recipe_is_verls_dapo():
 def test_overrides_work_as_on_any_verl_config():
     cfg = compose_recipe("grpo_augtree", ["actor_rollout_ref.rollout.n=4",
                                           "actor_rollout_ref.actor.fsdp_config.cp_degrees=[1,2]",
-                                          "actor_rollout_ref.actor.fsdp_config.use_planner=false"])
+                                          "actor_rollout_ref.actor.fsdp_config.use_planner=false",
+                                          "actor_rollout_ref.actor.fsdp_config.fallback_threshold_tokens=4096"])
     OmegaConf.resolve(cfg)
     assert cfg.actor_rollout_ref.rollout.n == 4
-    assert cfg.actor_rollout_ref.ref.fsdp_config.cp_degrees == [1, 2]  # the ref follows the actor's knobs
-    assert cfg.actor_rollout_ref.ref.fsdp_config.use_planner is False
+    ref = cfg.actor_rollout_ref.ref.fsdp_config  # the ref follows the actor's knobs
+    assert ref.cp_degrees == [1, 2] and ref.use_planner is False and ref.fallback_threshold_tokens == 4096
 
 
 def main_ppo_cfg_job(args, cwd):
