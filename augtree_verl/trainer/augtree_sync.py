@@ -24,13 +24,14 @@ from verl.utils import tensordict_utils as tu
 from verl.utils.config import omega_conf_to_dataclass
 from verl.utils.seqlen_balancing import log_seqlen_unbalance
 
+from augtree_verl.integration.registration import STRATEGY as AUGTREE_STRATEGY
+from augtree_verl.planner.service import PlannerClient, start_planner_service
 from augtree_verl.trainer.group_balance import WorkModel, balance_groups, find_trees, split_groups
 from augtree_verl.trainer.plan_field import PLAN_FIELD, plan_entries
 
 logger = logging.getLogger(__name__)
 
 TRAINER_MODE = "augtree_sync"
-AUGTREE_STRATEGY = "augtree"
 
 
 @register_trainer(TRAINER_MODE)
@@ -53,6 +54,9 @@ class AugTreeSyncTrainer(PPOTrainerSync):
         self.planner = None
         self.planner_actor = None
         self._plan_round = itertools.count()
+        if self.config.actor_rollout_ref.actor.get("shuffle", False):
+            logger.warning("actor.shuffle=true reshuffles each rank's samples into PPO mini-batches, so groups the "
+                           "balance kept in one mini-batch get split and their split CP plans cannot apply")
 
     def init(self):
         # Start the planner before the workers, whose engines may look it up by name.
@@ -67,8 +71,6 @@ class AugTreeSyncTrainer(PPOTrainerSync):
         engine_config = omega_conf_to_dataclass(actor.fsdp_config)
         if not engine_config.use_planner:
             return None
-        from augtree_verl.planner.service import PlannerClient, start_planner_service
-
         degrees = tuple(engine_config.cp_degrees)
         # Keep the handle: Ray destroys a non-detached named actor once its creator's handles are gone.
         self.planner_actor = start_planner_service(engine_config.planner_name, degrees=degrees)
