@@ -55,9 +55,9 @@ def ray_tq():
     ray.shutdown()
 
 
-def make_trainer(*overrides):
+def make_trainer(*overrides, recipe="grpo_augtree"):
     with initialize_config_dir(config_dir=str(REPO / "recipes"), version_base=None):
-        config = compose(config_name="grpo_augtree", overrides=[
+        config = compose(config_name=recipe, overrides=[
             f"actor_rollout_ref.rollout.n={N}", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
             "data.train_batch_size=4", "actor_rollout_ref.actor.fsdp_config.cp_degrees=[1,2,4]",
             f"actor_rollout_ref.actor.fsdp_config.planner_name=planner-{uuid.uuid4().hex[:8]}", *overrides])
@@ -169,11 +169,14 @@ def test_bad_rollout_lengths_are_a_clear_error(ray_tq):
     tq.kv_clear(keys=batch.keys, partition_id=PARTITION)
 
 
-def test_mode_is_verls_sync_trainer_under_its_own_name():
-    trainer = make_trainer()
+@pytest.mark.parametrize("recipe", ["grpo_augtree", "dapo_augtree"])
+def test_mode_is_verls_sync_trainer_under_its_own_name(recipe):
+    trainer = make_trainer(recipe=recipe)
     assert trainer.registered_trainer_mode == "augtree_sync"
     assert trainer.trainer_mode == "sync"
     assert type(trainer.replay_buffer) is ReplayBuffer  # not ReplayBufferAsync
+    # DAPO's dynamic sampling reaches verl's sync replay buffer
+    assert trainer.replay_buffer.filter_groups_metric == ("reward" if recipe == "dapo_augtree" else None)
     assert trainer.planner is None  # started by init(), before the workers
 
 
