@@ -111,8 +111,9 @@ def test_groups_stay_whole_per_rank_and_mini_batch_with_verls_padding(ray_tq):
     for rank_mini_batches in mini_batches:
         for mb in rank_mini_batches:
             assert len(set(mb["uid"])) == 1  # one whole group per mini-batch slot
-    assert sorted(k for td in views for k in td["uid"]) == sorted(
-        [uid for uid, (_, rs) in GROUPS.items() for _ in rs] + [next(u for u in views[-1]["uid"] if u.startswith("pad"))] * 4)
+    pad_uid = next(u for td in views for u in td["uid"] if u.startswith("pad"))
+    assert sorted(u for td in views for u in td["uid"]) == sorted(
+        [uid for uid, (_, rs) in GROUPS.items() for _ in rs] + [pad_uid] * 4)  # every sample exactly once
     for uid in GROUPS:
         assert sum(uid in list(td["uid"]) for td in views) == 1  # on exactly one rank
     assert metrics["augtree/balance/groups_split"] == 0.0
