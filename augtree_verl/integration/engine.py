@@ -14,7 +14,8 @@ Training runs in two passes, both exact:
 2. a training replay with ``loss_fn = sum(dL/dlogp * logp) + sum(dL/dentropy * entropy)`` puts exactly
    verl's gradient into the parameters: the loss depends on the parameters only through log-probs and
    entropies, so the chain rule is all it takes, whatever the loss mode (even batch-coupled ones).
-Gradient sync is held back over the whole training replay and done once at the end.
+Parameters stay gathered over both passes and gradient sync is held back until one reduction at the end
+(``gathered_for_replay``): ranks hold different trees, so per-call FSDP collectives could not line up.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from verl.workers.engine.utils import postprocess_batch_func, prepare_micro_batc
 from augtree_verl.integration.batch_trees import BatchTrees, build_trees, sequence_lengths
 from augtree_verl.integration.config import FSDP_STRATEGY, AugTreeEngineConfig
 from augtree_verl.integration.entropy_tap import EntropyTap
-from augtree_verl.integration.fsdp_model import FSDPReplayModel
+from augtree_verl.integration.fsdp_model import FSDPReplayModel, gathered_for_replay
 from augtree_verl.integration.metrics import step_metrics
 from augtree_verl.integration.plans import plans_for_trees
 from augtree_verl.replay import ReplayStats, replay
@@ -85,40 +86,42 @@ class AugTreeEngine(FSDPEngineWithLMHead):
         want_entropy = tu.get_non_tensor_data(data=data, key="calculate_entropy", default=False)
         budget = self.engine_config.micro_batch_tokens
 
-        # Pass 1: every response's log-probs (and entropies), forward only.
-        start = time.perf_counter()
-        score_stats = ReplayStats()
-        tap = EntropyTap(grouped.trees, budget, temperature) if want_entropy else None
-        with torch.no_grad():
-            logps = replay(FSDPReplayModel(self.module, on_logits=tap), grouped.trees, temperature=temperature,
-                           plans=plans, micro_batch_tokens=budget, stats=score_stats)
-        if tap is not None:
-            tap.check_all(logps)
-        scoring_s = time.perf_counter() - start
-
-        # verl's loss on each of verl's micro-batches; in training its backward gives dL/dlogp, dL/dentropy.
         train = not forward_only
-        output_lst, grads = [], {}
-        for m, mb in enumerate(micro_batches):
-            model_output, leaves = _model_output(mb, m, grouped, logps, tap, requires_grad=train)
-            if loss_function is None:
-                loss, metrics = torch.tensor(1.0), {}
-            else:
-                with torch.enable_grad() if train else nullcontext():
-                    loss, metrics = loss_function(model_output=model_output, data=mb, dp_group=dp_group)
-                if train:
-                    (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
-                    grads.update(_response_grads(mb, m, grouped, leaves))
-            entry = {"loss": loss.detach().item(), "metrics": metrics}
-            if forward_only or return_model_output:
-                entry["model_output"] = {k: v.detach() for k, v in model_output.items()}
-            output_lst.append(entry)
+        with gathered_for_replay(self.module, reshard_after_forward=self.engine_config.reshard_after_forward,
+                                 hold_gradient_sync=train):
+            # Pass 1: every response's log-probs (and entropies), forward only.
+            start = time.perf_counter()
+            score_stats = ReplayStats()
+            tap = EntropyTap(grouped.trees, budget, temperature) if want_entropy else None
+            with torch.no_grad():
+                logps = replay(FSDPReplayModel(self.module, on_logits=tap), grouped.trees, temperature=temperature,
+                               plans=plans, micro_batch_tokens=budget, stats=score_stats)
+            if tap is not None:
+                tap.check_all(logps)
+            scoring_s = time.perf_counter() - start
 
-        # Pass 2 (training): replay with the linearised loss; the stats then describe this pass.
-        stats = score_stats
-        if train:
-            stats = ReplayStats()
-            self._train_replay(grouped, plans, grads, temperature, want_entropy, stats)
+            # verl's loss on each of verl's micro-batches; in training its backward gives dL/dlogp, dL/dentropy.
+            output_lst, grads = [], {}
+            for m, mb in enumerate(micro_batches):
+                model_output, leaves = _model_output(mb, m, grouped, logps, tap, requires_grad=train)
+                if loss_function is None:
+                    loss, metrics = torch.tensor(1.0), {}
+                else:
+                    with torch.enable_grad() if train else nullcontext():
+                        loss, metrics = loss_function(model_output=model_output, data=mb, dp_group=dp_group)
+                    if train:
+                        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+                        grads.update(_response_grads(mb, m, grouped, leaves))
+                entry = {"loss": loss.detach().item(), "metrics": metrics}
+                if forward_only or return_model_output:
+                    entry["model_output"] = {k: v.detach() for k, v in model_output.items()}
+                output_lst.append(entry)
+
+            # Pass 2 (training): replay with the linearised loss; the stats then describe this pass.
+            stats = score_stats
+            if train:
+                stats = ReplayStats()
+                self._train_replay(grouped, plans, grads, temperature, want_entropy, stats)
         output_lst[0]["metrics"] = {**output_lst[0]["metrics"],
                                     **step_metrics(stats, plans, scoring_s=scoring_s if train else 0.0,
                                                    plan_fallbacks=plan_fallbacks)}
@@ -139,24 +142,8 @@ class AugTreeEngine(FSDPEngineWithLMHead):
             loss = (g_logp * logp).sum()
             return loss if entropy is None else loss + (g_entropy * entropy).sum()
 
-        self.module.set_requires_gradient_sync(False)
-        try:
-            replay(FSDPReplayModel(self.module, on_logits=tap), grouped.trees, linearised_loss,
-                   temperature=temperature, plans=plans, micro_batch_tokens=budget, stats=stats)
-        finally:
-            self.module.set_requires_gradient_sync(True)
-        self._sync_held_gradients()
-
-    def _sync_held_gradients(self) -> None:
-        """Reduce the gradients FSDP held back during the replay: a 1-token forward whose backward adds zeros.
-
-        FSDP2 reduces a unit's accumulated gradients in its post-backward hook, so one backward through every
-        unit with sync on is the public way to run that reduction; its own contribution is exactly zero.
-        """
-        device = self.module.get_input_embeddings().weight.device
-        token = torch.zeros(1, 1, dtype=torch.long, device=device)
-        logits = self.module(input_ids=token, position_ids=token, use_cache=False).logits
-        logits.backward(torch.zeros_like(logits))
+        replay(FSDPReplayModel(self.module, on_logits=tap), grouped.trees, linearised_loss,
+               temperature=temperature, plans=plans, micro_batch_tokens=budget, stats=stats)
 
 
 def _check_supported(data: TensorDict) -> None:

@@ -6,6 +6,7 @@ import glob
 import json
 import os
 import struct
+import time
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from augtree_verl.trainer.plan_field import PLAN_FIELD
 from verl.utils.metric import reduce_metrics
 from verl.workers.engine.utils import prepare_micro_batches
 
+WANDB_FLUSH_WAIT_S = 30
 # group 0: a complete split plan (applies); group 1: ring; group 2: a split plan planned for 2 responses of
 # which this rank holds 1 (cannot apply: a fallback); group 3: ring.
 GROUPS = [(9, [3, 5, 4, 2]), (4, [6, 2, 3, 1, 5, 2]), (6, [4]), (1, [2, 1, 3])]
@@ -128,7 +130,10 @@ def test_plans_reach_the_replay_and_metrics_reach_wandb(engine, tmp_path, monkey
     tracker.finish()
     runs = glob.glob(os.path.join(str(tmp_path), "wandb", "offline-run-*", "run-*.wandb"))
     assert len(runs) == 1, runs
-    logged = _logged_history(runs[0])
+    # wandb's service process may still be writing the run file when finish() returns.
+    deadline = time.monotonic() + WANDB_FLUSH_WAIT_S
+    while not set(expected) <= set(logged := _logged_history(runs[0])) and time.monotonic() < deadline:
+        time.sleep(0.5)
     for key, value in expected.items():
         assert logged[key] == pytest.approx(value), key
     assert logged["actor/augtree/measured_replay_s"] == pytest.approx(metrics["actor/augtree/measured_replay_s"])
