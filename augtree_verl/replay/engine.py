@@ -55,6 +55,10 @@ def replay(
         raise ValueError(f"temperature must be > 0, got {temperature}")
     plans = _check_plans(plans, trees)
     stats = stats if stats is not None else ReplayStats()
+    if any(plan is not None and plan.degree > 1 for plan in plans):
+        from augtree_verl.cp.engine import replay_cp  # lazy: augtree_verl.cp imports this package
+        return replay_cp(model, trees, loss_fn, plans, temperature=temperature,
+                         micro_batch_tokens=micro_batch_tokens, stats=stats)
     logps: list[list[torch.Tensor]] = []
     with augtree_attention(model), torch.set_grad_enabled(loss_fn is not None):
         for t, (tree, plan) in enumerate(zip(trees, plans)):
@@ -73,9 +77,6 @@ def _check_plans(plans, trees) -> list[Plan | None]:
         if plan is None:
             continue
         plan.check_responses(len(tree.responses), tree=t)
-        if plan.degree > 1:
-            raise ValueError(f"tree {t}: plan degree {plan.degree} needs context-parallel replay, "
-                             "which this build does not provide yet")
     return plans
 
 

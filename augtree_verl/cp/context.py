@@ -1,0 +1,96 @@
+"""The attention contexts a CP replay passes through the model call (``augtree_ctx=...``).
+
+The replay engine's "augtree" attention function (``replay.attention``) calls ``ctx.attend(layer, q, k, v,
+scaling)`` with this rank's tokens, q [1, H, S, D], k/v [1, H_kv, S, D] post-RoPE, and wants [1, H, S, D]
+back. A rank that owns no token of the sequence still has to relay K/V and serve queries, but transformers
+cannot run a model on zero tokens: such a rank runs one dummy token, ``S = max(n, 1)`` while only the
+first ``n`` rows are real; the dummy gets a zero output (independent of its q/k/v, so its gradients are
+exactly zero) and its K/V never leave the rank. Contexts are read-only during a model call, so an
+activation-checkpoint recompute re-runs the same attention (and the same communication) on every rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from augtree_verl.cp.comm import Meter, Ring
+from augtree_verl.cp.layout import ZigzagLayout
+from augtree_verl.cp.move_q import MoveQSpec, move_q_attention
+from augtree_verl.cp.ring import RingSpec, ring_attention
+
+
+def _real(x: torch.Tensor, n: int) -> torch.Tensor:
+    return x[0, :, :n]
+
+
+def _padded(out: torch.Tensor, rows: int) -> torch.Tensor:
+    """[H, n, D] -> [1, H, rows, D] with zero rows for the dummy token."""
+    if out.shape[1] < rows:
+        out = torch.cat([out, out.new_zeros(out.shape[0], rows - out.shape[1], out.shape[2])], dim=1)
+    return out[None]
+
+
+@dataclass
+class RingContext:
+    """Causal ring attention over ``layout`` (RingCP over [prompt || response], or a prompt prefill).
+    With ``capture`` (a dict), records each layer's real (k, v) [H_kv, n, D], still in the graph; the
+    first capture wins so a checkpoint recompute cannot replace it."""
+
+    ring: Ring
+    layout: ZigzagLayout
+    meter: Meter
+    capture: dict | None = None
+
+    def attend(self, layer, q, k, v, scaling):
+        n = self.layout.size(self.ring.index)
+        rows = q.shape[2]
+        q, k, v = _real(q, n), _real(k, n), _real(v, n)
+        if self.capture is not None:
+            self.capture.setdefault(layer, (k, v))
+        spec = RingSpec(self.ring, self.layout, None, scaling)
+        return _padded(ring_attention(q, k, v, spec, self.meter), rows)
+
+
+@dataclass
+class LaneReplayContext:
+    """TreeMoveKV replay step: the lane ring over the response (``layout``) carrying the lane's prompt
+    shards (``prompt``; ``prompt_kv[layer]`` = this rank's (pk, pv) leaves) as a fully visible prefix."""
+
+    ring: Ring
+    layout: ZigzagLayout
+    prompt: ZigzagLayout | None
+    prompt_kv: list
+    meter: Meter
+
+    def attend(self, layer, q, k, v, scaling):
+        n = self.layout.size(self.ring.index)
+        rows = q.shape[2]
+        q, k, v = _real(q, n), _real(k, n), _real(v, n)
+        spec = RingSpec(self.ring, self.layout, self.prompt, scaling)
+        prefix = self.prompt_kv[layer] if self.prompt is not None else None
+        return _padded(ring_attention(q, k, v, spec, self.meter, prefix_kv=prefix), rows)
+
+
+@dataclass
+class MoveQReplayContext:
+    """MoveQ replay step: queries of this rank's response shard go to every prompt owner; the lane ring
+    covers the response's own part. ``query_counts[j]``: real queries of CP rank j in this step."""
+
+    group: object
+    rank: int
+    prompt: ZigzagLayout
+    query_counts: tuple[int, ...]
+    ring: Ring
+    layout: ZigzagLayout
+    prompt_kv: list
+    meter: Meter
+
+    def attend(self, layer, q, k, v, scaling):
+        n = self.layout.size(self.ring.index)
+        rows = q.shape[2]
+        q, k, v = _real(q, n), _real(k, n), _real(v, n)
+        spec = MoveQSpec(self.group, self.rank, self.prompt, self.query_counts,
+                         RingSpec(self.ring, self.layout, None, scaling), scaling)
+        return _padded(move_q_attention(q, k, v, self.prompt_kv[layer], spec, self.meter), rows)

@@ -1,0 +1,167 @@
+"""The CP replay engine vs the flattened single-process baseline, on real gloo process groups.
+
+Contract checked on every rank: returned log-probs equal the baseline's; the SUM over ranks of every
+parameter's .grad equals the baseline's .grad (float32, 1e-5 relative); bytes each rank sent per
+primitive equal the analytic count (``cp.cost``); the prompt runs once per lane / group."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from augtree_verl import Plan, ReplayStats, replay
+from augtree_verl.cp.cost import AttentionShape, analytic_bytes
+from augtree_verl.cp.engine import replay_cp
+from augtree_verl.replay.baseline import flattened_replay
+from tests.cp.distributed import run_distributed
+from tests.parity import assert_grads_match, assert_logps_match, grads, random_trees, tiny_model
+
+
+def grpo_like_loss(trees, seed=0):
+    """Policy-gradient term plus a non-linear term so dL/dlogp differs per token."""
+    g = torch.Generator().manual_seed(seed)
+    adv = [torch.randn(len(t.responses), generator=g).tolist() for t in trees]
+    return lambda t, i, logp: -(logp * adv[t][i]).mean() + 0.05 * (logp ** 2).sum()
+
+
+def split_plan(primitive, d, lanes, placement):
+    return Plan(degree=d, primitive=primitive, rounds=1 + max(r for r, _ in placement), lanes=lanes,
+                placement=placement)
+
+
+def ring_plan(d):
+    return Plan(degree=d, primitive="ring")
+
+
+def check_call(model, trees, plans, *, use_replay=False, temperature=1.0, train=True, seed=0):
+    """One CP call vs the baseline on the same weights; returns this rank's summed-over-ranks grads."""
+    loss_fn = grpo_like_loss(trees, seed) if train else None
+    model.zero_grad(set_to_none=True)
+    stats = ReplayStats()
+    if use_replay:
+        got = replay(model, trees, loss_fn, plans=plans, temperature=temperature, stats=stats)
+    else:
+        got = replay_cp(model, trees, loss_fn, plans, temperature=temperature, stats=stats)
+    summed = {}
+    if train:
+        # a rank that scores no token leaves e.g. the LM head's .grad None: its share is zero
+        summed = {n: p.grad.clone() if p.grad is not None else torch.zeros_like(p)
+                  for n, p in model.named_parameters()}
+        for n in summed:
+            dist.all_reduce(summed[n])
+    model.zero_grad(set_to_none=True)
+    want = flattened_replay(model, trees, loss_fn, temperature=temperature)
+    assert_logps_match(got, want)
+    if train:
+        assert_grads_match(summed, grads(model))
+
+    rank, shape = dist.get_rank(), AttentionShape.of(model.config, 4)
+    for primitive in {p.primitive for p in plans}:
+        want_bytes = {"fwd": 0, "bwd": 0}
+        for tree, plan in zip(trees, plans):
+            if plan.primitive == primitive:
+                b = analytic_bytes(plan, tree.prompt_len, tree.response_lens, rank, shape, train)
+                want_bytes = {k: want_bytes[k] + b[k] for k in b}
+        got_bytes = {k: stats.comm_bytes.get(f"{primitive}/{k}", 0) for k in ("fwd", "bwd")}
+        assert got_bytes == want_bytes, (rank, primitive, got_bytes, want_bytes)
+    return stats, summed
+
+
+PROMPT_HEAVY = ([41], [[3, 6, 2]])      # G = 3: not divisible by 2 lanes
+RESPONSE_HEAVY = ([5], [[17, 12, 9]])
+
+
+def _world2(rank, world):
+    model = tiny_model("qwen2-gqa")
+    for prompt_lens, response_lens in (PROMPT_HEAVY, RESPONSE_HEAVY):
+        trees = random_trees(prompt_lens, response_lens, seed=len(response_lens[0]))
+        for plan in (ring_plan(2), split_plan("tree_move_kv", 2, 1, ((0, 0), (1, 0), (2, 0))),
+                     split_plan("tree_move_kv", 2, 2, ((0, 0), (0, 1), (1, 0))),
+                     split_plan("move_q", 2, 2, ((0, 0), (0, 1), (1, 0)))):
+            check_call(model, trees, [plan])
+    # several trees with different plans in one call, through the public replay(); temperature != 1
+    trees = random_trees([13, 30, 2], [[4, 9], [5, 1, 7, 3], [6, 2, 1]], seed=5)
+    plans = [ring_plan(2), split_plan("move_q", 2, 2, ((0, 0), (1, 1), (0, 1), (1, 0))),
+             split_plan("tree_move_kv", 2, 2, ((0, 1), (0, 0), (1, 0)))]
+    stats, _ = check_call(model, trees, plans, use_replay=True, temperature=0.7)
+    assert dict(stats.plans) == {"ring": 1, "move_q": 1, "tree_move_kv": 1}
+    # forward only
+    check_call(model, trees, plans, train=False)
+
+
+def _world4(rank, world):
+    model = tiny_model("llama-mha", seed=3)
+    trees = random_trees([37, 6], [[2, 11, 1, 5, 8], [23, 4, 9]], seed=7)
+    for plans in ([split_plan("tree_move_kv", 4, 2, ((0, 0), (0, 1), (1, 0), (1, 1), (2, 0))),
+                   split_plan("move_q", 4, 3, ((0, 0), (0, 1), (0, 2)))],
+                  [split_plan("tree_move_kv", 4, 4, ((0, 0), (0, 1), (0, 2), (0, 3), (1, 2))), ring_plan(4)],
+                  [split_plan("move_q", 4, 2, ((0, 0), (0, 0), (1, 1), (0, 1), (1, 0))),
+                   split_plan("tree_move_kv", 4, 1, ((0, 0), (1, 0), (1, 0)))]):
+        stats, _ = check_call(model, trees, plans)
+    # the prompt runs once per lane (tree_move_kv: 4 lanes of 1 rank) or once per group (move_q):
+    # executed tokens on this rank = its prompt shard + its shards of the fed response tokens (+ dummies)
+    assert stats.executed_tokens < sum(t.prompt_len + sum(t.response_lens) for t in trees)
+
+
+def _several_steps(rank, world):
+    """Parity after each of three AdamW steps (the same summed gradient applied on every rank)."""
+    model = tiny_model("qwen2-gqa", seed=4)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    trees = random_trees([19], [[7, 3, 10]], seed=9)
+    plans = [split_plan("move_q", world, 2, ((0, 0), (0, 1), (1, 0)))]
+    for step in range(3):
+        _, summed = check_call(model, trees, plans, seed=step)
+        for n, p in model.named_parameters():
+            p.grad = summed[n]
+        opt.step()
+
+
+def _world1(rank, world):
+    model = tiny_model("qwen2-gqa")
+    trees = random_trees([9], [[4, 1, 6]], seed=2)
+    for plan in (ring_plan(1), split_plan("tree_move_kv", 1, 1, ((0, 0), (1, 0), (1, 0))),
+                 split_plan("move_q", 1, 1, ((0, 0), (0, 0), (1, 0)))):
+        stats, _ = check_call(model, trees, [plan])
+        assert stats.total_comm_bytes == 0
+
+
+@pytest.mark.timeout(400)
+def test_world2_each_primitive_prompt_and_response_heavy_mixed_plans():
+    run_distributed(_world2, 2)
+
+
+@pytest.mark.timeout(400)
+def test_world4_lanes_short_responses_mha():
+    run_distributed(_world4, 4)
+
+
+@pytest.mark.timeout(300)
+def test_parity_after_each_of_several_steps():
+    run_distributed(_several_steps, 2)
+
+
+@pytest.mark.timeout(200)
+def test_degree_one():
+    run_distributed(_world1, 1)
+
+
+def _bad_plans(rank, world):
+    model = tiny_model("qwen2-gqa")
+    trees = random_trees([5], [[3, 2]], seed=1)
+    with pytest.raises(ValueError, match="differs from the CP group size"):
+        replay_cp(model, trees, None, [ring_plan(4)])
+    with pytest.raises(ValueError, match="tree 0 has no plan"):
+        replay_cp(model, trees, None, [None])
+    with pytest.raises(ValueError, match="tree 0 has 1 cells"):
+        replay_cp(model, trees, None, [split_plan("move_q", 2, 1, ((0, 0),))])
+
+
+@pytest.mark.timeout(200)
+def test_bad_plans_raise():
+    run_distributed(_bad_plans, 2)
+
+
+def test_needs_initialised_process_group():
+    model = tiny_model("qwen2-gqa")
+    trees = random_trees([5], [[3]], seed=1)
+    with pytest.raises(ValueError, match="torch.distributed initialised"):
+        replay(model, trees, plans=[ring_plan(2)])
