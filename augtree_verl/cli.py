@@ -29,7 +29,8 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--group-size", type=int, help=f"responses per prompt G (default {BenchConfig.group_size}; "
                                                       f"--quick {QUICK['group_size']})")
     bench.add_argument("--groups", type=int, help="groups (trees) per step (default 1)")
-    bench.add_argument("--cp", type=int, help="context-parallel degree: spawns that many processes (default 1)")
+    bench.add_argument("--cp", type=int, help=f"context-parallel degree: spawns that many processes (default "
+                                              f"{BenchConfig.cp}; 1 runs MegaN and AugTree in this process)")
     bench.add_argument("--model", help=f"built-in model ({', '.join(BUILTIN_MODELS)}; default {BenchConfig.model}, "
                                        f"--quick {QUICK['model']}) or a local Hugging Face checkpoint directory")
     bench.add_argument("--device", choices=("cpu", "cuda"), help="cpu (default, gloo) or cuda (NCCL, flash-attn, bf16)")

@@ -47,6 +47,7 @@ def attn_implementation(device: str) -> str:
 
 def load_model(name_or_path: str, *, device: str = "cpu", dtype: torch.dtype = torch.float32, seed: int = 0):
     """A causal LM in train mode: built-in ``name_or_path`` (random weights from ``seed``) or a local HF checkpoint."""
+    check_model_name(name_or_path)
     attn = attn_implementation(device)
     if name_or_path in BUILTIN_MODELS:
         config_cls, model_cls, shape = BUILTIN_MODELS[name_or_path]
@@ -54,13 +55,17 @@ def load_model(name_or_path: str, *, device: str = "cpu", dtype: torch.dtype = t
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             model = model_cls(config)
-    elif Path(name_or_path).is_dir():
+    else:
         model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype, attn_implementation=attn,
                                                      local_files_only=True)
-    else:
+    return model.to(device=device, dtype=dtype).train()
+
+
+def check_model_name(name_or_path: str) -> None:
+    """Raise ``ValueError`` unless ``name_or_path`` is a built-in model or a local directory."""
+    if name_or_path not in BUILTIN_MODELS and not Path(name_or_path).is_dir():
         raise ValueError(f"--model {name_or_path!r} is neither a built-in model ({', '.join(BUILTIN_MODELS)}) "
                          "nor a local Hugging Face checkpoint directory")
-    return model.to(device=device, dtype=dtype).train()
 
 
 def vocab_size(model) -> int:

@@ -14,12 +14,18 @@ import torch.multiprocessing as mp
 
 from augtree_verl.bench.config import BenchConfig
 from augtree_verl.bench.runner import MethodResult, run_benchmark
+from augtree_verl.bench.workloads import select_groups
+from augtree_verl.models import check_model_name
 
 INIT_TIMEOUT = timedelta(minutes=10)  # a rank may wait that long at a barrier while rank 0 runs a long step
 
 
 def run(cfg: BenchConfig) -> list[MethodResult]:
     """The benchmark's results: in this process for ``cfg.cp == 1``, else gathered from ``cfg.cp`` spawned ranks."""
+    # Bad workload sizes or model names fail here, before any process starts.
+    for name in cfg.workloads:
+        select_groups(name, cfg.budget_tokens, cfg.group_size, cfg.num_groups)
+    check_model_name(cfg.model)
     if cfg.cp == 1:
         return run_benchmark(cfg, device=_device(cfg, 0))
     if cfg.device.startswith("cuda") and torch.cuda.device_count() < cfg.cp:
