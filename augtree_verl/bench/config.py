@@ -12,6 +12,7 @@ from augtree_verl.models import DEFAULT_MODEL
 DEFAULT_BUDGET = 32_768
 DEFAULT_GROUP_SIZE = 8
 DEFAULT_REPEATS = 3
+DEFAULT_CP = 2  # shows every method (MegaR and the CP primitives need d > 1) on a 2-core machine
 QUICK = dict(budget_tokens=8_192, group_size=4, repeats=1, model="qwen2-tiny")
 DEVICES = ("cpu", "cuda")
 
@@ -22,7 +23,7 @@ class BenchConfig:
     budget_tokens: int = DEFAULT_BUDGET     # logical tokens per group (G·P + ΣR_i), see workloads.py
     group_size: int = DEFAULT_GROUP_SIZE
     num_groups: int = 1
-    cp: int = 1
+    cp: int = DEFAULT_CP
     model: str = DEFAULT_MODEL
     device: str = "cpu"
     repeats: int = DEFAULT_REPEATS
