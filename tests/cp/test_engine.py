@@ -32,8 +32,10 @@ def ring_plan(d):
     return Plan(degree=d, primitive="ring")
 
 
-def check_call(model, trees, plans, *, use_replay=False, temperature=1.0, train=True, seed=0):
-    """One CP call vs the baseline on the same weights; returns this rank's summed-over-ranks grads."""
+def check_call(model, trees, plans, *, use_replay=False, temperature=1.0, train=True, seed=0, forward_runs=1):
+    """One CP call vs the baseline on the same weights; returns (stats, grads summed over ranks).
+    ``forward_runs``: 2 with activation checkpointing (each layer's forward, and its communication, re-runs
+    once in the backward)."""
     loss_fn = grpo_like_loss(trees, seed) if train else None
     model.zero_grad(set_to_none=True)
     stats = ReplayStats()
@@ -60,7 +62,7 @@ def check_call(model, trees, plans, *, use_replay=False, temperature=1.0, train=
         for tree, plan in zip(trees, plans):
             if plan.primitive == primitive:
                 b = analytic_bytes(plan, tree.prompt_len, tree.response_lens, rank, shape, train)
-                want_bytes = {k: want_bytes[k] + b[k] for k in b}
+                want_bytes = {"fwd": want_bytes["fwd"] + forward_runs * b["fwd"], "bwd": want_bytes["bwd"] + b["bwd"]}
         got_bytes = {k: stats.comm_bytes.get(f"{primitive}/{k}", 0) for k in ("fwd", "bwd")}
         assert got_bytes == want_bytes, (rank, primitive, got_bytes, want_bytes)
     return stats, summed
@@ -86,6 +88,10 @@ def _world2(rank, world):
     assert dict(stats.plans) == {"ring": 1, "move_q": 1, "tree_move_kv": 1}
     # forward only
     check_call(model, trees, plans, train=False)
+    # activation checkpointing (non-reentrant) on a Qwen3 model
+    model = tiny_model("qwen3-gqa", seed=1)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    check_call(model, trees, plans, forward_runs=2)
 
 
 def _world4(rank, world):
