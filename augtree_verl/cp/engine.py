@@ -42,7 +42,7 @@ from augtree_verl.cp.comm import Meter, Ring, all_gather_sum
 from augtree_verl.cp.context import LaneReplayContext, MoveQReplayContext, RingContext
 from augtree_verl.cp.layout import ZigzagLayout, lane_members
 from augtree_verl.plan import Plan
-from augtree_verl.replay.attention import NO_MASKS, augtree_attention
+from augtree_verl.replay.attention import NO_MASKS, use_augtree_attention
 from augtree_verl.replay.scoring import token_logps
 from augtree_verl.replay.stats import ReplayStats
 from augtree_verl.replay.tree import ReplayTree
@@ -62,7 +62,8 @@ def replay_cp(model, trees: Sequence[ReplayTree], loss_fn, plans: Sequence[Plan]
     run = _Run(model, loss_fn, temperature, stats, group, dist.get_rank(group), size)
     schedules = {"ring": run.ring_tree, "tree_move_kv": run.tree_move_kv_tree, "move_q": run.move_q_tree}
     logps = []
-    with augtree_attention(model), torch.set_grad_enabled(loss_fn is not None):
+    use_augtree_attention(model)
+    with torch.set_grad_enabled(loss_fn is not None):
         for t, (tree, plan) in enumerate(zip(trees, plans)):
             stats.plans[plan.primitive] += 1
             logps.append(schedules[plan.primitive](t, tree, plan))

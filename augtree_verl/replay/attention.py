@@ -3,17 +3,15 @@
 During a replay the model's ``config._attn_implementation`` is "augtree" and each model call carries a
 context object in its kwargs (``augtree_ctx=...``; transformers 5 hands extra kwargs to the attention
 function). The context is read, never mutated, by the replay phase, so activation checkpointing may re-run
-any layer. Calls without a context (e.g. a model left on "augtree" and used elsewhere) run plain SDPA.
+any layer. Calls without a context run the model's original implementation (see ``use_augtree_attention``).
 """
 
 from __future__ import annotations
 
-import contextlib
-from dataclasses import dataclass, field
-
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from augtree_verl.replay.prefix_attention import prefix_causal_attention
@@ -21,7 +19,10 @@ from augtree_verl.replay.prefix_attention import prefix_causal_attention
 ATTN_NAME = "augtree"
 
 
-@dataclass
+# The contexts are plain classes, not dataclasses: FSDP2's cast_forward_inputs copies dataclasses found in
+# forward kwargs, which would lose the prefill capture.
+
+
 class PrefillContext:
     """Phase A: causal attention over the prompt; captures each layer's post-RoPE K/V.
 
@@ -29,21 +30,22 @@ class PrefillContext:
     wins, so a checkpoint recompute during the delayed backward cannot replace it.
     """
 
-    kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    def __init__(self):
+        self.kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def attend(self, layer: int, q, k, v, scaling: float) -> torch.Tensor:
         self.kv.setdefault(layer, (k, v))
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=True)
 
 
-@dataclass
 class ResponseContext:
     """Phase B: response queries attend to [prompt K/V ; own K/V] (see ``prefix_attention``).
 
     ``prompt_kv[layer] = (k, v)``, each [1, H_kv, P, D]: the leaves that collect dK/dV.
     """
 
-    prompt_kv: list[tuple[torch.Tensor, torch.Tensor]]
+    def __init__(self, prompt_kv: list[tuple[torch.Tensor, torch.Tensor]]):
+        self.prompt_kv = prompt_kv
 
     def attend(self, layer: int, q, k, v, scaling: float) -> torch.Tensor:
         pk, pv = self.prompt_kv[layer]
@@ -53,7 +55,8 @@ class ResponseContext:
 def augtree_attention_forward(module, query, key, value, attention_mask, scaling=None, augtree_ctx=None, **kwargs):
     """transformers attention signature: q [B, H, S, D], k/v [B, H_kv, S, D] -> ([B, S, H, D], None)."""
     if augtree_ctx is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+        fallback = ALL_ATTENTION_FUNCTIONS.get(getattr(module.config, FALLBACK_ATTR, "sdpa"), sdpa_attention_forward)
+        return fallback(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
     if kwargs.get("sliding_window"):
         raise ValueError(f"layer {module.layer_idx} uses sliding-window attention, which augtree does not replay")
     out = augtree_ctx.attend(module.layer_idx, query, key, value, scaling)
@@ -64,14 +67,17 @@ AttentionInterface.register(ATTN_NAME, augtree_attention_forward)
 
 # A mask dict makes transformers skip building its own masks: the contexts carry theirs.
 NO_MASKS = {"full_attention": None, "sliding_attention": None}
+# Where the model's own attention implementation is kept once it routes through "augtree".
+FALLBACK_ATTR = "augtree_fallback_attn_implementation"
 
 
-@contextlib.contextmanager
-def augtree_attention(model):
-    """Route ``model``'s attention through "augtree" for the duration of the block."""
-    previous = model.config._attn_implementation
-    model.config._attn_implementation = ATTN_NAME
-    try:
-        yield
-    finally:
-        model.config._attn_implementation = previous
+def use_augtree_attention(model) -> None:
+    """Route ``model``'s attention through "augtree" (idempotent, and left in place).
+
+    It stays in place because a checkpointed layer may be recomputed in a backward that runs after
+    ``replay`` returns (``keep_graph``), and the recompute must dispatch like the original forward.
+    Calls without a replay context run the model's original implementation ("eager" runs as SDPA).
+    """
+    if model.config._attn_implementation != ATTN_NAME:
+        setattr(model.config, FALLBACK_ATTR, model.config._attn_implementation)
+        model.config._attn_implementation = ATTN_NAME

@@ -6,25 +6,27 @@ from typing import Sequence
 
 import torch
 
-from augtree_verl.replay.engine import LossFn
+from augtree_verl.replay.engine import LogitsHook, LossFn
 from augtree_verl.replay.scoring import logps_from_logits
 from augtree_verl.replay.tree import ReplayTree
 
 
 def flattened_replay(model, trees: Sequence[ReplayTree], loss_fn: LossFn | None = None, *,
-                     temperature: float = 1.0) -> list[list[torch.Tensor]]:
+                     temperature: float = 1.0, keep_graph: bool = False,
+                     on_logits: LogitsHook | None = None) -> list[list[torch.Tensor]]:
     """Same contract as ``replay``, computed the way stock trainers do: one sequence per response."""
     logps = []
-    with torch.set_grad_enabled(loss_fn is not None):
+    with torch.set_grad_enabled(loss_fn is not None or keep_graph):
         for t, tree in enumerate(trees):
             row = []
             for i, resp in enumerate(tree.responses):
                 ids = torch.cat([tree.prompt, resp])[None]
                 # Keep the logits of positions P-1 .. P+R-2, the ones that score the response.
                 logits = model(input_ids=ids, logits_to_keep=len(resp) + 1, use_cache=False).logits[0, :-1]
-                logp = logps_from_logits(logits, resp, temperature)
+                hook = None if on_logits is None else (lambda x, t=t, i=i: on_logits(t, i, x))
+                logp = logps_from_logits(logits, resp, temperature, hook)
                 if loss_fn is not None:
                     loss_fn(t, i, logp).backward()
-                row.append(logp.detach())
+                row.append(logp if keep_graph else logp.detach())
             logps.append(row)
     return logps

@@ -19,13 +19,14 @@ from typing import Callable, Sequence
 import torch
 
 from augtree_verl.plan import Plan
-from augtree_verl.replay.attention import NO_MASKS, PrefillContext, ResponseContext, augtree_attention
+from augtree_verl.replay.attention import NO_MASKS, PrefillContext, ResponseContext, use_augtree_attention
 from augtree_verl.replay.microbatch import split_micro_batches
 from augtree_verl.replay.scoring import token_logps
 from augtree_verl.replay.stats import ReplayStats
 from augtree_verl.replay.tree import ReplayTree
 
 LossFn = Callable[[int, int, torch.Tensor], torch.Tensor]
+LogitsHook = Callable[[int, int, torch.Tensor], None]
 DEFAULT_MICRO_BATCH_TOKENS = 8192
 
 
@@ -38,6 +39,8 @@ def replay(
     plans: Sequence[Plan | None] | None = None,
     micro_batch_tokens: int = DEFAULT_MICRO_BATCH_TOKENS,
     stats: ReplayStats | None = None,
+    keep_graph: bool = False,
+    on_logits: LogitsHook | None = None,
 ) -> list[list[torch.Tensor]]:
     """Score (and, with ``loss_fn``, backpropagate) every response of every tree.
 
@@ -45,6 +48,12 @@ def replay(
     parameter's ``.grad`` grows by the gradient of sum_{t,i} loss_fn(t, i, logp_ti) as the flattened
     baseline computes it. Without it, runs forward only under ``torch.no_grad``.
     ``plans``: one ``Plan`` (or None) per tree; a plan with degree > 1 runs context-parallel.
+    ``keep_graph`` (instead of ``loss_fn``, for losses that need every log-prob at once): the returned
+    log-probs stay attached to one graph in which each prompt appears once; a single backward of any
+    function of them gives the flattened baseline's gradients (autograd sums every response's prompt
+    adjoints before it runs the prompt's backward). All trees' activations are alive until then.
+    ``on_logits(t, i, logits)``: sees each response's float32 logits [R_i, V], already divided by
+    ``temperature`` and attached to the graph when one is built (e.g. for an entropy term).
     """
     trees = list(trees)
     device = model.get_input_embeddings().weight.device
@@ -54,16 +63,21 @@ def replay(
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     plans = _check_plans(plans, trees)
+    if keep_graph and loss_fn is not None:
+        raise ValueError("pass either loss_fn (streamed backward) or keep_graph=True (caller's backward), not both")
     stats = stats if stats is not None else ReplayStats()
     if any(plan is not None and plan.degree > 1 for plan in plans):
+        if keep_graph or on_logits is not None:
+            raise ValueError("keep_graph and on_logits are not supported with context-parallel plans yet")
         from augtree_verl.cp.engine import replay_cp  # lazy: augtree_verl.cp imports this package
         return replay_cp(model, trees, loss_fn, plans, temperature=temperature,
                          micro_batch_tokens=micro_batch_tokens, stats=stats)
     logps: list[list[torch.Tensor]] = []
-    with augtree_attention(model), torch.set_grad_enabled(loss_fn is not None):
+    use_augtree_attention(model)
+    with torch.set_grad_enabled(loss_fn is not None or keep_graph):
         for t, (tree, plan) in enumerate(zip(trees, plans)):
             stats.plans[plan.primitive if plan else "single"] += 1
-            logps.append(_replay_tree(model, t, tree, loss_fn, temperature, micro_batch_tokens, stats))
+            logps.append(_replay_tree(model, t, tree, loss_fn, temperature, micro_batch_tokens, stats, on_logits))
     return logps
 
 
@@ -80,8 +94,8 @@ def _check_plans(plans, trees) -> list[Plan | None]:
     return plans
 
 
-def _replay_tree(model, t, tree, loss_fn, temperature, micro_batch_tokens, stats) -> list[torch.Tensor]:
-    train = loss_fn is not None
+def _replay_tree(model, t, tree, loss_fn, temperature, micro_batch_tokens, stats, on_logits) -> list[torch.Tensor]:
+    train = loss_fn is not None  # streamed backward; with keep_graph the prompt simply stays in the graph
     base, lm_head = model.get_decoder(), model.get_output_embeddings()
     p = tree.prompt_len
 
@@ -119,8 +133,9 @@ def _replay_tree(model, t, tree, loss_fn, temperature, micro_batch_tokens, stats
         loss = None
         for b, i in enumerate(rows):
             states = leaf_last[None] if lengths[i] == 1 else torch.cat([leaf_last[None], hid[b, : lengths[i] - 1]])
-            logp = token_logps(lm_head, states, tree.responses[i], temperature)
-            out[i] = logp.detach()
+            logp = token_logps(lm_head, states, tree.responses[i], temperature,
+                               on_logits=None if on_logits is None else lambda logits: on_logits(t, i, logits))
+            out[i] = logp.detach() if train else logp
             if train:
                 term = loss_fn(t, i, logp)
                 loss = term if loss is None else loss + term

@@ -2,15 +2,24 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 
-def logps_from_logits(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
-    """logits [N, V], targets [N] -> float32 log-probs [N] of softmax(logits / temperature)."""
+def logps_from_logits(logits: torch.Tensor, targets: torch.Tensor, temperature: float,
+                      on_logits: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
+    """logits [N, V], targets [N] -> float32 log-probs [N] of softmax(logits / temperature).
+
+    ``on_logits`` sees the float32 tempered logits [N, V] (e.g. to compute an entropy).
+    """
     logits = logits.float() / temperature
+    if on_logits is not None:
+        on_logits(logits)
     return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
 
-def token_logps(lm_head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
+def token_logps(lm_head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: float,
+                on_logits: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
     """hidden [N, H] (the state before each target), targets [N] -> float32 log-probs [N]."""
-    return logps_from_logits(lm_head(hidden), targets, temperature)
+    return logps_from_logits(lm_head(hidden), targets, temperature, on_logits)

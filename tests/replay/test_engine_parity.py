@@ -118,3 +118,12 @@ def test_stats_count_prompt_once():
     assert stats.logical_tokens == 4 * (50 + 4)
     assert stats.executed_tokens == 50 + 4 * 3   # prompt once; each response feeds R - 1 tokens
     assert stats.trees == 1 and stats.micro_batches == 1
+
+
+def test_model_outside_replay_runs_its_own_attention():
+    model = tiny_model("llama-mha", seed=9).eval()
+    ids = random_trees([20], [[1]])[0].prompt[None]
+    before = model(input_ids=ids).logits
+    replay(model, random_trees([5], [[3, 2]]))
+    assert model.config._attn_implementation == "augtree"
+    assert torch.equal(model(input_ids=ids).logits, before)
