@@ -16,8 +16,9 @@ backward uses the *merged* (out, lse).
 
 Bytes one member sends per layer (e = K/V element size, ``block_elems(j) = 2 H_kv D (n_j + p_j)``):
     forward  = e * sum_{t=0}^{M-2} block_elems((m - t) mod M)          (every block but the next member's)
-    backward = e * sum_{t=0}^{M-2} block_elems((m - t) mod M) + 4 * sum_j block_elems(j)
-(the second term: M float32 gradient sends, one per block). ``ring_bytes`` states it in code.
+    backward = e * sum_{t=0}^{M-2} block_elems((m - t) mod M) + a * sum_j block_elems(j)
+(the second term: M gradient-accumulator sends, one per block, in the accumulation dtype: a = 4 bytes,
+8 for float64 inputs; nothing at all when M = 1). ``ring_bytes`` states it in code.
 """
 
 from __future__ import annotations
@@ -61,7 +62,8 @@ def ring_bytes(spec: RingSpec, kv_heads: int, head_dim: int, kv_element_size: in
     m, size = spec.ring.index, spec.ring.size
     relayed = sum(block_elems(spec, (m - t) % size, kv_heads, head_dim) for t in range(size - 1))
     grads = sum(block_elems(spec, j, kv_heads, head_dim) for j in range(size)) if size > 1 else 0
-    return {"fwd": kv_element_size * relayed, "bwd": kv_element_size * relayed + 4 * grads}
+    accum_size = max(4, kv_element_size)  # float32 accumulators, float64 for float64 inputs
+    return {"fwd": kv_element_size * relayed, "bwd": kv_element_size * relayed + accum_size * grads}
 
 
 class _Blocks:
