@@ -10,10 +10,9 @@ untimed with the responses split over the ranks and the gradients summed).
 
 from __future__ import annotations
 
-import dataclasses
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 import torch.distributed as dist
@@ -23,8 +22,8 @@ from augtree_verl.bench.config import BenchConfig
 from augtree_verl.bench.loss import grpo_loss
 from augtree_verl.bench.methods import Method, describe_plans, methods_for
 from augtree_verl.bench.workloads import Workload, build_workload
-from augtree_verl.planner import ClusterProfile
 from augtree_verl.models import load_model, vocab_size
+from augtree_verl.planner import ClusterProfile
 from augtree_verl.replay import ReplayStats, ReplayTree, replay
 from augtree_verl.replay.baseline import flattened_replay
 from augtree_verl.replay.flops import step_flops
@@ -72,8 +71,8 @@ def run_benchmark(cfg: BenchConfig, rank: int = 0, world: int = 1, device: str =
     # The planner's cost model, measured on this machine and process group (collective: every rank calls it).
     profile = None
     if world > 1:
-        profile = dataclasses.replace(ClusterProfile.default().with_model(model.config), activation_checkpointing=False,
-                                      dtype_bytes=dtype.itemsize).calibrate(device=device)
+        profile = replace(ClusterProfile.default().with_model(model.config), activation_checkpointing=False,
+                          dtype_bytes=dtype.itemsize).calibrate(device=device)
     bar = tqdm(total=len(cfg.workloads) * (cfg.repeats * len(methods) + (world > 1)), disable=rank != 0,
                desc="augtree bench", unit="step", dynamic_ncols=True)
     _warm_up(model, methods, world, profile, device)
