@@ -22,7 +22,7 @@ def test_quick_smoke_run_writes_json_and_plot(tmp_path):
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
     # --quick with a tiny budget so the test stays short; the default --quick covers all workloads.
     proc = subprocess.run(_augtree() + ["bench", "--quick", "--workload", "chat", "--budget", "512",
-                                        "--group-size", "2", "--json", str(out), "--plot", str(png)],
+                                        "--group-size", "2", "--repeats", "1", "--json", str(out), "--plot", str(png)],
                           capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "MegaN" in proc.stdout and "AugTree" in proc.stdout and "ideal FLOP-count speedup" in proc.stdout

@@ -7,13 +7,13 @@ from dataclasses import dataclass, replace
 from augtree_verl.bench.workloads import WORKLOADS
 from augtree_verl.models import DEFAULT_MODEL
 
-# Defaults sized so the full run (4 workloads, every method) takes about 10 minutes on 2 CPU cores, and
-# --quick about 2 (see the README for the measured times).
+# Defaults sized for 2 CPU cores. Measured on a shared 2-core machine: the default run took 9 min with 4-8
+# other processes competing for the cores (load 6-8), --quick with repeats=1 51 s nearly alone (load 2).
 DEFAULT_BUDGET = 32_768
 DEFAULT_GROUP_SIZE = 8
 DEFAULT_REPEATS = 3
 DEFAULT_CP = 2  # shows every method (MegaR and the CP primitives need d > 1) on a 2-core machine
-QUICK = dict(budget_tokens=8_192, group_size=4, repeats=1, model="qwen2-tiny")
+QUICK = dict(budget_tokens=8_192, group_size=4, repeats=3, model="qwen2-tiny")
 DEVICES = ("cpu", "cuda")
 
 
