@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from augtree_verl.plan import Plan
+from augtree_verl.planner import plan_tree
 from augtree_verl.replay.tree import ReplayTree
 
 SPLIT_PRIMITIVES = ("tree_move_kv", "move_q")
@@ -38,8 +39,6 @@ class Method:
         if self.fixed == "megar":
             return [Plan(degree=degree, primitive="tree_move_kv", rounds=len(t.responses), lanes=1,
                          placement=tuple((i, 0) for i in range(len(t.responses)))) for t in trees]
-        from augtree_verl import plan_tree  # the planner (issue 4)
-
         return [plan_tree(t.prompt_len, t.response_lens, degrees=[degree], profile=profile,
                           force_primitive=self.force) for t in trees]
 
