@@ -7,11 +7,11 @@ cannot run a model on zero tokens: such a rank runs one dummy token, ``S = max(n
 first ``n`` rows are real; the dummy gets a zero output (independent of its q/k/v, so its gradients are
 exactly zero) and its K/V never leave the rank. Contexts are read-only during a model call, so an
 activation-checkpoint recompute re-runs the same attention (and the same communication) on every rank.
+They are plain classes, not dataclasses: FSDP2's cast_forward_inputs copies dataclasses found in forward
+kwargs, which would lose the prefill capture (as in ``replay.attention``).
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass, field
 
 import torch
 
@@ -32,16 +32,13 @@ def _padded(out: torch.Tensor, rows: int) -> torch.Tensor:
     return out[None]
 
 
-@dataclass
 class RingContext:
     """Causal ring attention over ``layout`` (RingCP over [prompt || response], or a prompt prefill).
     With ``capture`` (a dict), records each layer's real (k, v) [H_kv, n, D], still in the graph; the
     first capture wins so a checkpoint recompute cannot replace it."""
 
-    ring: Ring
-    layout: ZigzagLayout
-    meter: Meter
-    capture: dict | None = None
+    def __init__(self, ring: Ring, layout: ZigzagLayout, meter: Meter, capture: dict | None = None):
+        self.ring, self.layout, self.meter, self.capture = ring, layout, meter, capture
 
     def attend(self, layer, q, k, v, scaling):
         n = self.layout.size(self.ring.index)
@@ -53,16 +50,13 @@ class RingContext:
         return _padded(ring_attention(q, k, v, spec, self.meter), rows)
 
 
-@dataclass
 class LaneReplayContext:
     """TreeMoveKV replay step: the lane ring over the response (``layout``) carrying the lane's prompt
     shards (``prompt``; ``prompt_kv[layer]`` = this rank's (pk, pv) leaves) as a fully visible prefix."""
 
-    ring: Ring
-    layout: ZigzagLayout
-    prompt: ZigzagLayout | None
-    prompt_kv: list
-    meter: Meter
+    def __init__(self, ring: Ring, layout: ZigzagLayout, prompt: ZigzagLayout | None, prompt_kv: list,
+                 meter: Meter):
+        self.ring, self.layout, self.prompt, self.prompt_kv, self.meter = ring, layout, prompt, prompt_kv, meter
 
     def attend(self, layer, q, k, v, scaling):
         n = self.layout.size(self.ring.index)
@@ -73,19 +67,14 @@ class LaneReplayContext:
         return _padded(ring_attention(q, k, v, spec, self.meter, prefix_kv=prefix), rows)
 
 
-@dataclass
 class MoveQReplayContext:
     """MoveQ replay step: queries of this rank's response shard go to every prompt owner; the lane ring
     covers the response's own part. ``query_counts[j]``: real queries of CP rank j in this step."""
 
-    group: object
-    rank: int
-    prompt: ZigzagLayout
-    query_counts: tuple[int, ...]
-    ring: Ring
-    layout: ZigzagLayout
-    prompt_kv: list
-    meter: Meter
+    def __init__(self, group, rank: int, prompt: ZigzagLayout, query_counts: tuple[int, ...], ring: Ring,
+                 layout: ZigzagLayout, prompt_kv: list, meter: Meter):
+        self.group, self.rank, self.prompt, self.query_counts = group, rank, prompt, query_counts
+        self.ring, self.layout, self.prompt_kv, self.meter = ring, layout, prompt_kv, meter
 
     def attend(self, layer, q, k, v, scaling):
         n = self.layout.size(self.ring.index)
