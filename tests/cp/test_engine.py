@@ -11,6 +11,8 @@ import torch.distributed as dist
 from augtree_verl import Plan, ReplayStats, replay
 from augtree_verl.cp.cost import AttentionShape, analytic_bytes
 from augtree_verl.cp.engine import replay_cp
+from augtree_verl.cp.layout import ZigzagLayout
+from augtree_verl.planner import plan_tree
 from augtree_verl.replay.baseline import flattened_replay
 from tests.cp.distributed import run_distributed
 from tests.parity import assert_grads_match, assert_logps_match, grads, random_trees, tiny_model
@@ -72,14 +74,24 @@ PROMPT_HEAVY = ([41], [[3, 6, 2]])      # G = 3: not divisible by 2 lanes
 RESPONSE_HEAVY = ([5], [[17, 12, 9]])
 
 
+def one_lane_tokens(prompt_len, response_lens, rank, d):
+    """Tokens a rank runs when one lane of d ranks prefills the prompt once and replays every response
+    (each feeds R - 1 tokens); a rank with no token of a sequence runs one dummy token."""
+    shard = lambda n: max(1, ZigzagLayout(n, d).size(rank))
+    return shard(prompt_len) + sum(shard(r - 1) for r in response_lens if r > 1)
+
+
 def _world2(rank, world):
     model = tiny_model("qwen2-gqa")
     for prompt_lens, response_lens in (PROMPT_HEAVY, RESPONSE_HEAVY):
         trees = random_trees(prompt_lens, response_lens, seed=len(response_lens[0]))
         for plan in (ring_plan(2), split_plan("tree_move_kv", 2, 1, ((0, 0), (1, 0), (2, 0))),
                      split_plan("tree_move_kv", 2, 2, ((0, 0), (0, 1), (1, 0))),
-                     split_plan("move_q", 2, 2, ((0, 0), (0, 1), (1, 0)))):
-            check_call(model, trees, [plan])
+                     split_plan("move_q", 2, 2, ((0, 0), (0, 1), (1, 0))),
+                     split_plan("move_q", 2, 1, ((0, 0), (1, 0), (1, 0)))):
+            stats, _ = check_call(model, trees, [plan])
+            if plan.primitive != "ring" and plan.lanes == 1:  # the prompt ran once, not per response
+                assert stats.executed_tokens == one_lane_tokens(prompt_lens[0], response_lens[0], rank, world)
     # several trees with different plans in one call, through the public replay(); temperature != 1
     trees = random_trees([13, 30, 2], [[4, 9], [5, 1, 7, 3], [6, 2, 1]], seed=5)
     plans = [ring_plan(2), split_plan("move_q", 2, 2, ((0, 0), (1, 1), (0, 1), (1, 0))),
@@ -103,9 +115,10 @@ def _world4(rank, world):
                   [split_plan("move_q", 4, 2, ((0, 0), (0, 0), (1, 1), (0, 1), (1, 0))),
                    split_plan("tree_move_kv", 4, 1, ((0, 0), (1, 0), (1, 0)))]):
         stats, _ = check_call(model, trees, plans)
-    # the prompt runs once per lane (tree_move_kv: 4 lanes of 1 rank) or once per group (move_q):
-    # executed tokens on this rank = its prompt shard + its shards of the fed response tokens (+ dummies)
-    assert stats.executed_tokens < sum(t.prompt_len + sum(t.response_lens) for t in trees)
+    # plans made by the planner (each split primitive forced once) run as planned
+    planned = [plan_tree(t.prompt_len, t.response_lens, degrees=(world,), force_primitive=p)
+               for t, p in zip(trees, ("move_q", "tree_move_kv"))]
+    check_call(model, trees, planned)
 
 
 def _several_steps(rank, world):
