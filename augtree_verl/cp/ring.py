@@ -87,8 +87,9 @@ class _Blocks:
 
 
 def _block_pairs(spec: RingSpec, me: int, other: int):
-    """(query rows, key cols, causal) of every computed block between my queries and ``other``'s sequence
-    K/V, plus (all my rows, all prefix cols, False) when ``other`` carries a prefix shard."""
+    """(query rows, key cols, causal, is_prefix) of every block computed between my queries and member
+    ``other``'s block: zigzag chunk pairs (earlier chunk: full; same chunk: causal diagonal; later chunk:
+    skipped), plus (all my rows, all prefix cols, False, True) when ``other`` carries a prefix shard."""
     pairs = []
     my_chunks = spec.layout.chunks(me)
     for qc in my_chunks:
