@@ -8,20 +8,19 @@ checkpoints, offload). ``forward_backward_batch`` keeps verl's contract:
 - ``model_output["log_probs"]`` (and ``["entropy"]`` when asked) are nested over each full sequence, position
   k scoring token k + 1. Only the response part (positions P-1 .. P+R-2) is computed; other positions are 0.
 
-Training runs in two passes, both exact:
-1. a forward-only replay of every tree gives the log-probs (and entropies); verl's loss runs on them as
-   leaf tensors, and its backward gives dL/dlogp (and dL/dentropy) per token;
-2. a training replay with ``loss_fn = sum(dL/dlogp * logp) + sum(dL/dentropy * entropy)`` puts exactly
-   verl's gradient into the parameters: the loss depends on the parameters only through log-probs and
-   entropies, so the chain rule is all it takes, whatever the loss mode (even batch-coupled ones).
-Parameters stay gathered over both passes and gradient sync is held back until one reduction at the end
-(``gathered_for_replay``): ranks hold different trees, so per-call FSDP collectives could not line up.
+Training is one pass. The micro-batches are grouped into replay units (``replay_units``: micro-batches that
+share trees, within the stock engine's memory bound); per unit, one ``replay(keep_graph=True)`` of the unit's
+trees gives log-probs (and entropies) attached to one graph in which each prompt appears once, verl's loss
+runs on each of the unit's micro-batches, and one backward of their sum puts exactly verl's gradient into
+the parameters. Forward-only replays every tree of the step at once, without a graph.
+Parameters stay gathered over the step and gradient sync is held back until one reduction after the last
+backward (``gathered_for_replay``): ranks hold different trees, so per-call FSDP collectives could not line up.
 """
 
 from __future__ import annotations
 
+import functools
 import time
-from contextlib import nullcontext
 from typing import Callable
 
 import torch
@@ -32,12 +31,13 @@ from verl.utils.device import get_device_id
 from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 from verl.workers.engine.utils import postprocess_batch_func, prepare_micro_batches
 
-from augtree_verl.integration.batch_trees import BatchTrees, build_trees, sequence_lengths
+from augtree_verl.integration.batch_trees import build_trees, sequence_lengths
 from augtree_verl.integration.config import FSDP_STRATEGY, AugTreeEngineConfig
-from augtree_verl.integration.entropy_tap import EntropyTap
 from augtree_verl.integration.fsdp_model import FSDPReplayModel, gathered_for_replay
 from augtree_verl.integration.metrics import step_metrics
 from augtree_verl.integration.plans import plans_for_trees
+from augtree_verl.integration.replay_units import replay_units
+from augtree_verl.plan import Plan
 from augtree_verl.replay import ReplayStats, replay
 
 UNSUPPORTED_FLAGS = ("calculate_sum_pi_squared", "distillation_use_topk", "distillation_only")
@@ -79,71 +79,85 @@ class AugTreeEngine(FSDPEngineWithLMHead):
         micro_batches, indices = prepare_micro_batches(data=data, dp_group=dp_group, same_micro_num_in_dp=True)
         micro_batches = [mb.to(get_device_id()) for mb in micro_batches]
 
-        grouped = build_trees(micro_batches)
-        plans, plan_fallbacks = (plans_for_trees(micro_batches, grouped) if self.engine_config.use_planner
-                                 else ([None] * len(grouped.trees), 0))
-        temperature = _temperature(data)
-        want_entropy = tu.get_non_tensor_data(data=data, key="calculate_entropy", default=False)
-        budget = self.engine_config.micro_batch_tokens
-
         train = not forward_only
+        units = (replay_units(build_trees(micro_batches), len(micro_batches)) if train
+                 else [list(range(len(micro_batches)))])
+        want_entropy = tu.get_non_tensor_data(data=data, key="calculate_entropy", default=False)
+        step = _Step(temperature=_temperature(data), want_entropy=want_entropy)
+        output_lst: list[dict | None] = [None] * len(micro_batches)
         with gathered_for_replay(self.module, reshard_after_forward=self.engine_config.reshard_after_forward,
                                  hold_gradient_sync=train):
-            # Pass 1: every response's log-probs (and entropies), forward only.
-            start = time.perf_counter()
-            score_stats = ReplayStats()
-            tap = EntropyTap(grouped.trees, budget, temperature) if want_entropy else None
-            with torch.no_grad():
-                logps = replay(FSDPReplayModel(self.module, on_logits=tap), grouped.trees, temperature=temperature,
-                               plans=plans, micro_batch_tokens=budget, stats=score_stats)
-            if tap is not None:
-                tap.check_all(logps)
-            scoring_s = time.perf_counter() - start
-
-            # verl's loss on each of verl's micro-batches; in training its backward gives dL/dlogp, dL/dentropy.
-            output_lst, grads = [], {}
-            for m, mb in enumerate(micro_batches):
-                model_output, leaves = _model_output(mb, m, grouped, logps, tap, requires_grad=train)
-                if loss_function is None:
-                    loss, metrics = torch.tensor(1.0), {}
-                else:
-                    with torch.enable_grad() if train else nullcontext():
-                        loss, metrics = loss_function(model_output=model_output, data=mb, dp_group=dp_group)
-                    if train:
-                        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
-                        grads.update(_response_grads(mb, m, grouped, leaves))
-                entry = {"loss": loss.detach().item(), "metrics": metrics}
-                if forward_only or return_model_output:
-                    entry["model_output"] = {k: v.detach() for k, v in model_output.items()}
-                output_lst.append(entry)
-
-            # Pass 2 (training): replay with the linearised loss; the stats then describe this pass.
-            stats = score_stats
-            if train:
-                stats = ReplayStats()
-                self._train_replay(grouped, plans, grads, temperature, want_entropy, stats)
+            for unit in units:
+                model_outputs = self._replay(step, [micro_batches[m] for m in unit], keep_graph=train)
+                unit_loss = None
+                for m, model_output in zip(unit, model_outputs):
+                    if loss_function is None:
+                        loss, metrics = torch.tensor(1.0), {}
+                    else:
+                        loss, metrics = loss_function(model_output=model_output, data=micro_batches[m],
+                                                      dp_group=dp_group)
+                        unit_loss = loss if unit_loss is None else unit_loss + loss
+                    output_lst[m] = {"loss": loss.detach().item(), "metrics": metrics}
+                    if forward_only or return_model_output:
+                        output_lst[m]["model_output"] = {k: v.detach() for k, v in model_output.items()}
+                if train:
+                    # The micro-batch losses' gradients add up: one backward of their sum runs each prompt once.
+                    start = time.perf_counter()
+                    (self.scaler.scale(unit_loss) if self.scaler is not None else unit_loss).backward()
+                    step.backward_s += time.perf_counter() - start
         output_lst[0]["metrics"] = {**output_lst[0]["metrics"],
-                                    **step_metrics(stats, plans, scoring_s=scoring_s if train else 0.0,
-                                                   plan_fallbacks=plan_fallbacks)}
+                                    **step_metrics(step.stats, step.plans, backward_s=step.backward_s,
+                                                   plan_fallbacks=step.plan_fallbacks)}
         return postprocess_batch_func(output_lst=output_lst, indices=indices, data=data)
 
-    def _train_replay(self, grouped: BatchTrees, plans, grads, temperature, want_entropy, stats) -> None:
-        budget = self.engine_config.micro_batch_tokens
-        tap = EntropyTap(grouped.trees, budget, temperature) if want_entropy else None
+    def _replay(self, step: "_Step", micro_batches: list[TensorDict], *, keep_graph: bool) -> list[dict]:
+        """verl's model outputs for ``micro_batches``, whose rows are replayed together as one set of trees.
 
-        def linearised_loss(t: int, i: int, logp: torch.Tensor) -> torch.Tensor:
-            g_logp, g_entropy = grads[(t, i)]
-            entropy = None
-            if tap is not None:
-                tap.check(t, i, logp)
-                entropy = tap.pop(t, i)
-            if not g_logp.any() and (entropy is None or not g_entropy.any()):
-                return logp.new_zeros(())  # e.g. a padding sample: nothing to backpropagate
-            loss = (g_logp * logp).sum()
-            return loss if entropy is None else loss + (g_entropy * entropy).sum()
+        With ``keep_graph`` the outputs are attached to one graph (each prompt once) for the caller's backward.
+        """
+        grouped = build_trees(micro_batches)
+        plans, fallbacks = (plans_for_trees(micro_batches, grouped) if self.engine_config.use_planner
+                            else ([None] * len(grouped.trees), 0))
+        step.plans += plans
+        step.plan_fallbacks += fallbacks
+        entropies: dict[tuple[int, int], torch.Tensor] = {}
 
-        replay(FSDPReplayModel(self.module, on_logits=tap), grouped.trees, linearised_loss,
-               temperature=temperature, plans=plans, micro_batch_tokens=budget, stats=stats)
+        def entropy_of(t: int, i: int, logits: torch.Tensor) -> None:
+            entropies[(t, i)] = self._entropy(logits)
+
+        logps = replay(FSDPReplayModel(self.module), grouped.trees, temperature=step.temperature, plans=plans,
+                       micro_batch_tokens=self.engine_config.micro_batch_tokens, stats=step.stats,
+                       keep_graph=keep_graph, on_logits=entropy_of if step.want_entropy else None)
+        outputs = []
+        for m, mb in enumerate(micro_batches):
+            slots = [grouped.slot[(m, k)] for k in range(len(mb))]
+            prompt_lens, _ = sequence_lengths(mb)
+            offsets = mb["input_ids"].offsets()
+            output = {"log_probs": _full_sequence([logps[t][i] for t, i in slots], prompt_lens, offsets)}
+            if step.want_entropy:
+                output["entropy"] = _full_sequence([entropies[slot] for slot in slots], prompt_lens, offsets)
+            outputs.append(output)
+        return outputs
+
+    def _entropy(self, logits: torch.Tensor) -> torch.Tensor:
+        """Entropy [N] of tempered logits [N, V], computed as verl's stock engine computes it (same knobs)."""
+        compute = self.compute_entropy_from_logits
+        if self.engine_config.entropy_from_logits_with_chunking:
+            compute = functools.partial(compute, chunk_size=self.engine_config.entropy_from_logits_chunk_size)
+        if self.engine_config.entropy_checkpointing and torch.is_grad_enabled():
+            return torch.utils.checkpoint.checkpoint(compute, logits, use_reentrant=False)
+        return compute(logits)
+
+
+class _Step:
+    """What one ``forward_backward_batch`` accumulates over its replay units (for the step's metrics)."""
+
+    def __init__(self, *, temperature: float, want_entropy: bool):
+        self.temperature, self.want_entropy = temperature, want_entropy
+        self.stats = ReplayStats()
+        self.plans: list[Plan | None] = []
+        self.plan_fallbacks = 0
+        self.backward_s = 0.0
 
 
 def _check_supported(data: TensorDict) -> None:
@@ -167,47 +181,13 @@ def _temperature(data: TensorDict) -> float:
     return float(temperature)
 
 
-def _model_output(mb: TensorDict, m: int, grouped: BatchTrees, logps, tap, *, requires_grad: bool):
-    """verl's nested outputs for micro-batch ``m``: log-probs (and entropies) at the response positions.
+def _full_sequence(responses: list[torch.Tensor], prompt_lens: list[int], offsets: torch.Tensor) -> torch.Tensor:
+    """Per-row response values [R_k] -> verl's nested tensor over each full sequence (offsets [rows + 1]).
 
-    Returns ``(model_output, leaves)``: ``leaves[key]`` is the flat float32 [sum of sequence lengths] tensor
-    under ``model_output[key]`` (a leaf that collects the loss's gradient when ``requires_grad``).
+    Row k's values sit at positions P_k - 1 .. P_k + R_k - 2 (position j scores token j + 1); the other
+    positions are 0. Built with ``torch.cat``, so a graph the values carry reaches the loss.
     """
-    seq_lens = mb["input_ids"].offsets().diff().tolist()
-    prompt_lens, _ = sequence_lengths(mb)
-    offsets = mb["input_ids"].offsets()
-    keys = {"log_probs": logps}
-    if tap is not None:
-        keys["entropy"] = [[tap.entropy[(t, i)] for i in range(len(row))] for t, row in enumerate(logps)]
-    out, leaves = {}, {}
-    for key, per_tree in keys.items():
-        values = torch.zeros(sum(seq_lens), dtype=torch.float32, device=offsets.device)
-        start = 0
-        for k, seq_len in enumerate(seq_lens):
-            t, i = grouped.slot[(m, k)]
-            r = per_tree[t][i].shape[0]
-            begin = start + prompt_lens[k] - 1
-            values[begin: begin + r] = per_tree[t][i].detach()
-            start += seq_len
-        leaves[key] = values.requires_grad_(requires_grad)
-        out[key] = torch.nested.nested_tensor_from_jagged(values, offsets)
-    return out, leaves
-
-
-def _response_grads(mb: TensorDict, m: int, grouped: BatchTrees, leaves: dict) -> dict:
-    """(t, i) -> (dL/dlogp [R_i], dL/dentropy [R_i]) from the loss's backward into the leaf outputs."""
-    seq_lens = mb["input_ids"].offsets().diff().tolist()
-    prompt_lens, response_lens = sequence_lengths(mb)
-    grads = {}
-    start = 0
-    for k, seq_len in enumerate(seq_lens):
-        begin = start + prompt_lens[k] - 1
-        span = slice(begin, begin + response_lens[k])
-        per_key = []
-        for key in ("log_probs", "entropy"):
-            leaf = leaves.get(key)
-            grad = None if leaf is None or leaf.grad is None else leaf.grad[span]
-            per_key.append(grad if grad is not None else torch.zeros(response_lens[k], device=mb["input_ids"].device))
-        grads[grouped.slot[(m, k)]] = tuple(per_key)
-        start += seq_len
-    return grads
+    pieces = []
+    for values, prompt_len in zip(responses, prompt_lens):
+        pieces += [values.new_zeros(prompt_len - 1), values, values.new_zeros(1)]
+    return torch.nested.nested_tensor_from_jagged(torch.cat(pieces), offsets)

@@ -11,9 +11,6 @@ norm; with tied embeddings also the embedding / LM head weight):
   its post-backward hook on the LM head's input and reduce the root's gradients as soon as the LM head's
   backward ends, before the final norm's gradient exists; with nothing to hook, the root reduces in FSDP's
   end-of-backward callback, after every gradient of that backward.
-- The replay's attention context goes to the layers in a proxy that is not a dataclass: FSDP2's
-  ``cast_forward_inputs`` rebuilds dataclasses found in forward kwargs, and the prefill context must be
-  the replay's own object (it collects each layer's K/V).
 """
 
 from __future__ import annotations
@@ -22,18 +19,6 @@ import contextlib
 from typing import Callable
 
 import torch
-
-
-class SharedAttentionContext:
-    """Forwards ``attend`` to the replay's context; FSDP passes it on unchanged (it is not a dataclass)."""
-
-    __slots__ = ("_context",)
-
-    def __init__(self, context):
-        self._context = context
-
-    def attend(self, *args, **kwargs):
-        return self._context.attend(*args, **kwargs)
 
 
 class _Box:
@@ -56,28 +41,20 @@ def _root_forward(root: torch.nn.Module, target: Callable):
 
 
 class _ThroughRoot:
-    def __init__(self, root: torch.nn.Module, target: Callable, after: Callable | None = None):
-        self._root, self._target, self._after = root, target, after
+    def __init__(self, root: torch.nn.Module, target: Callable):
+        self._root, self._target = root, target
 
     def __call__(self, *args, **kwargs):
-        if "augtree_ctx" in kwargs and kwargs["augtree_ctx"] is not None:
-            kwargs["augtree_ctx"] = SharedAttentionContext(kwargs["augtree_ctx"])
         with _root_forward(self._root, self._target):
-            out = self._root(_Box(args, kwargs))
-        return self._after(out) if self._after is not None else out
+            return self._root(_Box(args, kwargs))
 
 
 class FSDPReplayModel:
-    """What ``replay`` reads of a causal LM, for verl's FSDP2 root module ``root``.
+    """What ``replay`` reads of a causal LM, for verl's FSDP2 root module ``root``."""
 
-    ``on_logits(logits)``, if given, sees every LM head output (``logits`` [N, V], in the graph when
-    training) right after it is computed; the engine uses it to compute entropies.
-    """
-
-    def __init__(self, root: torch.nn.Module, on_logits: Callable[[torch.Tensor], None] | None = None):
+    def __init__(self, root: torch.nn.Module):
         self._root = root
         self.config = root.config
-        self._on_logits = on_logits
 
     def get_input_embeddings(self):
         return self._root.get_input_embeddings()
@@ -86,24 +63,20 @@ class FSDPReplayModel:
         return _ThroughRoot(self._root, self._root.get_decoder())
 
     def get_output_embeddings(self):
-        return _ThroughRoot(self._root, self._root.get_output_embeddings(), after=self._logits_seen)
-
-    def _logits_seen(self, logits: torch.Tensor) -> torch.Tensor:
-        if self._on_logits is not None:
-            self._on_logits(logits)
-        return logits
+        return _ThroughRoot(self._root, self._root.get_output_embeddings())
 
 
 @contextlib.contextmanager
 def gathered_for_replay(root, *, reshard_after_forward: bool, hold_gradient_sync: bool):
-    """Keep every FSDP unit's parameters gathered, and (training) gradients unreduced, for a whole replay.
+    """Keep every FSDP unit's parameters gathered, and (training) gradients unreduced, for a whole step.
 
     FSDP gathers a unit's parameters with a collective in each call; replay's calls per rank depend on the
     rank's own trees (one prefill per tree, one call per response micro-batch), so ranks would issue
     different collective sequences and deadlock. Instead all units are gathered once, in the same order on
-    every rank, and nothing reshards or reduces until the replay ends. With ``hold_gradient_sync`` the
-    gradients are then reduced by one backward through every unit (``reduce_held_gradients``). Peak memory
-    is that of FSDP without resharding (ZeRO-2) during the update.
+    every rank, and nothing reshards or reduces until the step's last backward has run. With
+    ``hold_gradient_sync`` the gradients are then reduced by one backward through every unit
+    (``reduce_held_gradients``). During the step each rank holds the full parameters and (training) the
+    full unreduced gradients, as DDP does; the optimizer state stays sharded.
     ``reshard_after_forward``: the engine's FSDP setting, restored afterwards on every unit but the root
     (FSDP never reshards the root after forward).
     """

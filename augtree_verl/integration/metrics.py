@@ -18,9 +18,10 @@ PLAN_KINDS = ("single",) + PRIMITIVES
 DIRECTIONS = ("fwd", "bwd")
 
 
-def step_metrics(stats: ReplayStats, plans: list[Plan | None], *, scoring_s: float, plan_fallbacks: int) -> dict:
-    """``stats`` of the step's replay (the training pass, or the forward pass when forward-only)."""
-    measured = stats.prefill_s + stats.replay_s + stats.prompt_backward_s
+def step_metrics(stats: ReplayStats, plans: list[Plan | None], *, backward_s: float, plan_fallbacks: int) -> dict:
+    """``stats`` of the step's replays (forward: prefill and response micro-batches); ``backward_s``: the
+    delayed backward, one per replay unit (responses and prompts together), 0 when forward-only."""
+    measured = stats.prefill_s + stats.replay_s + backward_s
     predicted = sum(p.est_time_s for p in plans if p is not None and p.est_time_s is not None)
     degrees = [p.degree if p is not None else 1 for p in plans] or [1]
 
@@ -30,8 +31,7 @@ def step_metrics(stats: ReplayStats, plans: list[Plan | None], *, scoring_s: flo
     out = {
         "prefill_s": total(stats.prefill_s),
         "replay_s": total(stats.replay_s),
-        "delayed_backward_s": total(stats.prompt_backward_s),
-        "scoring_pass_s": total(scoring_s),
+        "delayed_backward_s": total(backward_s),
         "measured_replay_s": total(measured),
         "predicted_replay_s": total(predicted),
         "logical_tokens": total(stats.logical_tokens),
