@@ -16,10 +16,11 @@ def test_cp2_runs_every_method_exactly():
     assert [(r.workload, r.method) for r in results] == [(w, m) for w in cfg.workloads for m in methods]
     for r in results:
         assert r.max_grad_rel_err <= FLOAT32_GRAD_RTOL, (r.workload, r.method, r.max_grad_rel_err)
-        assert r.comm_bytes > 0 and r.step_time_s > 0
+        assert r.step_time_s > 0
     by = {(r.workload, r.method): r for r in results}
     assert by["rag", "MegaN"].plan == "ring(d=2)"
     assert by["rag", "MegaR"].plan == "tree_move_kv(d=2,b=3,s=1)"
     assert by["rag", "AugTree[move_q]"].plan.startswith("move_q(d=2")
-    # MegaN recomputes the prompt per response; prompt reuse runs it once.
+    # Rings over both ranks move K/V; MegaN recomputes the prompt per response, prompt reuse runs it once.
+    assert by["rag", "MegaN"].comm_bytes > 0 and by["rag", "MegaR"].comm_bytes > 0
     assert by["rag", "MegaR"].executed_tokens < by["rag", "MegaN"].executed_tokens
