@@ -30,7 +30,8 @@ class AugTreeEngineConfig(FSDPEngineConfig):
     """verl's ``FSDPEngineConfig`` plus:
 
     micro_batch_tokens: token budget of one replay micro-batch (rows x longest response).
-    cp_degrees: context-parallel degrees the planner may choose from (1 = one device per tree).
+    cp_degrees: context-parallel degrees the planner may choose from (1 = one device per tree). The engine
+        does not run plans of degree > 1 yet: such trees run on one device and count as planner fallbacks.
     use_planner: run plans from the planner; False runs every tree on one device, ignoring plans in the batch.
     force_primitive: pin the planner to one primitive ("ring", "tree_move_kv", "move_q"); None lets it choose.
     fallback_threshold_tokens: a group whose prompt + longest response is shorter than this runs without CP.

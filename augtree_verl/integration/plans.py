@@ -1,8 +1,9 @@
 """The plans the trainer hook put in the batch (``augtree_plan``, one entry per sample), matched to our trees.
 
 A ring plan (no split) applies to any part of its tree. A split plan places each response of the whole
-tree, so it applies only when this rank holds the complete tree; otherwise the tree runs without a plan
-and the step counts a planner fallback.
+tree, so it applies only when this replay holds the complete tree; otherwise the tree runs without a plan
+and the step counts a planner fallback. So does a context-parallel plan (degree > 1): inside verl's
+data-parallel engine each rank replays its own trees, and no CP group shares a tree yet.
 """
 
 from __future__ import annotations
@@ -27,7 +28,10 @@ def plans_for_trees(micro_batches: list[TensorDict], grouped: BatchTrees) -> tup
         if len(tree_ids) != 1:
             raise ValueError(f"tree {t} (uid {grouped.uids[t]!r}) has samples planned as different trees {sorted(tree_ids)}")
         plan = Plan.from_dict(tree_entries[0])
-        if plan.primitive == "ring":
+        if plan.degree > 1:
+            plans.append(None)
+            fallbacks += 1
+        elif plan.primitive == "ring":
             plans.append(plan)
         elif len(rows) == int(tree_entries[0]["num_responses"]):
             # Our response i is the planner's response ``response_index``: reorder the placement to match.

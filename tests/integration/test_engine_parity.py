@@ -50,11 +50,11 @@ def _assert_params_match(ours, stock, step):
         _assert_close(f"step {step} parameter {name}", got[name], want[name])
 
 
-def _run_steps(model_path, *, loss_agg_mode, order, entropy_coeff=0.0, knobs=None):
+def _run_steps(model_path, *, loss_agg_mode, order, entropy_coeff=0.0, knobs=None, gradient_checkpointing=False):
     """STEPS optimizer steps of both engines; ours sees the rows permuted by ``order``."""
-    stock, stock_loss = H.build_engine("fsdp2", model_path, loss_agg_mode=loss_agg_mode, entropy_coeff=entropy_coeff)
-    ours, our_loss = H.build_engine("augtree", model_path, loss_agg_mode=loss_agg_mode, entropy_coeff=entropy_coeff,
-                                    engine_knobs=knobs)
+    common = dict(loss_agg_mode=loss_agg_mode, entropy_coeff=entropy_coeff, gradient_checkpointing=gradient_checkpointing)
+    stock, stock_loss = H.build_engine("fsdp2", model_path, **common)
+    ours, our_loss = H.build_engine("augtree", model_path, **common, engine_knobs=knobs)
     inverse = sorted(range(ROWS), key=lambda k: order[k])
     for step in range(STEPS):
         batch = H.group_batch(GROUPS, seed=step)
@@ -99,3 +99,12 @@ def test_shuffled_rows_and_entropy_loss_match_stock_engine(model_path):
     random.Random(7).shuffle(order)
     _run_steps(model_path, loss_agg_mode="token-mean", order=order, entropy_coeff=0.01,
                knobs={"micro_batch_tokens": 8})
+
+
+@pytest.mark.timeout(300)
+def test_gradient_checkpointing_matches_stock_engine(model_path):
+    """Checkpointed layers are recomputed in the unit's backward, after the replay has returned."""
+    order = list(range(ROWS))
+    random.Random(3).shuffle(order)
+    _run_steps(model_path, loss_agg_mode="seq-mean-token-mean", order=order, entropy_coeff=0.01,
+               knobs={"micro_batch_tokens": 8}, gradient_checkpointing=True)

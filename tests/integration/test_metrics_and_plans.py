@@ -149,6 +149,16 @@ def test_split_plan_placement_follows_the_planners_response_order():
     assert (plans[1], plans[2], plans[3], fallbacks) == (RING, None, RING, 1)
 
 
+def test_context_parallel_plans_fall_back_to_one_device():
+    """Each data-parallel rank replays its own trees: a plan of degree > 1 cannot run there yet."""
+    rows = H.group_rows(GROUPS)
+    entries = [{**entry, **Plan(degree=2, est_time_s=0.25).to_dict()} if row["uid"] == "group-1" else entry
+               for row, entry in zip(rows, _plan_entries(rows))]
+    micro_batches, _ = prepare_micro_batches(H.rows_to_batch(rows, extra={PLAN_FIELD: entries}))
+    plans, fallbacks = plans_for_trees(micro_batches, build_trees(micro_batches))
+    assert (plans[1], plans[3], fallbacks) == (None, RING, 2)
+
+
 def test_training_with_plans_is_still_exact(engine):
     """Degree-1 plans do not change the math: the same step with and without plans gives the same gradient."""
     ours, loss_fn = engine
