@@ -72,7 +72,7 @@ def run_benchmark(cfg: BenchConfig, rank: int = 0, world: int = 1, device: str =
     profile = None
     if world > 1:
         profile = replace(ClusterProfile.default().with_model(model.config), activation_checkpointing=False,
-                          dtype_bytes=dtype.itemsize).calibrate(device=device)
+                          dtype_bytes=dtype.itemsize).calibrate(device=device, model=model)
     bar = tqdm(total=len(cfg.workloads) * (cfg.repeats * len(methods) + (world > 1)), disable=rank != 0,
                desc="augtree bench", unit="step", dynamic_ncols=True)
     _warm_up(model, methods, world, profile, device)

@@ -1,28 +1,50 @@
 """Measure a rank's hardware figures for ``ClusterProfile.calibrate`` (a few seconds, CPU/gloo or CUDA/NCCL).
 
-- flops_per_s: median of square matmuls (float32 on CPU, the profile's dtype on CUDA).
-- launch_latency_s: median of a one-element op, or of a tiny ring exchange when there are peers (larger).
-- p2p_bytes_per_s: each rank sends a buffer to its ring successor and receives one from its predecessor
-  (``batch_isend_irecv``); bytes sent / median time.
-- collective_bytes_per_s: ``all_gather`` of one buffer per rank; bytes received per rank / median time.
+Compute is measured on the profile's model shapes (call ``with_model`` first), with the kernels the replay runs:
+- flops_per_s: median of [T, hidden] @ [hidden, intermediate] matmuls (an MLP projection; float32 on CPU, the
+  profile's dtype on CUDA; widths capped on CPU so a 7B shape still calibrates in seconds).
+- attention_flops_per_s: median forward + backward of one non-causal attention block with the model's
+  query/KV heads and head dim, through the CP engine's kernels (``cp.attn_ops``: the ATen flash kernel on CPU,
+  flash-attn on CUDA, SDPA there if flash-attn is missing); 3 x forward FLOPs / time, as the cost model counts.
+- layer_overhead_s: what a pass costs beyond its FLOPs, per layer: with ``model`` (the unwrapped Hugging Face
+  model the replay runs), the median forward + backward of the model on ``OVERHEAD_TOKENS`` tokens / its
+  layers (dispatch, autograd, launches, weight reads, embedding and LM head: every fixed cost of a short
+  pass); without, the same for a tiny synthetic Qwen2-style layer (host time per layer only, a lower bound).
+With an initialised process group of more than one rank, communication too (medians over many repeats, so
+one descheduled step on a shared machine does not set the figure):
+- launch_latency_s: median of a one-element ring exchange (``batch_isend_irecv``).
+- p2p_bytes_per_s: each rank sends ``COMM_BYTES`` to its ring successor and receives from its predecessor
+  (the K/V ring's pattern and message size class); bytes sent / median time.
+- collective_bytes_per_s: ``all_to_all_single`` (MoveQ's query/state exchange); bytes sent to other ranks /
+  median time.
 - memory_per_rank_bytes (CUDA only): free memory now x ``CUDA_MEMORY_HEADROOM``; call it after the model and
   optimizer exist. On CPU the profile's figure is kept, as is ``internode_bytes_per_s`` (one node here).
-Without an initialised process group of more than one rank the communication figures are kept. With one,
-every rank must call it; the figures are agreed (min of throughputs, max of latency) so all ranks plan alike.
+Without such a group the communication figures are kept. With one, every rank must call it; the figures are
+agreed (min of throughputs, max of latencies) so all ranks plan alike.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 CUDA_MEMORY_HEADROOM = 0.9    # leave 10% of free memory to the allocator and NCCL
-MATMUL_SIZE = {"cpu": 512, "cuda": 4096}
+MATMUL_TOKENS = {"cpu": 1024, "cuda": 8192}
+MATMUL_MAX_WIDTH = {"cpu": 2048, "cuda": 1 << 16}   # on CPU a 3584 x 18944 weight would take seconds per call
+# Attention block: S queries x S keys; on CPU S is sized to ~ATTENTION_CPU_FLOPS forward FLOPs (clamped).
+ATTENTION_TOKENS_CUDA = 4096
+ATTENTION_CPU_FLOPS = 5e8
+ATTENTION_CPU_TOKENS = (256, 2048)
+ATTENTION_MAX_KV_HEADS = {"cpu": 2, "cuda": 1 << 10}  # throughput per head is flat; keeps a CPU call short
+OVERHEAD_TOKENS, OVERHEAD_WIDTH, OVERHEAD_HEAD_DIM = 8, 64, 16   # narrow: FLOPs negligible, host time only
 COMM_BYTES = {"cpu": 4 << 20, "cuda": 256 << 20}
-REPEATS = 5
+REPEATS = 7
+COMM_REPEATS = 15
 LATENCY_REPEATS = 50
 
 
@@ -49,29 +71,110 @@ def _dtype(profile, device: torch.device) -> torch.dtype:
     return {2: torch.bfloat16, 4: torch.float32}.get(profile.dtype_bytes, torch.bfloat16)
 
 
-def measure_hardware(profile, group=None, device=None) -> dict:
+def measure_hardware(profile, group=None, device=None, model=None) -> dict:
     """The measured ``ClusterProfile`` fields (see the module docstring)."""
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else \
             torch.device("cpu")
     device = torch.device(device)
     dtype = _dtype(profile, device)
-    n = MATMUL_SIZE.get(device.type, MATMUL_SIZE["cpu"])
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
-    measured = {"flops_per_s": 2 * n ** 3 / _median_seconds(lambda: a @ b, device, REPEATS)}
-    one = torch.ones(1, device=device)
-    measured["launch_latency_s"] = _median_seconds(lambda: one.add_(0), device, LATENCY_REPEATS)
+    measured = {"flops_per_s": _matmul_flops(profile, device, dtype),
+                "attention_flops_per_s": _attention_flops(profile, device, dtype),
+                "layer_overhead_s": _model_overhead(model, device) if model is not None else
+                _layer_overhead(device, dtype)}
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         measured["memory_per_rank_bytes"] = float(free) * CUDA_MEMORY_HEADROOM
 
     if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
-        comm = _measure_comm(group, device)
-        measured["launch_latency_s"] = max(measured["launch_latency_s"], comm.pop("launch_latency_s"))
-        measured.update(comm)
+        measured.update(_measure_comm(group, device))
         measured = _agree(measured, group, device)
     return measured
+
+
+def _matmul_flops(profile, device: torch.device, dtype: torch.dtype) -> float:
+    width = MATMUL_MAX_WIDTH.get(device.type, MATMUL_MAX_WIDTH["cpu"])
+    tokens = MATMUL_TOKENS.get(device.type, MATMUL_TOKENS["cpu"])
+    hidden, inner = min(profile.hidden_size, width), min(profile.intermediate_size, width)
+    x = torch.randn(tokens, hidden, device=device, dtype=dtype)
+    w = torch.randn(hidden, inner, device=device, dtype=dtype)
+    return 2 * tokens * hidden * inner / _median_seconds(lambda: x @ w, device, REPEATS)
+
+
+def _attention_flops(profile, device: torch.device, dtype: torch.dtype) -> float:
+    kv_heads = min(profile.num_kv_heads, ATTENTION_MAX_KV_HEADS.get(device.type, ATTENTION_MAX_KV_HEADS["cpu"]))
+    heads, dim = kv_heads * (profile.num_heads // profile.num_kv_heads), profile.head_dim
+    if device.type == "cuda":
+        tokens = ATTENTION_TOKENS_CUDA
+    else:
+        lo, hi = ATTENTION_CPU_TOKENS
+        tokens = int(min(hi, max(lo, math.sqrt(ATTENTION_CPU_FLOPS / (4 * heads * dim)))))
+    q = torch.randn(heads, tokens, dim, device=device, dtype=dtype)
+    k, v = (torch.randn(kv_heads, tokens, dim, device=device, dtype=dtype) for _ in range(2))
+    dout = torch.randn_like(q)
+    step = _attention_step(q, k, v, dout)
+    return 3 * 4 * heads * dim * tokens * tokens / _median_seconds(step, device, REPEATS)
+
+
+def _attention_step(q, k, v, dout):
+    """A forward + backward of one attention block, with the CP engine's kernels where they run."""
+    from augtree_verl.cp.attn_ops import attention_backward, attention_forward
+
+    scale = q.shape[-1] ** -0.5
+    try:
+        if q.is_cuda:
+            attention_forward(q, k, v, causal=False, scale=scale)   # flash-attn importable?
+    except ImportError:
+        group = q.shape[0] // k.shape[0]
+        q, k, v = (x.detach().requires_grad_() for x in (q, k.repeat_interleave(group, 0),
+                                                          v.repeat_interleave(group, 0)))
+        return lambda: torch.autograd.grad(F.scaled_dot_product_attention(q, k, v, scale=scale), (q, k, v), dout)
+
+    def step():
+        out, lse = attention_forward(q, k, v, causal=False, scale=scale)
+        attention_backward(dout, q, k, v, out, lse, causal=False, scale=scale)
+    return step
+
+
+def _model_overhead(model, device: torch.device) -> float:
+    """Seconds per layer of ``model``'s forward + backward on a few tokens (gradients returned, not stored)."""
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, model.get_input_embeddings().num_embeddings, (1, OVERHEAD_TOKENS), generator=gen)
+    ids = ids.to(model.get_input_embeddings().weight.device)
+    params = [p for p in model.parameters() if p.requires_grad]
+    step = lambda: torch.autograd.grad(model(input_ids=ids, use_cache=False).logits.float().sum(), params)
+    return _median_seconds(step, device, REPEATS) / model.config.num_hidden_layers
+
+
+def _layer_overhead(device: torch.device, dtype: torch.dtype) -> float:
+    """Seconds of a tiny Qwen2-style layer's forward + backward: RMSNorm, q/k/v/o projections, RoPE, attention,
+    residuals, SwiGLU MLP. Its FLOPs are negligible, so this is per-layer host overhead."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    width, dim, tokens = OVERHEAD_WIDTH, OVERHEAD_HEAD_DIM, OVERHEAD_TOKENS
+    heads = width // dim
+    new = lambda *shape: torch.randn(*shape, generator=gen, device=device, dtype=dtype).requires_grad_()
+    w_qkv, b_qkv, w_o = new(3 * width, width), new(3 * width), new(width, width)
+    w_gate, w_up, w_down = new(2 * width, width), new(2 * width, width), new(width, 2 * width)
+    norm1, norm2, x = new(width), new(width), new(1, tokens, width)
+    angle = torch.arange(tokens, device=device, dtype=dtype)[:, None] * torch.ones(dim, device=device, dtype=dtype)
+    cos, sin = angle.cos(), angle.sin()
+    params = (w_qkv, b_qkv, w_o, w_gate, w_up, w_down, norm1, norm2, x)
+
+    def rms(h, weight):
+        return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * weight
+
+    def rope(t):
+        half = t.shape[-1] // 2
+        return t * cos + torch.cat([-t[..., half:], t[..., :half]], dim=-1) * sin
+
+    def step():
+        q, k, v = F.linear(rms(x, norm1), w_qkv, b_qkv).view(1, tokens, 3, heads, dim).transpose(1, 3).unbind(2)
+        att = F.scaled_dot_product_attention(rope(q), rope(k), v, is_causal=True)
+        h = x + F.linear(att.transpose(1, 2).reshape(1, tokens, width), w_o)
+        g = rms(h, norm2)
+        out = h + F.linear(F.silu(F.linear(g, w_gate)) * F.linear(g, w_up), w_down)
+        torch.autograd.grad(out.sum(), params)
+    return _median_seconds(step, device, REPEATS * 3)
 
 
 def _comm_device(group, device: torch.device) -> torch.device:
@@ -94,22 +197,23 @@ def _measure_comm(group, device: torch.device) -> dict:
 
     tiny_send, tiny_recv = torch.ones(1, device=device), torch.empty(1, device=device)
     dist.barrier(group)
-    out = {"launch_latency_s": _median_seconds(lambda: exchange(tiny_send, tiny_recv), device, REPEATS)}
+    out = {"launch_latency_s": _median_seconds(lambda: exchange(tiny_send, tiny_recv), device, LATENCY_REPEATS)}
     dist.barrier(group)
-    out["p2p_bytes_per_s"] = nbytes / _median_seconds(lambda: exchange(send, recv), device, REPEATS)
-    chunk = torch.ones(nbytes // 4 // world, device=device)
-    gathered = [torch.empty_like(chunk) for _ in range(world)]
+    out["p2p_bytes_per_s"] = nbytes / _median_seconds(lambda: exchange(send, recv), device, COMM_REPEATS)
+    rows = send[: send.numel() // world * world]
+    received = torch.empty_like(rows)
     dist.barrier(group)
-    seconds = _median_seconds(lambda: dist.all_gather(gathered, chunk, group=group), device, REPEATS)
-    out["collective_bytes_per_s"] = (world - 1) * chunk.numel() * 4 / seconds
+    seconds = _median_seconds(lambda: dist.all_to_all_single(received, rows, group=group), device, COMM_REPEATS)
+    out["collective_bytes_per_s"] = (world - 1) / world * rows.numel() * 4 / seconds
     return out
 
 
 def _agree(measured: dict, group, device: torch.device) -> dict:
-    """Every rank ends with the same figures: min of throughputs and memory, max of latency."""
+    """Every rank ends with the same figures: min of throughputs and memory, max of latencies."""
     device = _comm_device(group, device)
     names = sorted(measured)
-    signs = torch.tensor([-1.0 if name == "launch_latency_s" else 1.0 for name in names], dtype=torch.float64)
+    signs = torch.tensor([-1.0 if name in ("launch_latency_s", "layer_overhead_s") else 1.0 for name in names],
+                         dtype=torch.float64)
     values = torch.tensor([measured[name] for name in names], dtype=torch.float64) * signs
     values = values.to(device)
     dist.all_reduce(values, op=dist.ReduceOp.MIN, group=group)

@@ -1,26 +1,32 @@
 """The planner's cost model: per-rank time and memory of one replay tree under each primitive.
 
 Notation: P prompt tokens, R_i response tokens, L layers, H hidden size, I MLP width, V vocab,
-H_q / H_kv query / key-value heads of width D, beta bytes per element (``dtype_bytes``), F achieved FLOP/s.
+H_q / H_kv query / key-value heads of width D, e bytes per element (``dtype_bytes``), a = max(4, e) bytes per
+gradient-accumulator element, F / F_attn achieved dense / attention FLOP/s.
 
 Compute (summed over layers, forward only, per token or per query-key pair):
     lin  = L * (2H(H_q + 2H_kv)D + 2 H_q D H + 6 H I)   QKV and output projections, SwiGLU MLP
     head = 2 H V                                        LM head, only for scored (response) tokens
     attn = L * 4 H_q D                                  QK^T and PV per (query, key) pair; causal halves it
-Training multiplies forward FLOPs by f_fwd + 2 (backward = 2 x forward), f_fwd = 2 with activation
+Training multiplies forward FLOPs by f + 2 (backward = 2 x forward), f = 2 forward passes with activation
 checkpointing (the forward runs again in backward), else 1. A pass (one forward+backward over a chunk of
-tokens) costs max(compute, launch floor): GPU launches pipeline, so only tiny passes are launch-bound.
+tokens) costs (f + 2) (dense / F + attention / F_attn) + L (f + 2) / 3 * ``layer_overhead_s``: the host
+time of every layer's kernels, autograd and Python, which is what short passes cost.
 
-Communication per rank (bytes / bandwidth + latency per step; not credited with overlap):
-    ring over k ranks, keys of N tokens:  (f_fwd + 2) * (k-1)/k * N * kv,     kv = L * 2 H_kv D beta
-        (each forward rotates K/V; backward rotates K/V again and returns dK/dV; k-1 steps per layer each)
-        TreeMoveKV replaying R in a lane of m ranks moves N = P + R: C_TreeMoveKV ~ 2(L_P + L_R) H_kv.
-    MoveQ, Q queries over d prompt owners:  (f_fwd + 1) * (d-1)/d * Q * (q + s)
-        q = L H_q D beta (the queries travel), s = L H_q (D + 1) 4 (fp32 partial (out, lse) return for the
-        reduction); backward moves the same volume (dO and states out, dQ back): C_MoveQ ~ L_R H_q + T_red.
-        Two collectives per layer, each ceil(log2 d) latency steps.
+Communication per rank (bytes / bandwidth + ``launch_latency_s`` per sequential step; no overlap credited),
+mirroring what the CP engine sends (cp/ring.py, cp/move_q.py, and ``cp.cost.analytic_bytes``):
+    K/V ring over k > 1 ranks, keys of N tokens, kv = L 2 H_kv D:
+        bytes = (f + 1) (k-1)/k N kv e  +  N kv a
+        (each forward relays the other members' K/V blocks; backward relays them again, and every block's
+        dK/dV accumulator visits all k members, so a rank sends k accumulators of N/k tokens)
+        steps = L (f (k-1) + k)
+        TreeMoveKV replaying R in a lane of m ranks carries N = P + R: C_TreeMoveKV ~ 2(L_P + L_R) H_kv.
+    MoveQ, Q queries over d prompt owners: bytes = (d-1)/d Q L H_q (f (2 e D + 4) + (3 e D + 4))
+        forward: the queries travel (e D per head) and the owners return partial states (e D + 4 lse);
+        backward: (dout, merged out, lse) travel (2 e D + 4), dq returns (e D): C_MoveQ ~ L_R H_q + T_red.
+        steps = rounds L (3 f + 3) ceil(log2 d): three all-to-alls per layer forward, three backward.
 
-Memory per rank: saved activations (with checkpointing only the layer input, L H beta per token, plus one
+Memory per rank: saved activations (with checkpointing only the layer input, L H e per token, plus one
 layer's full activations while it is recomputed), prompt K/V leaves and their gradients (2 kv per prompt
 token), fp32 logits and their gradient for scored tokens, ring/exchange buffers, float32 log-prob outputs.
 """
@@ -34,7 +40,8 @@ import numpy as np
 
 from augtree_verl.planner.profile import ClusterProfile
 
-KERNELS_PER_LAYER = 12        # norms, QKV, RoPE, attention, O, 2 residual adds, gate/up, act*mul, down
+LSE_BYTES = 4                 # float32 log-sum-exp per query and head in MoveQ's partial states
+MOVEQ_COLLECTIVES = 3         # all-to-alls per layer and direction: queries, outputs, lse (fwd); dout+out, lse, dq
 LOGIT_BYTES_PER_ENTRY = 8     # fp32 logits and their gradient, per vocab entry per scored token
 RING_BUFFERS = 4              # send + receive buffers for K/V, and again for dK/dV, one layer at a time
 OUTPUT_BYTES_PER_TOKEN = 4    # float32 log-probs of every response, held on every rank
@@ -49,15 +56,20 @@ class CostModel:
         L, H, I, V = p.num_layers, p.hidden_size, p.intermediate_size, p.vocab_size
         Hq, Hkv, D, beta = p.num_heads, p.num_kv_heads, p.head_dim, p.dtype_bytes
         forward_passes = 2 if p.activation_checkpointing else 1
+        self.forward_passes = forward_passes
         self.train_factor = forward_passes + 2
-        self.ring_transfers = forward_passes + 2
-        self.moveq_exchanges = forward_passes + 1
         self.lin_flops = L * (2 * H * (Hq + 2 * Hkv) * D + 2 * Hq * D * H + 6 * H * I)
         self.head_flops = 2 * H * V
         self.attn_flops = L * 4 * Hq * D
         self.kv_bytes = L * 2 * Hkv * D * beta
-        self.query_state_bytes = L * Hq * (D * beta + (D + 1) * 4)
-        self.pass_floor_s = KERNELS_PER_LAYER * L * (forward_passes + 2) * p.launch_latency_s
+        accumulator_bytes = L * 2 * Hkv * D * max(4, beta)
+        # Ring bytes per key token (times (k-1)/k for the relays; the accumulators are not scaled).
+        self.ring_relay_bytes = (forward_passes + 1) * self.kv_bytes
+        self.ring_accumulator_bytes = accumulator_bytes
+        self.query_state_bytes = L * Hq * (D * beta + D * beta + LSE_BYTES)        # q out, (O, lse) back
+        self.moveq_bytes = L * Hq * (forward_passes * (2 * D * beta + LSE_BYTES) + 3 * D * beta + LSE_BYTES)
+        self.moveq_steps_per_round = L * MOVEQ_COLLECTIVES * (forward_passes + 1)
+        self.pass_overhead_s = L * p.layer_overhead_s * self.train_factor / 3
         # Elements a decoder layer saves per token for backward: 4 H (norm inputs/outputs, residual),
         # (H_q + 2 H_kv) D (Q, K, V), 2 H_q D (attention out, O-proj input), 3 I (gate, up, act*up).
         layer_bytes = (4 * H + (Hq + 2 * Hkv) * D + 2 * Hq * D + 3 * I) * beta
@@ -72,51 +84,57 @@ class CostModel:
         intra = p.collective_bytes_per_s if collective else p.p2p_bytes_per_s
         return np.where(ranks > p.ranks_per_node, p.internode_bytes_per_s, intra)
 
-    def pass_time(self, forward_flops_per_rank):
-        """Seconds of one forward+backward pass doing ``forward_flops_per_rank`` forward FLOPs on a rank."""
-        return np.maximum(self.train_factor * forward_flops_per_rank / self.profile.flops_per_s,
-                          self.pass_floor_s)
+    def pass_time(self, dense_flops, attention_flops):
+        """Seconds of one forward+backward pass doing these forward FLOPs on a rank (dense: projections,
+        MLP, LM head; attention: query-key pairs x ``attn_flops``), plus the pass's per-layer host overhead."""
+        p = self.profile
+        return (self.train_factor * (dense_flops / p.flops_per_s + attention_flops / p.attention_flops_per_s)
+                + self.pass_overhead_s)
 
     def ring_comm(self, kv_tokens, ranks):
-        """Seconds a rank spends rotating ``kv_tokens`` tokens' K/V around a ring of ``ranks`` (fwd+bwd)."""
-        per_rank = (ranks - 1) / ranks * kv_tokens * self.kv_bytes / self._bandwidth(ranks, False)
-        steps = self.profile.num_layers * (ranks - 1) * self.profile.launch_latency_s
-        return self.ring_transfers * (per_rank + steps)
+        """Seconds a rank spends rotating ``kv_tokens`` tokens' K/V around a ring of ``ranks`` (fwd+bwd),
+        K/V relays and dK/dV accumulators as the engine sends them; 0 for one rank."""
+        p = self.profile
+        nbytes = kv_tokens * ((ranks - 1) / ranks * self.ring_relay_bytes + self.ring_accumulator_bytes)
+        steps = p.num_layers * (self.forward_passes * (ranks - 1) + ranks)
+        seconds = nbytes / self._bandwidth(ranks, False) + steps * p.launch_latency_s
+        return np.where(ranks > 1, seconds, 0.0)
 
     def prefill(self, P: int, ranks):
         """(compute s, comm s) of the prompt's forward + delayed backward sharded over a ring of ``ranks``."""
-        flops = (self.lin_flops * P + self.attn_flops * P * P / 2) / ranks
-        return self.pass_time(flops), self.ring_comm(P, ranks)
+        return self.pass_time(self.lin_flops * P / ranks, self.attn_flops * P * P / 2 / ranks), \
+            self.ring_comm(P, ranks)
 
     # ---- per-primitive times: [K, G] arrays for ranks [K, 1] and response lengths R [G] ------------
     def ring_sequences(self, P: int, R, d):
         """RingCP: (compute s, comm s) per response of [P || R_i] sharded over d ranks, prompt recomputed."""
         seq = P + R
-        flops = (self.lin_flops * seq + self.head_flops * R + self.attn_flops * seq * seq / 2) / d
-        return self.pass_time(flops), self.ring_comm(seq, d)
+        return self.pass_time((self.lin_flops * seq + self.head_flops * R) / d, self.attn_flops * seq * seq / 2 / d), \
+            self.ring_comm(seq, d)
 
     def tree_responses(self, P: int, R, m):
         """TreeMoveKV: (compute s, comm s) per response replayed in a lane of m ranks (prompt + own K/V ring)."""
-        flops = ((self.lin_flops + self.head_flops) * R + self.attn_flops * (R * P + R * R / 2)) / m
-        return self.pass_time(flops), self.ring_comm(P + R, m)
+        return self.pass_time((self.lin_flops + self.head_flops) * R / m, self.attn_flops * (R * P + R * R / 2) / m), \
+            self.ring_comm(P + R, m)
 
     def moveq_lane(self, R, m):
         """MoveQ, lane-local part: (compute s, comm s) of response R's projections, MLP, head and causal
         self-attention sharded over its lane's m ranks (its own K/V ring)."""
-        flops = ((self.lin_flops + self.head_flops) * R + self.attn_flops * R * R / 2) / m
-        return self.pass_time(flops), self.ring_comm(R, m)
+        return self.pass_time((self.lin_flops + self.head_flops) * R / m, self.attn_flops * R * R / 2 / m), \
+            self.ring_comm(R, m)
 
     def moveq_owners(self, P: int, queries: float, rounds: int, d: int) -> tuple[float, float]:
         """MoveQ, all rounds together: (compute s, comm s) of every owner scoring ``queries`` queries against
-        its P/d prompt keys, and of moving queries and partial states (two collectives per layer per round)."""
-        compute = self.train_factor * self.attn_flops * queries * P / d / self.profile.flops_per_s
+        its P/d prompt keys, and of moving queries and partial states (three all-to-alls per layer and
+        direction per round)."""
+        p = self.profile
+        compute = self.train_factor * self.attn_flops * queries * P / d / p.attention_flops_per_s
         if d == 1:
             return compute, 0.0
-        p = self.profile
         bandwidth = p.internode_bytes_per_s if d > p.ranks_per_node else p.collective_bytes_per_s
-        per_rank = (d - 1) / d * queries * self.query_state_bytes / bandwidth
-        steps = rounds * 2 * self.profile.num_layers * math.ceil(math.log2(d)) * self.profile.launch_latency_s
-        return compute, self.moveq_exchanges * (per_rank + steps)
+        per_rank = (d - 1) / d * queries * self.moveq_bytes / bandwidth
+        steps = rounds * self.moveq_steps_per_round * math.ceil(math.log2(d)) * p.launch_latency_s
+        return compute, per_rank + steps
 
     # ---- per-primitive memory (bytes per rank) ---------------------------------------------------
     def _ring_buffer(self, kv_tokens_per_rank: float) -> float:

@@ -2,7 +2,8 @@
 
 Hardware figures are per rank (one accelerator). ``default()`` describes an 8-GPU H100 SXM node training a
 Qwen2.5-7B-shaped model; ``calibrate()`` replaces the hardware figures with numbers measured on the
-current device and process group; ``save``/``load`` keep a profile as JSON.
+current device and process group, on the profile's model shapes (call ``with_model`` first); ``save``/``load``
+keep a profile as JSON.
 """
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-_POSITIVE_FLOATS = ("flops_per_s", "p2p_bytes_per_s", "collective_bytes_per_s", "internode_bytes_per_s",
-                    "launch_latency_s", "memory_per_rank_bytes")
+_POSITIVE_FLOATS = ("flops_per_s", "attention_flops_per_s", "p2p_bytes_per_s", "collective_bytes_per_s",
+                    "internode_bytes_per_s", "launch_latency_s", "layer_overhead_s", "memory_per_rank_bytes")
 _POSITIVE_INTS = ("ranks_per_node", "num_layers", "num_heads", "num_kv_heads", "head_dim", "hidden_size",
                   "intermediate_size", "vocab_size", "dtype_bytes")
 
@@ -23,10 +24,12 @@ _POSITIVE_INTS = ("ranks_per_node", "num_layers", "num_heads", "num_kv_heads", "
 class ClusterProfile:
     # --- hardware, per rank ---
     flops_per_s: float              # achieved dense matmul throughput (FLOP/s) in the training dtype
+    attention_flops_per_s: float    # achieved attention-kernel throughput (forward + backward FLOP/s)
     p2p_bytes_per_s: float          # point-to-point bandwidth to a neighbour inside a node, one direction
-    collective_bytes_per_s: float   # per-rank bandwidth of all-gather / all-to-all inside a node
+    collective_bytes_per_s: float   # per-rank bandwidth of the all-to-all MoveQ uses, inside a node
     internode_bytes_per_s: float    # per-rank bandwidth once a group spans nodes (p2p and collectives)
-    launch_latency_s: float         # one kernel launch or one small communication step
+    launch_latency_s: float         # one small communication step (a P2P exchange or one collective round)
+    layer_overhead_s: float         # host time of one decoder layer's forward + backward beyond its FLOPs
     memory_per_rank_bytes: float    # what replay may use: activations, prompt K/V, comm buffers, outputs
     ranks_per_node: int             # groups larger than this must span whole nodes
     # --- model shape ---
@@ -75,14 +78,19 @@ class ClusterProfile:
         - collectives: all-to-all and all-gather through NVSwitch reach less than a single p2p stream;
           we assume 250 GB/s per rank (nccl-tests class figure; calibrate() measures the real one).
         - internode: one 400 Gb/s ConnectX-7 NDR InfiniBand port per GPU in DGX H100 = 50 GB/s; 90% usable.
-        - latency: ~5 us per CUDA kernel launch and ~10 us for a small NCCL step inside a node: 10 us.
+        - attention: FlashAttention-2 forward + backward in bf16 on H100 SXM reaches about 35% of dense peak
+          at head dim 128 (FlashAttention-3 paper, Shah et al. 2024, H100 benchmarks: ~300-350 TFLOPS).
+        - latency: ~10 us for a small NCCL step inside a node.
+        - layer overhead: a decoder layer's forward + backward launches ~36 kernels at ~10 us of host time
+          each (eager PyTorch); it only matters for tiny passes.
         - memory: 80 GB HBM3, minus a 7.6B model's FSDP-sharded bf16 weights, fp32 grads and Adam states
           (~16 B/param / 8 ranks ~ 15 GB) and ~15 GB for CUDA context, NCCL buffers and fragmentation.
         - model: Qwen2.5-7B-Instruct config.json (28 layers, 28 heads, 4 KV heads, hidden 3584,
           intermediate 18944, vocab 152064; head_dim = 3584 / 28 = 128).
         """
-        return cls(flops_per_s=0.6 * 989e12, p2p_bytes_per_s=360e9, collective_bytes_per_s=250e9,
-                   internode_bytes_per_s=45e9, launch_latency_s=10e-6, memory_per_rank_bytes=50e9,
+        return cls(flops_per_s=0.6 * 989e12, attention_flops_per_s=0.35 * 989e12, p2p_bytes_per_s=360e9,
+                   collective_bytes_per_s=250e9, internode_bytes_per_s=45e9, launch_latency_s=10e-6,
+                   layer_overhead_s=36 * 10e-6, memory_per_rank_bytes=50e9,
                    ranks_per_node=8, num_layers=28, num_heads=28, num_kv_heads=4, head_dim=128,
                    hidden_size=3584, intermediate_size=18944, vocab_size=152064)
 
@@ -96,15 +104,17 @@ class ClusterProfile:
             hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
             vocab_size=config.vocab_size)
 
-    def calibrate(self, group=None, device=None) -> "ClusterProfile":
-        """This profile with compute, bandwidth, latency (and, on CUDA, memory) measured here; see calibrate.py.
+    def calibrate(self, group=None, device=None, model=None) -> "ClusterProfile":
+        """This profile with compute, bandwidth, latency (and, on CUDA, memory) measured here, on this
+        profile's model shapes; ``model`` (optional, the unwrapped HF model the replay runs) sets the per-pass
+        overhead from the real thing; see calibrate.py.
 
         Collective: when ``torch.distributed`` is initialised with more than one rank, every rank of ``group``
         must call it, and all of them get the same profile back.
         """
         from augtree_verl.planner.calibrate import measure_hardware
 
-        return dataclasses.replace(self, **measure_hardware(self, group=group, device=device))
+        return dataclasses.replace(self, **measure_hardware(self, group=group, device=device, model=model))
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -10,6 +10,8 @@ TreeMoveKV and MoveQ. Lane semantics (what the CP primitives execute):
   (slowest lane + shared owner work); sorting responses by length and filling rounds in that order minimises
   the sum of round maxima (exchange argument), so no search is needed. b = ceil(G / s).
 - Ring: each [prompt || response] in turn over all d ranks.
+- d = 1 (any split primitive): the single-device engine, which packs the responses into micro-batches of up to
+  ``DEFAULT_MICRO_BATCH_TOKENS``: a pass's fixed overhead is paid per micro-batch, not per response.
 
 Filters: groups of ranks must not straddle nodes (a group either fits in a node and tiles it, or is a whole
 number of nodes), and the per-rank memory estimate must fit ``memory_per_rank_bytes``.
@@ -35,6 +37,7 @@ from augtree_verl.plan import PRIMITIVES, Plan
 from augtree_verl.planner.cost import CostModel, cost_model
 from augtree_verl.planner.partition import balanced_lanes
 from augtree_verl.planner.profile import ClusterProfile
+from augtree_verl.replay.engine import DEFAULT_MICRO_BATCH_TOKENS
 
 _PRIMITIVE_ORDER = {name: i for i, name in enumerate(PRIMITIVES)}
 _DEFAULT_PROFILE: ClusterProfile | None = None
@@ -151,6 +154,9 @@ class _Search:
         self.G = R.shape[0]
         self.R_max, self.R_sum = float(R.max()), float(R.sum())
         self.by_length = np.argsort(-R, kind="stable")          # longest first
+        # d = 1 packs responses: the per-response passes' overheads beyond one per micro-batch are saved.
+        packed = math.ceil(self.R_sum / DEFAULT_MICRO_BATCH_TOKENS)
+        self.packing_saving = max(0, self.G - packed) * cost.pass_overhead_s
         self._labels: dict[tuple[int, int], np.ndarray] = {}
 
     # ---- enumeration -----------------------------------------------------------------------------
@@ -222,7 +228,7 @@ class _Search:
         if s in (1, self.G):                   # one lane holds all, or one response per lane: no search
             compute, comm = self.tree_one_lane[row] if s == 1 else self.tree_heaviest[row]
             pre_compute, pre_comm = self.pre[row]
-            cand.parts = (pre_compute, compute, pre_comm + comm)
+            cand.parts = (pre_compute, compute - (self.packing_saving if d == 1 else 0.0), pre_comm + comm)
             cand.bound = sum(cand.parts)
         return cand
 
@@ -234,7 +240,8 @@ class _Search:
         lane_compute, lane_comm = self.moveq_rounds[s][row]
         owner_compute, owner_comm = self.cost.moveq_owners(self.P, self.R_sum, rounds, d)
         pre_compute, pre_comm = self.pre[self.row[d]]
-        parts = (pre_compute, lane_compute + owner_compute, pre_comm + lane_comm + owner_comm)
+        packing = self.packing_saving if d == 1 else 0.0
+        parts = (pre_compute, lane_compute + owner_compute - packing, pre_comm + lane_comm + owner_comm)
         round_max_queries = float(self.R[self.by_length[:s]].sum())
         memory = self.cost.moveq_memory(self.P, self.R_max, self.R_sum, round_max_queries, d, m)
         return _Candidate(d, "move_q", s, memory, sum(parts), parts)

@@ -5,12 +5,13 @@ import time
 import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from transformers import Qwen2Config
+from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from augtree_verl.planner import ClusterProfile
 
 CALIBRATE_SECONDS = 20      # "in seconds" on a shared 2-core CPU, with generous slack
 COMM_FIELDS = ("p2p_bytes_per_s", "collective_bytes_per_s")
+COMPUTE_FIELDS = ("flops_per_s", "attention_flops_per_s", "layer_overhead_s")
 
 
 def test_default_is_an_h100_node_with_a_qwen7b_shape():
@@ -21,6 +22,7 @@ def test_default_is_an_h100_node_with_a_qwen7b_shape():
 
 @pytest.mark.parametrize("field, value", [
     ("flops_per_s", 0), ("p2p_bytes_per_s", -1.0), ("launch_latency_s", float("nan")),
+    ("attention_flops_per_s", -2.0), ("layer_overhead_s", 0.0),
     ("memory_per_rank_bytes", float("inf")), ("num_layers", 0), ("head_dim", 2.0), ("ranks_per_node", True),
     ("num_kv_heads", 3), ("min_parallel_efficiency", 1.5), ("activation_checkpointing", 1),
 ])
@@ -55,10 +57,26 @@ def test_calibrate_without_process_group_measures_compute_and_keeps_comm():
     start = time.perf_counter()
     p = base.calibrate()
     assert time.perf_counter() - start < CALIBRATE_SECONDS
-    assert p.flops_per_s != base.flops_per_s and p.launch_latency_s != base.launch_latency_s
-    assert 1e8 < p.flops_per_s < 1e13 and 0 < p.launch_latency_s < 1e-2
-    assert all(getattr(p, f) == getattr(base, f) for f in COMM_FIELDS + ("memory_per_rank_bytes",))
+    assert all(getattr(p, f) != getattr(base, f) for f in COMPUTE_FIELDS)
+    assert 1e8 < p.flops_per_s < 1e13 and 1e8 < p.attention_flops_per_s < 1e13 and 0 < p.layer_overhead_s < 1e-1
+    assert all(getattr(p, f) == getattr(base, f)
+               for f in COMM_FIELDS + ("launch_latency_s", "memory_per_rank_bytes"))
     assert p.num_layers == base.num_layers
+
+
+@pytest.mark.timeout(60)
+def test_calibrate_with_a_model_measures_its_pass_overhead():
+    """The per-layer overhead of a real model's short pass (embedding, LM head, HF dispatch) exceeds the synthetic
+    layer's host time, and the model's gradients are left untouched."""
+    cfg = Qwen2Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      intermediate_size=128, vocab_size=256)
+    model = Qwen2ForCausalLM(cfg).train()
+    base = ClusterProfile.default().with_model(cfg)
+    p = base.calibrate(model=model)
+    synthetic = base.calibrate()
+    assert 0 < p.layer_overhead_s < 1e-1
+    assert p.layer_overhead_s > synthetic.layer_overhead_s
+    assert all(param.grad is None for param in model.parameters())
 
 
 def _free_port() -> int:
@@ -90,3 +108,4 @@ def test_calibrate_on_gloo_agrees_across_ranks():
     base = ClusterProfile.default()
     for f in COMM_FIELDS:
         assert p0[f] != getattr(base, f) and 1e6 < p0[f] < 1e12
+    assert p0["launch_latency_s"] != base.launch_latency_s and 0 < p0["launch_latency_s"] < 1e-1
