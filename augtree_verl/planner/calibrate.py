@@ -14,7 +14,10 @@ With an initialised process group of more than one rank, communication too (medi
 one descheduled step on a shared machine does not set the figure):
 - launch_latency_s: median of a one-element ring exchange (``batch_isend_irecv``).
 - p2p_bytes_per_s: each rank sends ``COMM_BYTES`` to its ring successor and receives from its predecessor
-  (the K/V ring's pattern and message size class); bytes sent / median time.
+  (the K/V ring's pattern and message size class), alone and started before an attention step as the ring
+  does; bytes sent / the larger of (exchange time, what the exchange adds to the attention step). On a CPU
+  the transfer competes with the attention for the cores (gloo copies through sockets), so an overlapped
+  ring step costs several times the idle exchange; NCCL on a GPU overlaps, and the idle figure stands.
 - collective_bytes_per_s: ``all_to_all_single`` (MoveQ's query/state exchange); bytes sent to other ranks /
   median time.
 - memory_per_rank_bytes (CUDA only): free memory now x ``CUDA_MEMORY_HEADROOM``; call it after the model and
@@ -65,6 +68,23 @@ def _median_seconds(fn, device: torch.device, repeats: int) -> float:
     return statistics.median(times)
 
 
+def _median_added_seconds(fn, baseline, device: torch.device, repeats: int) -> float:
+    """Median over back-to-back pairs of time(fn) - time(baseline): what ``fn`` adds to ``baseline``, with
+    drifting load cancelled pair by pair."""
+    fn()
+    _sync(device)
+    added = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        baseline()
+        _sync(device)
+        middle = time.perf_counter()
+        fn()
+        _sync(device)
+        added.append((time.perf_counter() - middle) - (middle - start))
+    return statistics.median(added)
+
+
 def _dtype(profile, device: torch.device) -> torch.dtype:
     if device.type != "cuda":
         return torch.float32
@@ -78,8 +98,9 @@ def measure_hardware(profile, group=None, device=None, model=None) -> dict:
             torch.device("cpu")
     device = torch.device(device)
     dtype = _dtype(profile, device)
+    attention_step, attention_flops = _attention_block(profile, device, dtype)
     measured = {"flops_per_s": _matmul_flops(profile, device, dtype),
-                "attention_flops_per_s": _attention_flops(profile, device, dtype),
+                "attention_flops_per_s": attention_flops / _median_seconds(attention_step, device, REPEATS),
                 "layer_overhead_s": _model_overhead(model, device) if model is not None else
                 _layer_overhead(device, dtype)}
     if device.type == "cuda":
@@ -87,7 +108,7 @@ def measure_hardware(profile, group=None, device=None, model=None) -> dict:
         measured["memory_per_rank_bytes"] = float(free) * CUDA_MEMORY_HEADROOM
 
     if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
-        measured.update(_measure_comm(group, device))
+        measured.update(_measure_comm(group, device, attention_step))
         measured = _agree(measured, group, device)
     return measured
 
@@ -101,7 +122,8 @@ def _matmul_flops(profile, device: torch.device, dtype: torch.dtype) -> float:
     return 2 * tokens * hidden * inner / _median_seconds(lambda: x @ w, device, REPEATS)
 
 
-def _attention_flops(profile, device: torch.device, dtype: torch.dtype) -> float:
+def _attention_block(profile, device: torch.device, dtype: torch.dtype):
+    """(step, FLOPs): a forward + backward of one attention block and the FLOPs the cost model counts for it."""
     kv_heads = min(profile.num_kv_heads, ATTENTION_MAX_KV_HEADS.get(device.type, ATTENTION_MAX_KV_HEADS["cpu"]))
     heads, dim = kv_heads * (profile.num_heads // profile.num_kv_heads), profile.head_dim
     if device.type == "cuda":
@@ -112,8 +134,7 @@ def _attention_flops(profile, device: torch.device, dtype: torch.dtype) -> float
     q = torch.randn(heads, tokens, dim, device=device, dtype=dtype)
     k, v = (torch.randn(kv_heads, tokens, dim, device=device, dtype=dtype) for _ in range(2))
     dout = torch.randn_like(q)
-    step = _attention_step(q, k, v, dout)
-    return 3 * 4 * heads * dim * tokens * tokens / _median_seconds(step, device, REPEATS)
+    return _attention_step(q, k, v, dout), 3 * 4 * heads * dim * tokens * tokens
 
 
 def _attention_step(q, k, v, dout):
@@ -181,8 +202,9 @@ def _comm_device(group, device: torch.device) -> torch.device:
     return device if dist.get_backend(group) == "nccl" else torch.device("cpu")
 
 
-def _measure_comm(group, device: torch.device) -> dict:
-    device = _comm_device(group, device)
+def _measure_comm(group, device: torch.device, work) -> dict:
+    """Communication figures; ``work`` (a compute step on the compute device) is what the ring overlaps."""
+    compute_device, device = device, _comm_device(group, device)
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     nbytes = COMM_BYTES.get(device.type, COMM_BYTES["cpu"])
     send = torch.ones(nbytes // 4, device=device)
@@ -190,16 +212,27 @@ def _measure_comm(group, device: torch.device) -> dict:
     succ = dist.get_global_rank(group, (rank + 1) % world) if group is not None else (rank + 1) % world
     pred = dist.get_global_rank(group, (rank - 1) % world) if group is not None else (rank - 1) % world
 
+    def start(x, y):
+        return dist.batch_isend_irecv([dist.P2POp(dist.isend, x, succ, group), dist.P2POp(dist.irecv, y, pred, group)])
+
     def exchange(x, y):
-        ops = [dist.P2POp(dist.isend, x, succ, group), dist.P2POp(dist.irecv, y, pred, group)]
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
+        for request in start(x, y):
+            request.wait()
+
+    def overlapped():
+        requests = start(send, recv)
+        work()
+        for request in requests:
+            request.wait()
 
     tiny_send, tiny_recv = torch.ones(1, device=device), torch.empty(1, device=device)
     dist.barrier(group)
     out = {"launch_latency_s": _median_seconds(lambda: exchange(tiny_send, tiny_recv), device, LATENCY_REPEATS)}
     dist.barrier(group)
-    out["p2p_bytes_per_s"] = nbytes / _median_seconds(lambda: exchange(send, recv), device, COMM_REPEATS)
+    alone = _median_seconds(lambda: exchange(send, recv), device, COMM_REPEATS)
+    dist.barrier(group)
+    added = _median_added_seconds(overlapped, work, compute_device, COMM_REPEATS)
+    out["p2p_bytes_per_s"] = nbytes / max(alone, added)
     rows = send[: send.numel() // world * world]
     received = torch.empty_like(rows)
     dist.barrier(group)
