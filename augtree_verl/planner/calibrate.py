@@ -36,6 +36,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from augtree_verl.cp.attn_ops import attention_backward, attention_forward
+
 CUDA_MEMORY_HEADROOM = 0.9    # leave 10% of free memory to the allocator and NCCL
 MATMUL_TOKENS = {"cpu": 1024, "cuda": 8192}
 MATMUL_MAX_WIDTH = {"cpu": 2048, "cuda": 1 << 16}   # on CPU a 3584 x 18944 weight would take seconds per call
@@ -139,8 +141,6 @@ def _attention_block(profile, device: torch.device, dtype: torch.dtype):
 
 def _attention_step(q, k, v, dout):
     """A forward + backward of one attention block, with the CP engine's kernels where they run."""
-    from augtree_verl.cp.attn_ops import attention_backward, attention_forward
-
     scale = q.shape[-1] ** -0.5
     try:
         if q.is_cuda:

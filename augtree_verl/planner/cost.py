@@ -62,11 +62,10 @@ class CostModel:
         self.head_flops = 2 * H * V
         self.attn_flops = L * 4 * Hq * D
         self.kv_bytes = L * 2 * Hkv * D * beta
-        accumulator_bytes = L * 2 * Hkv * D * max(4, beta)
-        # Ring bytes per key token (times (k-1)/k for the relays; the accumulators are not scaled).
+        # Ring bytes per key token: relays (times (k-1)/k) and float32 (or wider) dK/dV accumulators.
         self.ring_relay_bytes = (forward_passes + 1) * self.kv_bytes
-        self.ring_accumulator_bytes = accumulator_bytes
-        self.query_state_bytes = L * Hq * (D * beta + D * beta + LSE_BYTES)        # q out, (O, lse) back
+        self.ring_accumulator_bytes = L * 2 * Hkv * D * max(4, beta)
+        self.query_state_bytes = L * Hq * (2 * D * beta + LSE_BYTES)        # q out, (O, lse) back
         self.moveq_bytes = L * Hq * (forward_passes * (2 * D * beta + LSE_BYTES) + 3 * D * beta + LSE_BYTES)
         self.moveq_steps_per_round = L * MOVEQ_COLLECTIVES * (forward_passes + 1)
         self.pass_overhead_s = L * p.layer_overhead_s * self.train_factor / 3
@@ -109,19 +108,19 @@ class CostModel:
     def ring_sequences(self, P: int, R, d):
         """RingCP: (compute s, comm s) per response of [P || R_i] sharded over d ranks, prompt recomputed."""
         seq = P + R
-        return self.pass_time((self.lin_flops * seq + self.head_flops * R) / d, self.attn_flops * seq * seq / 2 / d), \
-            self.ring_comm(seq, d)
+        dense = (self.lin_flops * seq + self.head_flops * R) / d
+        return self.pass_time(dense, self.attn_flops * seq * seq / 2 / d), self.ring_comm(seq, d)
 
     def tree_responses(self, P: int, R, m):
         """TreeMoveKV: (compute s, comm s) per response replayed in a lane of m ranks (prompt + own K/V ring)."""
-        return self.pass_time((self.lin_flops + self.head_flops) * R / m, self.attn_flops * (R * P + R * R / 2) / m), \
-            self.ring_comm(P + R, m)
+        dense = (self.lin_flops + self.head_flops) * R / m
+        return self.pass_time(dense, self.attn_flops * (R * P + R * R / 2) / m), self.ring_comm(P + R, m)
 
     def moveq_lane(self, R, m):
         """MoveQ, lane-local part: (compute s, comm s) of response R's projections, MLP, head and causal
         self-attention sharded over its lane's m ranks (its own K/V ring)."""
-        return self.pass_time((self.lin_flops + self.head_flops) * R / m, self.attn_flops * R * R / 2 / m), \
-            self.ring_comm(R, m)
+        dense = (self.lin_flops + self.head_flops) * R / m
+        return self.pass_time(dense, self.attn_flops * R * R / 2 / m), self.ring_comm(R, m)
 
     def moveq_owners(self, P: int, queries: float, rounds: int, d: int) -> tuple[float, float]:
         """MoveQ, all rounds together: (compute s, comm s) of every owner scoring ``queries`` queries against
