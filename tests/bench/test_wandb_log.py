@@ -4,12 +4,9 @@ from augtree_verl.bench.wandb_log import log_runs
 
 
 @pytest.mark.timeout(180)
-def test_one_offline_run_per_method(results, tmp_path, monkeypatch):
-    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_SILENT", "true")
+def test_one_offline_run_per_method(results, wandb_offline):
     assert log_runs(results, {"model": "qwen2-tiny"}) == "offline"
-    runs = sorted((tmp_path / "wandb").glob("offline-run-*"))
+    runs = sorted(wandb_offline.glob("offline-run-*"))
     assert len(runs) == len({r.method for r in results}) == 2
     for run in runs:
         assert any(run.rglob("*.wandb"))

@@ -94,7 +94,7 @@ def engine(tmp_path_factory):
 
 
 @pytest.mark.timeout(300)
-def test_plans_reach_the_replay_and_metrics_reach_wandb(engine, tmp_path, monkeypatch):
+def test_plans_reach_the_replay_and_metrics_reach_wandb(engine, wandb_offline):
     ours, loss_fn = engine
     rows = H.group_rows(GROUPS)
     batch = H.rows_to_batch(rows, extra={PLAN_FIELD: _plan_entries(rows)})
@@ -122,13 +122,10 @@ def test_plans_reach_the_replay_and_metrics_reach_wandb(engine, tmp_path, monkey
 
     # Through verl's tracker to wandb (offline), then read back from the run's files.
     from verl.utils.tracking import Tracking
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
-    monkeypatch.setenv("WANDB_SILENT", "true")
     tracker = Tracking(project_name="augtree-test", experiment_name="metrics", default_backend=["wandb"], config={})
     tracker.log(data={k: float(v) for k, v in metrics.items()}, step=1)
     tracker.finish()
-    runs = glob.glob(os.path.join(str(tmp_path), "wandb", "offline-run-*", "run-*.wandb"))
+    runs = glob.glob(os.path.join(str(wandb_offline), "offline-run-*", "run-*.wandb"))
     assert len(runs) == 1, runs
     # wandb's service process may still be writing the run file when finish() returns.
     deadline = time.monotonic() + WANDB_FLUSH_WAIT_S
