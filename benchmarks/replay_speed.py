@@ -1,6 +1,6 @@
 """Flattened baseline vs grouped replay on CPU: measured and ideal (FLOP-count) speedup of one update step.
 
-    python benchmarks/replay_speed.py [--repeats 3] [--quick]
+    python benchmarks/replay_speed.py [--repeats 3] [--threads 1] [--quick]
 
 Both schedules run side by side in one process, alternating, on the same model and data; the medians of
 the repetitions are reported, and the speedup is the median of the per-repetition ratios (each ratio
@@ -37,8 +37,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="quarter-length groups, one repetition")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads (default 1: on shared cores multi-threaded kernels stall on their slowest thread)")
     parser.add_argument("--group", choices=sorted(GROUPS), action="append", help="run only these groups")
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     cfg = Qwen2Config(**CONFIG)
     model = Qwen2ForCausalLM(cfg).float().train()
