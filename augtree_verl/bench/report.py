@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Sequence
 
-from augtree_verl.bench.runner import MethodResult
+from augtree_verl.bench.runner import MethodResult, paired_ratio
 
 JSON_KEYS = ("workload", "method", "step_time_s", "executed_tokens", "logical_tokens", "comm_bytes",
              "max_grad_rel_err", "plan")
@@ -27,13 +27,20 @@ def format_table(results: Sequence[MethodResult]) -> str:
 
 
 def format_ideal(results: Sequence[MethodResult]) -> str:
-    """Per workload: the ideal FLOP-count speedup of prompt reuse and what AugTree reached of it."""
+    """Per workload: the ideal FLOP-count speedup of prompt reuse and what AugTree reached of it, and how the
+    planner's choice compares with the best forced primitive (paired per round; 1.00x = as fast)."""
     lines = []
     for workload in dict.fromkeys(r.workload for r in results):
         rows = {r.method: r for r in results if r.workload == workload}
         aug = rows.get("AugTree")
         ideal = next(iter(rows.values())).ideal_speedup
         reached = f", AugTree reached {aug.speedup_vs_megan / ideal:.0%} of it" if aug else ""
+        forced = [r for name, r in rows.items() if name.startswith("AugTree[")]
+        if aug and forced:
+            best = max(forced, key=lambda f: paired_ratio(aug, f))
+            same = " (the same plan)" if best.plan == aug.plan else ""
+            reached += (f"; planner's choice takes {paired_ratio(aug, best):.2f}x the time of the best forced "
+                        f"primitive, {best.method}{same}")
         lines.append(f"{workload}: ideal FLOP-count speedup of prompt reuse over flattened {ideal:.2f}x{reached}")
     return "\n".join(lines)
 

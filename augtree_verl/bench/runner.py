@@ -2,7 +2,9 @@
 
 Per workload: build the trees, then ``repeats`` rounds in which every method runs one full update step
 (forward + backward of the GRPO loss, gradients zeroed before). Methods are interleaved within a round so
-slow drifts of a shared machine hit them alike; the reported step time is the median over rounds. After
+slow drifts of a shared machine hit them alike; the reported step time is the median over rounds, and
+ratios between methods (``paired_ratio``) are medians of the per-round ratios, so load that drifts between
+rounds cancels out. After
 every step the method's parameter gradients (summed over CP ranks) are compared with the reference: the
 flattened baseline's gradients (MegaN's own first step on one device; with CP, the flattened baseline run
 untimed with the responses split over the ranks and the gradients summed).
@@ -117,10 +119,15 @@ def _run_workload(model, workload: Workload, methods: list[Method], repeats: int
             res.max_grad_rel_err = _worse(res.max_grad_rel_err, max_rel_err(grads, reference))
             res.executed_tokens, res.comm_bytes = _totals(stats, workload.logical_tokens, world, device)
             bar.update()
-    base = results[methods[0].name].step_time_s
+    megan = results[methods[0].name]
     for res in results.values():
-        res.speedup_vs_megan = base / res.step_time_s
+        res.speedup_vs_megan = paired_ratio(megan, res)
     return list(results.values())
+
+
+def paired_ratio(a: MethodResult, b: MethodResult) -> float:
+    """Median over rounds of a's step time / b's step time in the same round."""
+    return statistics.median(x / y for x, y in zip(a.step_times_s, b.step_times_s))
 
 
 def _warm_up(model, methods: list[Method], world: int, profile, device) -> None:

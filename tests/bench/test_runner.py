@@ -2,11 +2,12 @@
 
 import json
 import math
+import statistics
 
 import pytest
 
 from augtree_verl.bench.report import JSON_KEYS, format_ideal, format_table, write_json, write_plot
-from augtree_verl.bench.runner import FLOAT32_GRAD_RTOL, MethodResult, max_rel_err
+from augtree_verl.bench.runner import FLOAT32_GRAD_RTOL, MethodResult, max_rel_err, paired_ratio
 
 import torch
 
@@ -83,3 +84,27 @@ def test_cp_plans_of_the_fixed_methods():
     (forced,) = by["AugTree[move_q]"].plans(trees, 4)
     assert forced.primitive == "move_q" and forced.degree == 4
     assert [m.name for m in methods_for(1)] == ["MegaN", "AugTree"] and by["MegaN"].plans(trees, 1) is None
+
+
+def _timed(method, times, plan="p"):
+    return MethodResult(workload="w", method=method, step_times_s=times, executed_tokens=1, logical_tokens=1,
+                        comm_bytes=0, max_grad_rel_err=0.0, plan=plan, ideal_speedup=2.0, tolerance=1e-5)
+
+
+def test_ratios_are_paired_per_round():
+    """A round slowed down for every method (shared machine) must not move the ratios."""
+    megan, aug = _timed("MegaN", [10.0, 40.0, 10.0]), _timed("AugTree", [5.0, 20.0, 5.0])
+    assert paired_ratio(megan, aug) == 2.0
+    assert statistics.median(megan.step_times_s) / statistics.median(aug.step_times_s) == 2.0
+    megan, aug = _timed("MegaN", [10.0, 40.0, 12.0]), _timed("AugTree", [5.0, 5.0, 30.0])
+    assert paired_ratio(megan, aug) == 2.0  # rounds: 2.0, 8.0, 0.4
+
+
+def test_planner_choice_is_compared_with_the_best_forced_primitive():
+    rows = [_timed("MegaN", [4.0, 4.0, 4.0]), _timed("AugTree", [1.1, 1.1, 1.1], plan="move_q"),
+            _timed("AugTree[tree_move_kv]", [2.0, 2.0, 2.0], plan="tree"),
+            _timed("AugTree[move_q]", [1.0, 1.0, 1.0], plan="move_q")]
+    for r in rows:
+        r.speedup_vs_megan = paired_ratio(rows[0], r)
+    line = format_ideal(rows)
+    assert "1.10x the time of the best forced primitive, AugTree[move_q] (the same plan)" in line
