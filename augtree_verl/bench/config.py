@@ -7,11 +7,12 @@ from dataclasses import dataclass, replace
 from augtree_verl.bench.workloads import WORKLOADS
 from augtree_verl.models import DEFAULT_MODEL
 
-# Defaults sized for 2 CPU cores. Measured on a shared 2-core machine: the default run took 9 min with 4-8
-# other processes competing for the cores (load 6-8), --quick with repeats=1 51 s nearly alone (load 2).
+# Defaults sized for 2 CPU cores. Measured on a shared 2-core machine: the default run took 9 min with 3
+# repeats and 4-8 other processes competing for the cores (load 6-8), 3 min 49 s at load ~2; --quick 51 s
+# with repeats=1 nearly alone. 5 repeats (~6 min at load ~2) steady the paired ratios of sub-second steps.
 DEFAULT_BUDGET = 32_768
 DEFAULT_GROUP_SIZE = 8
-DEFAULT_REPEATS = 3
+DEFAULT_REPEATS = 5
 DEFAULT_CP = 2  # shows every method (MegaR and the CP primitives need d > 1) on a 2-core machine
 QUICK = dict(budget_tokens=8_192, group_size=4, repeats=3, model="qwen2-tiny")
 DEVICES = ("cpu", "cuda")
