@@ -167,39 +167,19 @@ def make_rows(setup: Setup, vocab: int) -> list[dict]:
 
 
 def to_batch(rows: list[dict], setup: Setup, old_log_probs: list[torch.Tensor] | None = None, *, entropy=False):
-    """The TensorDict verl's engines take (V1 layout: jagged nested tensors, no padding)."""
-    from verl.utils import tensordict_utils as tu
+    """The TensorDict verl's engines take, with dynamic micro-batches of at most ``setup.max_tokens``."""
+    from augtree_verl.integration import verl_batch
 
-    nested = functools.partial(torch.nested.as_nested_tensor, layout=torch.jagged)
-    seqs = [torch.cat([row["prompt"], row["response"]]) for row in rows]
-    responses = [row["response"] for row in rows]
-    olds = old_log_probs or [torch.zeros(len(r)) for r in responses]
-    return tu.get_tensordict(
-        tensor_dict={
-            "input_ids": nested(seqs),
-            "position_ids": nested([torch.arange(len(s)) for s in seqs]),
-            "attention_mask": nested([torch.ones(len(s), dtype=torch.int64) for s in seqs]),
-            "prompts": nested([row["prompt"] for row in rows]),
-            "responses": nested(responses),
-            "response_mask": nested([torch.ones(len(r), dtype=torch.int64) for r in responses]),
-            "loss_mask": nested([torch.ones(len(r), dtype=torch.int64) for r in responses]),
-            "old_log_probs": nested(olds),
-            "advantages": nested([torch.full((len(r),), row["advantage"]) for r, row in zip(responses, rows)]),
-            "uid": [row["uid"] for row in rows],
-        },
-        non_tensor_dict=dict(temperature=1.0, global_batch_size=len(rows), use_dynamic_bsz=True,
-                             max_token_len_per_gpu=setup.max_tokens, use_remove_padding=True,
-                             use_fused_kernels=False, calculate_entropy=entropy))
+    return verl_batch.rows_to_batch(rows, old_log_probs=old_log_probs, use_dynamic_bsz=True,
+                                    max_token_len_per_gpu=setup.max_tokens, calculate_entropy=entropy)
 
 
-def response_values(output, rows: list[dict], key: str) -> list[torch.Tensor]:
-    """Per row, the response part of a nested model output (position k scores token k + 1), on CPU."""
-    values = output["model_output"][key].unbind()
-    out = []
-    for v, row in zip(values, rows):
-        s, r = len(row["prompt"]) + len(row["response"]), len(row["response"])
-        out.append(v[s - r - 1: s - 1].detach().float().cpu())
-    return out
+def response_values(output, rows: list[dict], setup: Setup, key: str) -> list[torch.Tensor]:
+    """Per row, the response part of a nested model output, float32 on CPU."""
+    from augtree_verl.integration import verl_batch
+
+    batch = to_batch(rows, setup)
+    return [v.detach().float().cpu() for v in verl_batch.response_values(output, batch, key)]
 
 
 def full_grads(engine) -> dict[str, torch.Tensor]:
@@ -254,11 +234,11 @@ def run(setup: Setup) -> dict:
               "tokens": {"flattened": sum(len(r["prompt"]) + len(r["response"]) for r in rows),
                          "prompt_once": sum(p + sum(rs) for p, rs in setup.groups)}}
     for key in ("log_probs", "entropy"):
-        want, got = response_values(out_stock, rows, key), response_values(out_ours, shuffled, key)
+        want, got = response_values(out_stock, rows, setup, key), response_values(out_ours, shuffled, setup, key)
         errs = [rel_err(got[j], want[k]) for j, k in enumerate(order)]
         report[key] = {"rel_err_max": max(errs)}
 
-    current = response_values(out_stock, rows, "log_probs")
+    current = response_values(out_stock, rows, setup, "log_probs")
     g = torch.Generator().manual_seed(1)
     old = [c + OLD_LOGP_NOISE * torch.randn(c.shape, generator=g) for c in current]
 

@@ -16,6 +16,7 @@ os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="augtre
 
 import verl  # noqa: E402,F401  (loads our entry point when the package is installed)
 import augtree_verl.integration  # noqa: E402,F401  (and this covers a plain checkout)
+from augtree_verl.integration import verl_batch  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -123,45 +124,13 @@ def group_rows(groups: list[tuple[int, list[int]]], *, seed: int = 0) -> list[di
 
 def rows_to_batch(rows: list[dict], *, micro_batch_size: int = 2, temperature: float = 1.0,
                   extra: dict[str, list] | None = None) -> TensorDict:
-    """``rows[k] = {uid, prompt, response, advantage}`` -> the TensorDict verl's engines take.
-
-    ``extra[key]``: one non-tensor value per row (e.g. the trainer's plan entries).
-    """
-    from verl.utils import tensordict_utils as tu
-
-    def nested(tensors):
-        return torch.nested.as_nested_tensor(tensors, layout=torch.jagged)
-
-    seqs = [torch.cat([row["prompt"], row["response"]]) for row in rows]
-    responses = [row["response"] for row in rows]
-    ones = [torch.ones(len(r), dtype=torch.float32) for r in responses]
-    batch = tu.get_tensordict(
-        tensor_dict={
-            "input_ids": nested(seqs),
-            "position_ids": nested([torch.arange(len(s)) for s in seqs]),
-            "attention_mask": nested([torch.ones(len(s), dtype=torch.int64) for s in seqs]),
-            "prompts": nested([row["prompt"] for row in rows]),
-            "responses": nested(responses),
-            "response_mask": nested([torch.ones(len(r), dtype=torch.int64) for r in responses]),
-            "loss_mask": nested([torch.ones(len(r), dtype=torch.int64) for r in responses]),
-            "old_log_probs": nested([torch.zeros(len(r)) for r in responses]),
-            "advantages": nested([o * row["advantage"] for o, row in zip(ones, rows)]),
-            "uid": [row["uid"] for row in rows],
-            **(extra or {}),
-        },
-        non_tensor_dict=dict(temperature=temperature, global_batch_size=len(rows), use_dynamic_bsz=False,
-                             micro_batch_size_per_gpu=micro_batch_size, use_remove_padding=True,
-                             use_fused_kernels=False, calculate_entropy=False),
-    )
-    return batch
+    """The harness's batches: fixed-size micro-batches of ``micro_batch_size`` rows (see ``verl_batch``)."""
+    return verl_batch.rows_to_batch(rows, extra=extra, temperature=temperature, use_dynamic_bsz=False,
+                                    micro_batch_size_per_gpu=micro_batch_size)
 
 
-def response_logps(output, batch: TensorDict, key: str = "log_probs") -> list[torch.Tensor]:
-    """Per row, the response part of a nested model output: position k scores token k + 1."""
-    values = output["model_output"][key]
-    seq_lens = batch["input_ids"].offsets().diff().tolist()
-    resp_lens = batch["responses"].offsets().diff().tolist()
-    return [v[s - r - 1: s - 1] for v, s, r in zip(values.unbind(), seq_lens, resp_lens)]
+response_logps = verl_batch.response_values
+
 
 
 def set_old_log_probs(batch: TensorDict, current: list[torch.Tensor], seed: int = 0) -> None:
