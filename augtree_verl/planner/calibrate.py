@@ -58,32 +58,26 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _median_seconds(fn, device: torch.device, repeats: int) -> float:
-    fn()                                          # warm-up
+def _seconds(fn, device: torch.device) -> float:
+    start = time.perf_counter()
+    fn()
     _sync(device)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return time.perf_counter() - start
+
+
+def _median_seconds(fn, device: torch.device, repeats: int) -> float:
+    _seconds(fn, device)                          # warm-up
+    return statistics.median(_seconds(fn, device) for _ in range(repeats))
 
 
 def _median_added_seconds(fn, baseline, device: torch.device, repeats: int) -> float:
     """Median over back-to-back pairs of time(fn) - time(baseline): what ``fn`` adds to ``baseline``, with
     drifting load cancelled pair by pair."""
-    fn()
-    _sync(device)
+    _seconds(fn, device)                          # warm-up
     added = []
     for _ in range(repeats):
-        start = time.perf_counter()
-        baseline()
-        _sync(device)
-        middle = time.perf_counter()
-        fn()
-        _sync(device)
-        added.append((time.perf_counter() - middle) - (middle - start))
+        base = _seconds(baseline, device)
+        added.append(_seconds(fn, device) - base)
     return statistics.median(added)
 
 
