@@ -25,6 +25,12 @@ rank), and backpropagates g only through the tokens it owns: summed over ranks, 
 enters exactly once. Parameter gradients are therefore partial per rank and sum to the one-process ones;
 this engine never all-reduces them. Returned log-probs are complete on every rank.
 
+Scores: with ``entropy_fn`` each scored token carries (log-prob, entropy) and every per-response value
+below is [R, 2] instead of [R]; ``loss_fn`` then sees both, so an entropy term backpropagates the same way.
+Deferred backward (``pending``): the forward keeps every step's graph and queues each step's backprop
+and each prompt backward, in forward order, into ``pending``; ``pending.run(loss_fn)`` runs them later
+on every member (for a loss that needs all log-probs first, as verl's does). The result is the same.
+
 Not supported here (ValueError): plans whose degree differs from the group size, missing plans, and
 dropout inside attention. ``micro_batch_tokens`` does not apply: a CP replay step is one response per lane.
 """
@@ -33,7 +39,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -50,20 +56,41 @@ from augtree_verl.replay.tree import ReplayTree
 LOGP_EXCHANGE = "logp_exchange"  # stats key for the log-prob exchange (not part of any primitive's bytes)
 
 
+class PendingBackward:
+    """The queued backward of ``replay_cp(..., pending=this)``: ``run(loss_fn)`` backpropagates each replay
+    step's owned tokens with d loss_fn / d scores, then each prompt, in forward order. Every member of the
+    group calls it (the primitives communicate in their backward)."""
+
+    def __init__(self):
+        self.steps: list[Callable] = []
+
+    def run(self, loss_fn) -> None:
+        steps, self.steps = self.steps, []
+        for step in steps:
+            step(loss_fn)
+
+
 def replay_cp(model, trees: Sequence[ReplayTree], loss_fn, plans: Sequence[Plan], *, temperature: float = 1.0,
-              micro_batch_tokens: int | None = None, stats: ReplayStats | None = None,
-              group=None) -> list[list[torch.Tensor]]:
+              micro_batch_tokens: int | None = None, stats: ReplayStats | None = None, group=None,
+              entropy_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
+              pending: PendingBackward | None = None) -> list[list[torch.Tensor]]:
     """Same contract as ``replay`` (logps[t][i] float32 [R_i] on every rank), context-parallel over
-    ``group`` (default: the world); see the module docstring for the schedule and the gradient contract."""
+    ``group`` (default: the world); see the module docstring for the schedule and the gradient contract.
+
+    ``entropy_fn(logits [n, V] float32, tempered) -> [n]``: values become [R_i, 2] (log-prob, entropy).
+    ``pending`` (instead of ``loss_fn``): build the graph and queue the backward there.
+    """
     del micro_batch_tokens  # one response per lane per step; kept for the ``replay`` signature
+    if loss_fn is not None and pending is not None:
+        raise ValueError("pass either loss_fn (streamed backward) or pending (queued backward), not both")
     trees, plans = list(trees), list(plans)
     size = _check(model, trees, plans, temperature, group)
     stats = stats if stats is not None else ReplayStats()
-    run = _Run(model, loss_fn, temperature, stats, group, dist.get_rank(group), size)
+    run = _Run(model, loss_fn, temperature, stats, group, dist.get_rank(group), size, entropy_fn, pending)
     schedules = {"ring": run.ring_tree, "tree_move_kv": run.tree_move_kv_tree, "move_q": run.move_q_tree}
     logps = []
     use_augtree_attention(model)
-    with torch.set_grad_enabled(loss_fn is not None):
+    with torch.set_grad_enabled(run.train):
         for t, (tree, plan) in enumerate(zip(trees, plans)):
             stats.plans[plan.primitive] += 1
             logps.append(schedules[plan.primitive](t, tree, plan))
@@ -106,11 +133,12 @@ class _Prefill:
 
 
 class _Run:
-    def __init__(self, model, loss_fn, temperature, stats, group, rank, size):
+    def __init__(self, model, loss_fn, temperature, stats, group, rank, size, entropy_fn, pending):
         self.base, self.lm_head = model.get_decoder(), model.get_output_embeddings()
         self.loss_fn, self.temperature, self.stats = loss_fn, temperature, stats
         self.group, self.rank, self.size = group, rank, size
-        self.train = loss_fn is not None
+        self.entropy_fn, self.pending = entropy_fn, pending
+        self.train = loss_fn is not None or pending is not None
         self.logp_meter = Meter(stats, LOGP_EXCHANGE)
 
     # ---- shared pieces -------------------------------------------------------------------------------
@@ -125,6 +153,24 @@ class _Run:
                            use_cache=False, augtree_ctx=ctx).last_hidden_state
         self.stats.executed_tokens += ids.shape[0]
         return hidden[0, :n]
+
+    def score(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """hidden [n, hidden], targets [n] -> log-probs [n], or [n, 2] (log-prob, entropy) with ``entropy_fn``."""
+        if self.entropy_fn is None:
+            return token_logps(self.lm_head, hidden, targets, self.temperature)
+        entropy = []
+        logp = token_logps(self.lm_head, hidden, targets, self.temperature,
+                           on_logits=lambda logits: entropy.append(self.entropy_fn(logits)))
+        return torch.stack([logp, entropy[0].float()], dim=-1)
+
+    def backward_step(self, step: Callable) -> None:
+        """Run ``step(loss_fn)`` now (streamed backward) or queue it in ``pending``; nothing when not training."""
+        if not self.train:
+            return
+        if self.pending is not None:
+            self.pending.steps.append(step)
+        else:
+            step(self.loss_fn)
 
     def prefill(self, prompt: torch.Tensor, members: tuple[int, ...], meter: Meter) -> _Prefill:
         start = time.perf_counter()
@@ -146,10 +192,11 @@ class _Run:
         return _Prefill(layout, hidden, live_kv, leaf_kv, last, local if owner == index else None)
 
     def prompt_backward(self, pre: _Prefill) -> None:
+        self.backward_step(lambda loss_fn: self._prompt_backward(pre))
+
+    def _prompt_backward(self, pre: _Prefill) -> None:
         """Phase C on every member of the prefill ring: all layers' K/V and the whole final hidden shard
         are roots (zero where nothing flowed), so every rank reaches every ring step of the prompt graph."""
-        if not self.train:
-            return
         start = time.perf_counter()
         roots, grads = [], []
         for live, leaf in zip(pre.live_kv, pre.leaf_kv):
@@ -169,41 +216,38 @@ class _Run:
         if pre.last is None:
             return []
         return [(i, torch.zeros(1, dtype=torch.long, device=pre.last.device),
-                 token_logps(self.lm_head, pre.last[None], tree.responses[i][:1], self.temperature))
+                 self.score(pre.last[None], tree.responses[i][:1]))
                 for i in responses]
 
     def exchange(self, tree: ReplayTree, responses: list[int], owned: list, members) -> list:
-        """Full log-probs of ``responses`` (float32, detached, identical on every member) from the tokens
-        each member owns: an exact zero-filled sum. ``owned``: (response, token indices, logp)."""
+        """Full scores of ``responses`` (float32, detached, identical on every member) from the tokens
+        each member owns: an exact zero-filled sum. ``owned``: (response, token indices, scores)."""
         lens = [tree.response_lens[i] for i in responses]
         offsets = [sum(lens[:j]) for j in range(len(responses))]
-        buffer = torch.zeros(sum(lens), dtype=torch.float32, device=tree.prompt.device)
+        width = () if self.entropy_fn is None else (2,)
+        buffer = torch.zeros(sum(lens), *width, dtype=torch.float32, device=tree.prompt.device)
         for i, idx, logp in owned:
             buffer[offsets[responses.index(i)] + idx] = logp.detach()
         full = all_gather_sum(buffer, members, self.group, self.logp_meter)
         return [full[o: o + n].clone() for o, n in zip(offsets, lens)]
 
     def backprop(self, t: int, responses: list[int], full: list, owned: list, keepalive: list) -> None:
-        """Backpropagate d loss_fn(t, i, full_i) / d logp through the tokens this rank owns. ``keepalive``:
+        """Backpropagate d loss_fn(t, i, full_i) / d scores through the tokens this rank owns. ``keepalive``:
         outputs of this step's forward that own no scored token but must be reached by the backward (the
         primitives communicate in it)."""
-        if not self.train:
-            return
+        self.backward_step(lambda loss_fn: self._backprop(loss_fn, t, responses, full, owned, keepalive))
+
+    def _backprop(self, loss_fn, t: int, responses: list[int], full: list, owned: list, keepalive: list) -> None:
         roots, grads, grad_of = [], [], {}
         for i, idx, logp in owned:
             if i not in grad_of:
-                grad_of[i] = self.loss_grad(t, i, full[responses.index(i)])
+                grad_of[i] = _loss_grad(loss_fn, t, i, full[responses.index(i)])
             roots.append(logp)
             grads.append(grad_of[i][idx])
         roots += keepalive
         grads += [torch.zeros_like(x) for x in keepalive]
         if roots:
             torch.autograd.backward(roots, grads)
-
-    def loss_grad(self, t: int, i: int, logp: torch.Tensor) -> torch.Tensor:
-        leaf = logp.clone().requires_grad_()
-        (grad,) = torch.autograd.grad(self.loss_fn(t, i, leaf), leaf, allow_unused=True)
-        return grad if grad is not None else torch.zeros_like(leaf)
 
     def replay_rows(self, resp: torch.Tensor, layout: ZigzagLayout, index: int, offset: int, ctx, i: int,
                     owned: list, keepalive: list) -> None:
@@ -212,7 +256,7 @@ class _Run:
         pos = layout.positions(index, device=resp.device)
         hidden = self.forward_shard(resp[pos], pos + offset, ctx)
         if pos.numel():
-            owned.append((i, pos + 1, token_logps(self.lm_head, hidden, resp[pos + 1], self.temperature)))
+            owned.append((i, pos + 1, self.score(hidden, resp[pos + 1])))
         else:
             keepalive.append(hidden)
 
@@ -230,8 +274,7 @@ class _Run:
             scored = (pos >= p - 1).nonzero().squeeze(1)
             owned, keepalive = [], []
             if scored.numel():
-                owned.append((i, pos[scored] - (p - 1),
-                              token_logps(self.lm_head, hidden[scored], seq[pos[scored] + 1], self.temperature)))
+                owned.append((i, pos[scored] - (p - 1), self.score(hidden[scored], seq[pos[scored] + 1])))
             else:
                 keepalive.append(hidden)
             full = self.exchange(tree, [i], owned, members)
@@ -302,3 +345,10 @@ class _Run:
         self.stats.replay_s += time.perf_counter() - start
         self.prompt_backward(pre)
         return [out[i] for i in range(len(tree.responses))]
+
+
+def _loss_grad(loss_fn, t: int, i: int, scores: torch.Tensor) -> torch.Tensor:
+    """d loss_fn(t, i, scores) / d scores, on a detached copy (zeros where the loss does not depend on it)."""
+    leaf = scores.clone().requires_grad_()
+    (grad,) = torch.autograd.grad(loss_fn(t, i, leaf), leaf, allow_unused=True)
+    return grad if grad is not None else torch.zeros_like(leaf)

@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from augtree_verl import Plan, ReplayStats, replay
 from augtree_verl.cp.cost import AttentionShape, analytic_bytes
-from augtree_verl.cp.engine import replay_cp
+from augtree_verl.cp.engine import PendingBackward, replay_cp
 from augtree_verl.cp.layout import ZigzagLayout
 from augtree_verl.planner import plan_tree
 from augtree_verl.replay.baseline import flattened_replay
@@ -134,6 +134,50 @@ def _several_steps(rank, world):
         opt.step()
 
 
+def entropy(logits):
+    return torch.logsumexp(logits, -1) - (logits.softmax(-1) * logits).sum(-1)
+
+
+def _deferred_with_entropy(rank, world):
+    """``pending`` + ``entropy_fn`` (what the verl engine uses): scores [R, 2] on every rank, the queued
+    backward of a loss over log-probs and entropies run after the whole forward, over three steps."""
+    model = tiny_model("qwen2-gqa", seed=6)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    trees = random_trees([21, 4], [[5, 2, 8], [9, 1, 3, 6]], seed=11)
+    plans = [split_plan("move_q", world, 2, ((0, 0), (0, 1), (1, 0))),
+             split_plan("tree_move_kv", world, 2, ((0, 0), (0, 1), (1, 1), (1, 0)))]
+    for step in range(3):
+        pg = grpo_like_loss(trees, seed=step)
+
+        def loss_fn(t, i, scores):
+            return pg(t, i, scores[:, 0]) + 0.1 * scores[:, 1].sum()
+
+        model.zero_grad(set_to_none=True)
+        pending = PendingBackward()
+        got = replay_cp(model, trees, None, plans if step != 1 else [ring_plan(world)] * 2, temperature=0.8,
+                        entropy_fn=entropy, pending=pending)
+        assert all(s.shape == (n, 2) and not s.requires_grad for tree, row in zip(trees, got)
+                   for s, n in zip(row, tree.response_lens))
+        pending.run(loss_fn)
+        summed = {n: p.grad.clone() if p.grad is not None else torch.zeros_like(p)
+                  for n, p in model.named_parameters()}
+        for n in summed:
+            dist.all_reduce(summed[n])
+        model.zero_grad(set_to_none=True)
+        entropies = {}
+        want = flattened_replay(model, trees, keep_graph=True, temperature=0.8,
+                                on_logits=lambda t, i, logits: entropies.__setitem__((t, i), entropy(logits)))
+        sum(pg(t, i, want[t][i]) + 0.1 * entropies[(t, i)].sum()
+            for t in range(len(trees)) for i in range(len(trees[t].responses))).backward()
+        assert_logps_match([[s[:, 0] for s in row] for row in got], want)
+        assert_logps_match([[s[:, 1] for s in row] for row in got],
+                           [[entropies[(t, i)] for i in range(len(tree.responses))] for t, tree in enumerate(trees)])
+        assert_grads_match(summed, grads(model))
+        for n, p in model.named_parameters():
+            p.grad = summed[n]
+        opt.step()
+
+
 def _world1(rank, world):
     model = tiny_model("qwen2-gqa")
     trees = random_trees([9], [[4, 1, 6]], seed=2)
@@ -156,6 +200,11 @@ def test_world4_lanes_short_responses_mha():
 @pytest.mark.timeout(300)
 def test_parity_after_each_of_several_steps():
     run_distributed(_several_steps, 2)
+
+
+@pytest.mark.timeout(300)
+def test_deferred_backward_with_entropy_scores():
+    run_distributed(_deferred_with_entropy, 2)
 
 
 @pytest.mark.timeout(200)
