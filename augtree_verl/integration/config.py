@@ -30,8 +30,9 @@ class AugTreeEngineConfig(FSDPEngineConfig):
     """verl's ``FSDPEngineConfig`` plus:
 
     micro_batch_tokens: token budget of one replay micro-batch (rows x longest response).
-    cp_degrees: context-parallel degrees the planner may choose from (1 = one device per tree). The engine
-        does not run plans of degree > 1 yet: such trees run on one device and count as planner fallbacks.
+    cp_degrees: context-parallel degrees the planner may choose from (1 = one device per tree). Ranks form
+        CP groups of max(cp_degrees) ranks that share their samples (data-parallel size = world / max); a
+        tree planned with degree d runs on d ranks of its group. Each degree must divide the largest.
     use_planner: run plans from the planner; False runs every tree on one device, ignoring plans in the batch.
     force_primitive: pin the planner to one primitive ("ring", "tree_move_kv", "move_q"); None lets it choose.
     fallback_threshold_tokens: a group whose prompt + longest response is shorter than this runs without CP.
@@ -60,6 +61,8 @@ class AugTreeEngineConfig(FSDPEngineConfig):
             raise ValueError(f"AugTreeEngineConfig.cp_degrees must be a non-empty list of ints, got {self.cp_degrees!r}")
         if any(isinstance(d, bool) or not isinstance(d, int) or d < 1 for d in degrees):
             raise ValueError(f"AugTreeEngineConfig.cp_degrees must hold ints >= 1, got {degrees!r}")
+        if any(max(degrees) % d for d in degrees):
+            raise ValueError(f"AugTreeEngineConfig.cp_degrees must each divide the largest, got {degrees!r}")
         object.__setattr__(self, "cp_degrees", sorted(set(degrees)))
         if self.force_primitive is not None and self.force_primitive not in PRIMITIVES:
             raise ValueError(

@@ -15,6 +15,12 @@ runs on each of the unit's micro-batches, and one backward of their sum puts exa
 the parameters. Forward-only replays every tree of the step at once, without a graph.
 Parameters stay gathered over the step and gradient sync is held back until one reduction after the last
 backward (``gathered_for_replay``): ranks hold different trees, so per-call FSDP collectives could not line up.
+
+Context parallelism (``cp_degrees`` above 1): ranks form CP groups of C = max(cp_degrees) (``cp_mesh``);
+the engine reports data-parallel rank and size = world / C to verl, so every rank of a CP group gets the
+same samples, and the group replays each tree once: plans of degree d > 1 context-parallel on d of its
+ranks, the other trees spread over its ranks (``group_replay``). Every rank of the group computes verl's
+loss on the whole micro-batch; its gradients add up over the group.
 """
 
 from __future__ import annotations
@@ -33,12 +39,14 @@ from verl.workers.engine.utils import postprocess_batch_func, prepare_micro_batc
 
 from augtree_verl.integration.batch_trees import build_trees, sequence_lengths
 from augtree_verl.integration.config import FSDP_STRATEGY, AugTreeEngineConfig
+from augtree_verl.integration.cp_mesh import CPMesh
 from augtree_verl.integration.fsdp_model import FSDPReplayModel, gathered_for_replay
+from augtree_verl.integration.group_replay import replay_in_group
 from augtree_verl.integration.metrics import step_metrics
 from augtree_verl.integration.plans import plans_for_trees
 from augtree_verl.integration.replay_units import replay_units
 from augtree_verl.plan import Plan
-from augtree_verl.replay import ReplayStats, replay
+from augtree_verl.replay import ReplayStats
 
 UNSUPPORTED_FLAGS = ("calculate_sum_pi_squared", "distillation_use_topk", "distillation_only")
 
@@ -65,6 +73,26 @@ class AugTreeEngine(FSDPEngineWithLMHead):
         finally:
             object.__setattr__(self.engine_config, "strategy", requested)
 
+    def _init_device_mesh(self):
+        super()._init_device_mesh()
+        self.cp_mesh = CPMesh(self.engine_config.cp_degrees)
+
+    # verl dispatches data by these: every rank of a CP group is the same data-parallel rank.
+    def get_data_parallel_rank(self):
+        return self.cp_mesh.dp_rank
+
+    def get_data_parallel_size(self):
+        return torch.distributed.get_world_size() // max(self.engine_config.cp_degrees)
+
+    def get_data_parallel_group(self):
+        return self.cp_mesh.dp_group
+
+    def get_context_parallel_group(self):
+        return self.cp_mesh.cp_group
+
+    def is_mp_src_rank_with_outputs(self):
+        return self.cp_mesh.cp_rank == 0
+
     def forward_backward_batch(self, data: TensorDict, loss_function: Callable, forward_only=False):
         if loss_function is None and not forward_only:
             raise ValueError("training (forward_only=False) needs a loss_function")
@@ -88,7 +116,7 @@ class AugTreeEngine(FSDPEngineWithLMHead):
         with gathered_for_replay(self.module, reshard_after_forward=self.engine_config.reshard_after_forward,
                                  hold_gradient_sync=train):
             for unit in units:
-                model_outputs = self._replay(step, [micro_batches[m] for m in unit], keep_graph=train)
+                model_outputs, finish = self._replay(step, [micro_batches[m] for m in unit], keep_graph=train)
                 unit_loss = None
                 for m, model_output in zip(unit, model_outputs):
                     if loss_function is None:
@@ -102,42 +130,44 @@ class AugTreeEngine(FSDPEngineWithLMHead):
                         output_lst[m]["model_output"] = {k: v.detach() for k, v in model_output.items()}
                 if train:
                     # The micro-batch losses' gradients add up: one backward of their sum runs each prompt once.
+                    # Times C: a CP group's C ranks share one data-parallel rank's gradient (group_replay).
                     start = time.perf_counter()
-                    (self.scaler.scale(unit_loss) if self.scaler is not None else unit_loss).backward()
+                    unit_loss = unit_loss * self.cp_mesh.cp_size
+                    if unit_loss.requires_grad:  # False on a CP rank that replayed none of the unit's trees
+                        (self.scaler.scale(unit_loss) if self.scaler is not None else unit_loss).backward()
+                    finish()
                     step.backward_s += time.perf_counter() - start
         output_lst[0]["metrics"] = {**output_lst[0]["metrics"],
                                     **step_metrics(step.stats, step.plans, backward_s=step.backward_s,
                                                    plan_fallbacks=step.plan_fallbacks)}
         return postprocess_batch_func(output_lst=output_lst, indices=indices, data=data)
 
-    def _replay(self, step: "_Step", micro_batches: list[TensorDict], *, keep_graph: bool) -> list[dict]:
-        """verl's model outputs for ``micro_batches``, whose rows are replayed together as one set of trees.
+    def _replay(self, step: "_Step", micro_batches: list[TensorDict], *, keep_graph: bool):
+        """(verl's model outputs for ``micro_batches``, whose rows are replayed together as one set of trees,
+        and the ``finish`` to call after the backward; see ``group_replay``).
 
         With ``keep_graph`` the outputs are attached to one graph (each prompt once) for the caller's backward.
         """
         grouped = build_trees(micro_batches)
-        plans, fallbacks = (plans_for_trees(micro_batches, grouped) if self.engine_config.use_planner
-                            else ([None] * len(grouped.trees), 0))
+        plans, fallbacks = (plans_for_trees(micro_batches, grouped, self.cp_mesh.degrees,
+                                            min_cp_tokens=self.engine_config.fallback_threshold_tokens)
+                            if self.engine_config.use_planner else ([None] * len(grouped.trees), 0))
         step.plans += plans
         step.plan_fallbacks += fallbacks
-        entropies: dict[tuple[int, int], torch.Tensor] = {}
-
-        def entropy_of(t: int, i: int, logits: torch.Tensor) -> None:
-            entropies[(t, i)] = self._entropy(logits)
-
-        logps = replay(FSDPReplayModel(self.module), grouped.trees, temperature=step.temperature, plans=plans,
-                       micro_batch_tokens=self.engine_config.micro_batch_tokens, stats=step.stats,
-                       keep_graph=keep_graph, on_logits=entropy_of if step.want_entropy else None)
+        scores, finish = replay_in_group(
+            FSDPReplayModel(self.module), self.cp_mesh, grouped.trees, plans, temperature=step.temperature,
+            micro_batch_tokens=self.engine_config.micro_batch_tokens, stats=step.stats, train=keep_graph,
+            entropy_fn=self._entropy if step.want_entropy else None)
         outputs = []
         for m, mb in enumerate(micro_batches):
-            slots = [grouped.slot[(m, k)] for k in range(len(mb))]
+            row_scores = [scores[grouped.slot[(m, k)]] for k in range(len(mb))]
             prompt_lens, _ = sequence_lengths(mb)
             offsets = mb["input_ids"].offsets()
-            output = {"log_probs": _full_sequence([logps[t][i] for t, i in slots], prompt_lens, offsets)}
+            output = {"log_probs": _full_sequence([logp for logp, _ in row_scores], prompt_lens, offsets)}
             if step.want_entropy:
-                output["entropy"] = _full_sequence([entropies[slot] for slot in slots], prompt_lens, offsets)
+                output["entropy"] = _full_sequence([entropy for _, entropy in row_scores], prompt_lens, offsets)
             outputs.append(output)
-        return outputs
+        return outputs, finish
 
     def _entropy(self, logits: torch.Tensor) -> torch.Tensor:
         """Entropy [N] of tempered logits [N, V], computed as verl's stock engine computes it (same knobs)."""

@@ -56,6 +56,10 @@ class FSDPReplayModel:
         self._root = root
         self.config = root.config
 
+    @property
+    def training(self) -> bool:
+        return self._root.training
+
     def get_input_embeddings(self):
         return self._root.get_input_embeddings()
 

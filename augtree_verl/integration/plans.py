@@ -1,9 +1,11 @@
 """The plans the trainer hook put in the batch (``augtree_plan``, one entry per sample), matched to our trees.
 
 A ring plan (no split) applies to any part of its tree. A split plan places each response of the whole
-tree, so it applies only when this replay holds the complete tree; otherwise the tree runs without a plan
-and the step counts a planner fallback. So does a context-parallel plan (degree > 1): inside verl's
-data-parallel engine each rank replays its own trees, and no CP group shares a tree yet.
+tree, so it applies only when this replay holds the complete tree. A context-parallel plan (degree > 1)
+applies when the engine has subgroups of that many ranks (``cp_degrees``). A plan that cannot apply is
+dropped: the tree runs on one device and the step counts a planner fallback. A tree whose prompt plus
+longest response is shorter than ``min_cp_tokens`` (the engine's ``fallback_threshold_tokens``) runs on
+one device too, by configuration (not counted as a fallback).
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ from augtree_verl.plan import Plan
 from augtree_verl.trainer.plan_field import PLAN_FIELD
 
 
-def plans_for_trees(micro_batches: list[TensorDict], grouped: BatchTrees) -> tuple[list[Plan | None], int]:
+def plans_for_trees(micro_batches: list[TensorDict], grouped: BatchTrees,
+                    cp_degrees: tuple[int, ...] = (1,), min_cp_tokens: int = 0) -> tuple[list[Plan | None], int]:
     """(one plan or None per tree, number of trees whose plan could not apply here)."""
     if PLAN_FIELD not in micro_batches[0].keys():
         return [None] * len(grouped.trees), 0
@@ -28,7 +31,10 @@ def plans_for_trees(micro_batches: list[TensorDict], grouped: BatchTrees) -> tup
         if len(tree_ids) != 1:
             raise ValueError(f"tree {t} (uid {grouped.uids[t]!r}) has samples planned as different trees {sorted(tree_ids)}")
         plan = Plan.from_dict(tree_entries[0])
-        if plan.degree > 1:
+        tree = grouped.trees[t]
+        if plan.degree > 1 and tree.prompt_len + max(tree.response_lens) < min_cp_tokens:
+            plans.append(None)
+        elif plan.degree not in cp_degrees:
             plans.append(None)
             fallbacks += 1
         elif plan.primitive == "ring":

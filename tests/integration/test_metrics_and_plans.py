@@ -146,14 +146,23 @@ def test_split_plan_placement_follows_the_planners_response_order():
     assert (plans[1], plans[2], plans[3], fallbacks) == (RING, None, RING, 1)
 
 
-def test_context_parallel_plans_fall_back_to_one_device():
-    """Each data-parallel rank replays its own trees: a plan of degree > 1 cannot run there yet."""
+def test_context_parallel_plans_apply_where_the_engine_has_that_degree():
+    """A degree-2 plan applies with CP subgroups of 2 ranks; without them, or for a tree shorter than the
+    fallback threshold, the tree runs on one device (only the first counts as a planner fallback)."""
     rows = H.group_rows(GROUPS)
-    entries = [{**entry, **Plan(degree=2, est_time_s=0.25).to_dict()} if row["uid"] == "group-1" else entry
+    cp_ring = Plan(degree=2, est_time_s=0.25)
+    entries = [{**entry, **cp_ring.to_dict()} if row["uid"] == "group-1" else entry
                for row, entry in zip(rows, _plan_entries(rows))]
     micro_batches, _ = prepare_micro_batches(H.rows_to_batch(rows, extra={PLAN_FIELD: entries}))
-    plans, fallbacks = plans_for_trees(micro_batches, build_trees(micro_batches))
+    grouped = build_trees(micro_batches)
+    plans, fallbacks = plans_for_trees(micro_batches, grouped)
     assert (plans[1], plans[3], fallbacks) == (None, RING, 2)
+    plans, fallbacks = plans_for_trees(micro_batches, grouped, (1, 2))
+    assert (plans[1], plans[3], fallbacks) == (cp_ring, RING, 1)
+    longest = 4 + 6  # group 1: prompt 4, longest response 6
+    for threshold, want in ((longest, cp_ring), (longest + 1, None)):
+        plans, fallbacks = plans_for_trees(micro_batches, grouped, (1, 2), min_cp_tokens=threshold)
+        assert (plans[1], fallbacks) == (want, 1), threshold
 
 
 def test_training_with_plans_is_still_exact(engine):

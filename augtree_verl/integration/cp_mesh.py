@@ -1,0 +1,77 @@
+"""How the AugTree engine lays its ranks out for context parallelism, and which ranks replay which tree.
+
+With C = max(cp_degrees), rank r is CP rank ``r % C`` of data-parallel rank ``r // C`` (a CP group is C
+consecutive ranks, e.g. one node's GPUs). The engine reports the data-parallel rank and size to verl, so
+verl's dispatch hands every rank of a CP group the same samples. Inside a CP group:
+
+- a tree whose plan has degree d > 1 runs context-parallel on one of the C / d subgroups of d
+  consecutive ranks;
+- every other tree runs on one rank of the group.
+
+``place_trees`` chooses the subgroup (or rank) per tree, heaviest tree first onto the least loaded choice,
+identically on every rank (it only reads the trees and plans, which every rank of the group shares).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch.distributed as dist
+
+
+class CPMesh:
+    """This rank's place in the (data-parallel x context-parallel) layout; builds the process groups.
+
+    Every rank must construct it at the same point (``dist.new_subgroups_by_enumeration`` is collective).
+    ``subgroups[d]``: this rank's subgroup of d consecutive ranks, for each degree d > 1 in ``degrees``.
+    """
+
+    def __init__(self, degrees: Sequence[int]):
+        self.degrees = tuple(sorted(set(degrees)))
+        self.cp_size = size = self.degrees[-1]
+        world, rank = dist.get_world_size(), dist.get_rank()
+        if world % size:
+            raise ValueError(f"cp_degrees {list(self.degrees)}: the largest degree {size} must divide the "
+                             f"world size {world}")
+        bad = [d for d in self.degrees if size % d]
+        if bad:
+            raise ValueError(f"cp_degrees {list(self.degrees)}: degrees {bad} do not divide the largest degree {size}")
+        self.dp_size, self.dp_rank, self.cp_rank = world // size, rank // size, rank % size
+        self.dp_group = dist.group.WORLD
+        if size > 1:
+            self.dp_group, _ = dist.new_subgroups_by_enumeration(
+                [[c + k * size for k in range(self.dp_size)] for c in range(size)])
+        self.subgroups = {}
+        for d in self.degrees:
+            if d > 1:
+                self.subgroups[d], _ = dist.new_subgroups_by_enumeration(
+                    [[first + j for j in range(d)] for first in range(0, world, d)])
+
+    @property
+    def cp_group(self):
+        """The whole CP group of this rank (None without context parallelism)."""
+        return self.subgroups.get(self.cp_size)
+
+    def subgroup_index(self, degree: int) -> int:
+        """Which of its CP group's subgroups of ``degree`` ranks this rank belongs to."""
+        return self.cp_rank // degree
+
+
+def place_trees(works: Sequence[float], degrees: Sequence[int], cp_size: int) -> list[int]:
+    """Per tree, the subgroup (of ``degrees[t]`` consecutive CP ranks; index 0 .. cp_size / d - 1) it runs on.
+
+    Longest-processing-time first: each tree, heaviest first, goes to the subgroup whose busiest member
+    has the least work so far, and adds ``works[t] / d`` to every member. Ties go to the lowest index.
+    """
+    for t, d in enumerate(degrees):
+        if d < 1 or cp_size % d:
+            raise ValueError(f"tree {t}: degree {d} does not divide the CP group size {cp_size}")
+    load = [0.0] * cp_size
+    placement = [0] * len(works)
+    for t in sorted(range(len(works)), key=lambda t: (-works[t], t)):
+        d = degrees[t]
+        best = min(range(cp_size // d), key=lambda s: (max(load[s * d: (s + 1) * d]), s))
+        placement[t] = best
+        for r in range(best * d, (best + 1) * d):
+            load[r] += works[t] / d
+    return placement
