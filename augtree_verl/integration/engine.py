@@ -97,7 +97,8 @@ class AugTreeEngine(FSDPEngineWithLMHead):
         if loss_function is None and not forward_only:
             raise ValueError("training (forward_only=False) needs a loss_function")
         _check_supported(data)
-        tu.assign_non_tensor(data, sp_size=1)
+        # As verl does for Ulysses: a CP group's micro-batch may hold C ranks' tokens (it is spread over them).
+        tu.assign_non_tensor(data, sp_size=self.cp_mesh.cp_size)
         return_model_output = tu.get_non_tensor_data(data=data, key="return_model_output", default=False)
         dp_group = self.get_data_parallel_group()
         # Global token count for loss normalisation, as verl's engine computes it.
