@@ -20,6 +20,8 @@ MODEL="${MODEL:-Qwen/Qwen2.5-7B-Instruct}"
 DATA_DIR="${DATA_DIR:-/mnt/shared/data/musique_longctx}"
 NNODES="${NNODES:-2}"
 NGPUS="${NGPUS:-8}"
+# CP degrees: the powers of two up to 8 that divide NGPUS (a CP group stays inside one node).
+CP_DEGREES="${CP_DEGREES:-$(d=1; out=1; while (( d * 2 <= 8 && NGPUS % (d * 2) == 0 )); do d=$((d * 2)); out="$out,$d"; done; echo "[$out]")}"
 RECIPE="${RECIPE:-dapo_augtree}"
 
 # Forwarded to every Ray worker; WANDB_API_KEY only if set here (it is then visible in the job's metadata,
@@ -43,6 +45,7 @@ cmd=(ray job submit --address "$RAY_ADDRESS" --runtime-env-json "$RUNTIME_ENV" -
      data.val_files="$DATA_DIR/test.parquet"
      trainer.nnodes="$NNODES"
      trainer.n_gpus_per_node="$NGPUS"
+     actor_rollout_ref.actor.fsdp_config.cp_degrees="$CP_DEGREES"
      "$@")
 
 if [[ "${DRY_RUN:-0}" == "1" ]]; then
