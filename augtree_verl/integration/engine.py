@@ -42,7 +42,7 @@ from augtree_verl.integration.config import FSDP_STRATEGY, AugTreeEngineConfig
 from augtree_verl.integration.cp_mesh import CPMesh
 from augtree_verl.integration.fsdp_model import FSDPReplayModel, gathered_for_replay
 from augtree_verl.integration.group_replay import replay_in_group
-from augtree_verl.integration.metrics import step_metrics
+from augtree_verl.integration.metrics import group_totals, step_metrics
 from augtree_verl.integration.plans import plans_for_trees
 from augtree_verl.integration.replay_units import replay_units
 from augtree_verl.plan import Plan
@@ -138,8 +138,11 @@ class AugTreeEngine(FSDPEngineWithLMHead):
                         (self.scaler.scale(unit_loss) if self.scaler is not None else unit_loss).backward()
                     finish()
                     step.backward_s += time.perf_counter() - start
+        stats, backward_s = step.stats, step.backward_s
+        if self.cp_mesh.cp_size > 1:
+            stats, backward_s = group_totals(stats, backward_s, self.cp_mesh.cp_group, batch_num_tokens.device)
         output_lst[0]["metrics"] = {**output_lst[0]["metrics"],
-                                    **step_metrics(step.stats, step.plans, backward_s=step.backward_s,
+                                    **step_metrics(stats, step.plans, backward_s=backward_s,
                                                    plan_fallbacks=step.plan_fallbacks)}
         return postprocess_batch_func(output_lst=output_lst, indices=indices, data=data)
 

@@ -38,7 +38,8 @@ def replay_in_group(model, mesh: CPMesh, trees: Sequence[ReplayTree], plans: Seq
                     entropy_fn: Callable[[torch.Tensor], torch.Tensor] | None) -> tuple[dict[Slot, Scores], Callable]:
     """Returns ``(scores, finish)``: ``scores[(t, i)]`` for every response of every tree, on every rank of the
     group (attached to a graph as the module docstring says, when ``train``), and ``finish()``, which runs
-    the context-parallel trees' backward; call it on every rank after the loss's backward."""
+    the context-parallel trees' backward; call it on every rank after the loss's backward. The CP replays'
+    stats reach ``stats`` after their backward (forward-only: at once)."""
     degrees = [plan.degree if plan is not None else 1 for plan in plans]
     works = [tree_workload(tree.prompt_len, tree.response_lens) for tree in trees]
     placement = place_trees(works, degrees, mesh.cp_size)
@@ -59,19 +60,20 @@ def replay_in_group(model, mesh: CPMesh, trees: Sequence[ReplayTree], plans: Seq
                 graphs[(t, i)] = (logp, entropies.get((t, i)))
                 mine[(t, i)] = torch.stack([x.detach() for x in graphs[(t, i)] if x is not None], dim=-1)
 
-    queued: list[tuple[PendingBackward, list[int]]] = []
+    # per replay_cp call: its queued backward (None forward-only), its trees, its stats, whether to count them
+    queued: list[tuple[PendingBackward | None, list[int], ReplayStats, bool]] = []
     for d in sorted(mesh.subgroups, reverse=True):
         ids = [t for t in range(len(trees)) if degrees[t] == d and placement[t] == mesh.subgroup_index(d)]
         if not ids:
             continue
         pending = PendingBackward() if train else None
+        cp_stats = ReplayStats()
         values = replay_cp(model, [trees[t] for t in ids], None, [plans[t] for t in ids], temperature=temperature,
-                           stats=stats, group=mesh.subgroups[d], entropy_fn=entropy_fn, pending=pending)
+                           stats=cp_stats, group=mesh.subgroups[d], entropy_fn=entropy_fn, pending=pending)
         for t, row in zip(ids, values):
             for i, v in enumerate(row):
                 mine[(t, i)] = v.reshape(v.shape[0], width)
-        if pending is not None:
-            queued.append((pending, ids))
+        queued.append((pending, ids, cp_stats, mesh.cp_rank % d == 0))  # the subgroup's first member counts trees
 
     shared = _share(trees, mine, owner, mesh, width, stats)
     scores: dict[Slot, Scores] = {}
@@ -80,18 +82,24 @@ def replay_in_group(model, mesh: CPMesh, trees: Sequence[ReplayTree], plans: Seq
         if slot in graphs:
             scores[slot] = graphs[slot]
             continue
-        if train and any(slot[0] in ids for _, ids in queued):
+        if train and any(slot[0] in ids for _, ids, _, _ in queued):
             values = leaves[slot] = values.clone().requires_grad_()
         scores[slot] = (values[:, 0], values[:, 1] if width == 2 else None)
 
     def finish() -> None:
-        for pending, ids in queued:
+        if not train:
+            return
+        for pending, ids, cp_stats, count_trees in queued:
             def loss_fn(t, i, values, ids=ids):
                 leaf = leaves[(ids[t], i)]
                 grad = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
                 return (grad.reshape(values.shape) * values).sum()
             pending.run(loss_fn)
+            stats.add(cp_stats, count_trees=count_trees)
 
+    if not train:
+        for _, _, cp_stats, count_trees in queued:
+            stats.add(cp_stats, count_trees=count_trees)
     return scores, finish
 
 

@@ -92,6 +92,10 @@ def _rank_main(rank: int, world: int, port: int, model_path: str, cp_degrees: li
         out_stock, out_ours = _train(stock, stock_loss, stock_batch), _train(ours, our_loss, batch)
         metrics = out_ours["metrics"]
         assert metrics["augtree/plan_fallbacks"].aggregate() == 0
+        # The CP group's totals on every rank: each tree once, whichever ranks replayed it.
+        assert metrics["augtree/trees"].aggregate() == len({row["uid"] for row in our_rows})
+        assert metrics["augtree/logical_tokens"].aggregate() == sum(len(r["prompt"]) + len(r["response"])
+                                                                    for r in our_rows)
         if rank < cp:  # the first CP group holds group 0 (MoveQ) and group 2 (ring) in every layout here
             assert metrics["augtree/cp_degree_max"].aggregate() == max(d for _, d in [s if isinstance(s, tuple)
                                                                                        else (None, s.degree) for s in specs])
