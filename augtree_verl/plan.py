@@ -23,9 +23,12 @@ class Plan:
     rounds: int = 0
     lanes: int = 1
     placement: tuple[tuple[int, int], ...] = ()
-    # Filled by the planner: the estimated step time and its parts (prefill, replay, comm), seconds.
+    # Filled by the planner: the estimated step time and its parts (prefill, replay, comm), seconds, and the
+    # estimated time of the tree's best plan on one rank (None if none fits), for trading CP against running
+    # several trees side by side (``integration.cp_mesh.schedule_trees``).
     est_time_s: float | None = None
     est_parts: dict[str, float] = field(default_factory=dict, compare=False)
+    est_single_s: float | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "placement", tuple(tuple(cell) for cell in self.placement))
@@ -70,10 +73,11 @@ class Plan:
     def to_dict(self) -> dict:
         return {"degree": self.degree, "primitive": self.primitive, "rounds": self.rounds,
                 "lanes": self.lanes, "placement": [list(c) for c in self.placement],
-                "est_time_s": self.est_time_s, "est_parts": dict(self.est_parts)}
+                "est_time_s": self.est_time_s, "est_parts": dict(self.est_parts), "est_single_s": self.est_single_s}
 
     @classmethod
     def from_dict(cls, d: dict) -> "Plan":
         return cls(degree=d["degree"], primitive=d["primitive"], rounds=d["rounds"], lanes=d["lanes"],
                    placement=tuple(tuple(c) for c in d.get("placement", ())),
-                   est_time_s=d.get("est_time_s"), est_parts=dict(d.get("est_parts") or {}))
+                   est_time_s=d.get("est_time_s"), est_parts=dict(d.get("est_parts") or {}),
+                   est_single_s=d.get("est_single_s"))

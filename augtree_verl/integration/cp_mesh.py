@@ -8,8 +8,9 @@ verl's dispatch hands every rank of a CP group the same samples. Inside a CP gro
   consecutive ranks;
 - every other tree runs on one rank of the group.
 
-``place_trees`` chooses the subgroup (or rank) per tree, heaviest tree first onto the least loaded choice,
-identically on every rank (it only reads the trees and plans, which every rank of the group shares).
+``schedule_trees`` chooses each tree's degree (the plan's, or 1 where that finishes the group's trees
+sooner) and its subgroup (or rank), heaviest tree first onto the least loaded choice, identically on every
+rank (it only reads the trees and plans, which every rank of the group shares).
 """
 
 from __future__ import annotations
@@ -17,6 +18,10 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch.distributed as dist
+
+from augtree_verl.plan import Plan
+from augtree_verl.replay import ReplayTree
+from augtree_verl.trainer.group_balance import tree_workload
 
 
 class CPMesh:
@@ -57,8 +62,38 @@ class CPMesh:
         return self.cp_rank // degree
 
 
-def place_trees(works: Sequence[float], degrees: Sequence[int], cp_size: int) -> list[int]:
-    """Per tree, the subgroup (of ``degrees[t]`` consecutive CP ranks; index 0 .. cp_size / d - 1) it runs on.
+def schedule_trees(trees: Sequence[ReplayTree], plans: Sequence[Plan | None], cp_size: int) -> tuple[list[int], list[int]]:
+    """(degree, subgroup index) per tree, for one CP group of ``cp_size`` ranks that replays ``trees``.
+
+    The planner plans each tree alone; a CP group holding several trees may finish sooner running some of
+    them on one rank each, side by side. When every plan carries the planner's estimates (``est_time_s``,
+    and ``est_single_s`` for a plan of degree d > 1), trees are demoted to degree 1 in order of their
+    parallel efficiency T_1 / (d T_d), least efficient first, and the number of demotions with the
+    smallest estimated makespan (``place_trees``) wins (none, on a tie). Otherwise (no planner estimates),
+    the planned degrees stand and trees are placed by ``tree_workload``.
+    """
+    degrees = [plan.degree if plan is not None else 1 for plan in plans]
+    if not all(plan is not None and plan.est_time_s is not None for plan in plans):
+        works = [float(tree_workload(tree.prompt_len, tree.response_lens)) for tree in trees]
+        return degrees, place_trees(works, degrees, cp_size)[0]
+    multi = [plan.est_time_s for plan in plans]
+    single = [plan.est_time_s if plan.degree == 1 else plan.est_single_s for plan in plans]
+    demotable = sorted((t for t in range(len(plans)) if degrees[t] > 1 and single[t] is not None),
+                       key=lambda t: (single[t] / (degrees[t] * multi[t]), t))
+    best = None
+    for k in range(len(demotable) + 1):
+        if k:
+            degrees[demotable[k - 1]] = 1
+        works = [single[t] if degrees[t] == 1 else multi[t] * degrees[t] for t in range(len(plans))]
+        placement, makespan = place_trees(works, degrees, cp_size)
+        if best is None or makespan < best[0]:
+            best = (makespan, list(degrees), placement)
+    return best[1], best[2]
+
+
+def place_trees(works: Sequence[float], degrees: Sequence[int], cp_size: int) -> tuple[list[int], float]:
+    """(subgroup per tree, makespan): the subgroup (of ``degrees[t]`` consecutive CP ranks; index 0 ..
+    cp_size / d - 1) each tree runs on, and the most work any rank gets.
 
     Longest-processing-time first: each tree, heaviest first, goes to the subgroup whose busiest member
     has the least work so far, and adds ``works[t] / d`` to every member. Ties go to the lowest index.
@@ -74,4 +109,4 @@ def place_trees(works: Sequence[float], degrees: Sequence[int], cp_size: int) ->
         placement[t] = best
         for r in range(best * d, (best + 1) * d):
             load[r] += works[t] / d
-    return placement
+    return placement, max(load, default=0.0)

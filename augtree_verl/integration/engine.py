@@ -39,7 +39,7 @@ from verl.workers.engine.utils import postprocess_batch_func, prepare_micro_batc
 
 from augtree_verl.integration.batch_trees import build_trees, sequence_lengths
 from augtree_verl.integration.config import FSDP_STRATEGY, AugTreeEngineConfig
-from augtree_verl.integration.cp_mesh import CPMesh
+from augtree_verl.integration.cp_mesh import CPMesh, schedule_trees
 from augtree_verl.integration.fsdp_model import FSDPReplayModel, gathered_for_replay
 from augtree_verl.integration.group_replay import replay_in_group
 from augtree_verl.integration.metrics import group_totals, step_metrics
@@ -156,10 +156,14 @@ class AugTreeEngine(FSDPEngineWithLMHead):
         plans, fallbacks = (plans_for_trees(micro_batches, grouped, self.cp_mesh.degrees,
                                             min_cp_tokens=self.engine_config.fallback_threshold_tokens)
                             if self.engine_config.use_planner else ([None] * len(grouped.trees), 0))
+        degrees, placement = schedule_trees(grouped.trees, plans, self.cp_mesh.cp_size)
+        # A tree the schedule moved to one rank runs there with the one-device plan.
+        plans = [plan if plan is None or plan.degree == d else Plan(est_time_s=plan.est_single_s)
+                 for plan, d in zip(plans, degrees)]
         step.plans += plans
         step.plan_fallbacks += fallbacks
         scores, finish = replay_in_group(
-            FSDPReplayModel(self.module), self.cp_mesh, grouped.trees, plans, temperature=step.temperature,
+            FSDPReplayModel(self.module), self.cp_mesh, grouped.trees, plans, placement, temperature=step.temperature,
             micro_batch_tokens=self.engine_config.micro_batch_tokens, stats=step.stats, train=keep_graph,
             entropy_fn=self._entropy if step.want_entropy else None)
         outputs = []

@@ -24,25 +24,24 @@ import torch
 
 from augtree_verl.cp.comm import Meter, all_gather_sum
 from augtree_verl.cp.engine import LOGP_EXCHANGE, PendingBackward, replay_cp
-from augtree_verl.integration.cp_mesh import CPMesh, place_trees
+from augtree_verl.integration.cp_mesh import CPMesh
 from augtree_verl.plan import Plan
 from augtree_verl.replay import ReplayStats, ReplayTree, replay
-from augtree_verl.trainer.group_balance import tree_workload
 
 Slot = tuple[int, int]  # (tree, response)
 Scores = tuple[torch.Tensor, "torch.Tensor | None"]  # (log-probs [R], entropies [R] or None)
 
 
-def replay_in_group(model, mesh: CPMesh, trees: Sequence[ReplayTree], plans: Sequence[Plan | None], *,
-                    temperature: float, micro_batch_tokens: int, stats: ReplayStats, train: bool,
-                    entropy_fn: Callable[[torch.Tensor], torch.Tensor] | None) -> tuple[dict[Slot, Scores], Callable]:
+def replay_in_group(model, mesh: CPMesh, trees: Sequence[ReplayTree], plans: Sequence[Plan | None],
+                    placement: Sequence[int], *, temperature: float, micro_batch_tokens: int, stats: ReplayStats,
+                    train: bool, entropy_fn: Callable[[torch.Tensor], torch.Tensor] | None
+                    ) -> tuple[dict[Slot, Scores], Callable]:
     """Returns ``(scores, finish)``: ``scores[(t, i)]`` for every response of every tree, on every rank of the
     group (attached to a graph as the module docstring says, when ``train``), and ``finish()``, which runs
     the context-parallel trees' backward; call it on every rank after the loss's backward. The CP replays'
-    stats reach ``stats`` after their backward (forward-only: at once)."""
+    stats reach ``stats`` after their backward (forward-only: at once). ``placement[t]``: the subgroup (of
+    the plan's degree; a rank for trees without a plan or with a degree-1 plan) tree t runs on."""
     degrees = [plan.degree if plan is not None else 1 for plan in plans]
-    works = [tree_workload(tree.prompt_len, tree.response_lens) for tree in trees]
-    placement = place_trees(works, degrees, mesh.cp_size)
     owner = [placement[t] * degrees[t] for t in range(len(trees))]  # the CP rank that reports the tree's values
     width = 1 if entropy_fn is None else 2
     mine: dict[Slot, torch.Tensor] = {}  # [R, width] values of the trees this rank reports (graph if local)

@@ -17,7 +17,8 @@ from augtree_verl.plan import PRIMITIVES, Plan
 from augtree_verl.replay import ReplayStats
 
 PREFIX = "augtree/"
-# "single" counts trees run without a plan (one device); the others count trees by their plan's primitive.
+# "single" counts trees run without a plan (one device, no planner); the others count trees by their plan's
+# primitive (a planner fallback runs with the one-device plan: ring at degree 1).
 PLAN_KINDS = ("single",) + PRIMITIVES
 DIRECTIONS = ("fwd", "bwd")
 

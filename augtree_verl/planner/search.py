@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -91,7 +91,11 @@ def plan_tree(prompt_len: int, response_lens, *, degrees, profile: ClusterProfil
             f"lanes={smallest.lanes}) needs {smallest.memory / 2**30:.2f} GiB per rank but a rank has "
             f"{budget / 2**30:.2f} GiB (ClusterProfile.memory_per_rank_bytes); allow larger degrees")
     best = search.choose(fitting, profile.min_parallel_efficiency)
-    return search.to_plan(best)
+    single = [c for c in fitting if c.degree == 1]
+    for c in single:
+        if c.parts is None:
+            search.exact(c)
+    return replace(search.to_plan(best), est_single_s=min((c.time for c in single), default=None))
 
 
 def _default_profile() -> ClusterProfile:

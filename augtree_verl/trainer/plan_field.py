@@ -5,7 +5,7 @@ to the workers with the rest of the batch (a ``NonTensorStack`` of dicts in the 
 kept through verl's mini-batch and micro-batch slicing). Each entry is the sample's tree's plan
 (``Plan.to_dict()``) plus where the sample sits in that tree::
 
-    {"degree", "primitive", "rounds", "lanes", "placement", "est_time_s", "est_parts",   # Plan.to_dict()
+    {"degree", "primitive", "rounds", "lanes", "placement", "est_time_s", "est_parts", "est_single_s",  # Plan.to_dict()
      "tree_id": str,          # "<uid>|<prompt_len>": one prompt and its responses
      "response_index": int,   # this sample is response i of the tree; placement[i] is its (round, lane)
      "num_responses": int}    # G, the tree's size when it was planned

@@ -8,7 +8,8 @@ Log-probs, entropies, grad norms and weights after every step must agree (RTOL),
 
 - world 2, cp_degrees [1, 2]: one CP group of both ranks (data-parallel size 1);
 - world 4, cp_degrees [1, 2]: two CP groups of 2 (data-parallel size 2, each its own groups of samples);
-- world 4, cp_degrees [1, 2, 4]: one CP group of 4 with plans of degree 4 and of degree 2 (subgroups).
+- world 4, cp_degrees [1, 2, 4]: one CP group of 4 with plans of degree 4 and of degree 2 (subgroups);
+- world 2, plans of degree 2 whose estimates say the group finishes sooner running them side by side.
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ ONE_LANE = Plan(degree=2, primitive="tree_move_kv", rounds=5, lanes=1, placement
 # Per group: (primitive forced on the planner, degree) or a plan.
 PLANS_DEGREE_2 = [("move_q", 2), ONE_LANE, ("ring", 2), (None, 1), (None, 1)]
 PLANS_DEGREE_4_AND_2 = [("move_q", 4), ONE_LANE, ("ring", 4), ("tree_move_kv", 2), (None, 1)]
+# Every group planned at degree 2 with 50% parallel efficiency: the engine's schedule runs them side by side
+# on one rank each instead.
+INEFFICIENT = [Plan(degree=2, est_time_s=float(p), est_single_s=float(p)) for p, _ in GROUPS]
 def _plan_entries(rows, specs):
     from augtree_verl.planner import plan_tree
     from augtree_verl.trainer import find_trees, plan_entries
@@ -51,7 +55,8 @@ def _gather_rows(indices: list[int], values: list[torch.Tensor]) -> dict[int, to
 
 
 def _rank_main(rank: int, world: int, port: int, model_path: str, cp_degrees: list[int], specs: list,
-               loss_agg_mode: str, entropy_coeff: float) -> None:
+               cp_max: int, loss_agg_mode: str, entropy_coeff: float) -> None:
+    """``cp_max``: the largest degree expected to run."""
     from verl.utils import tensordict_utils as tu
 
     from tests.integration.test_engine_parity import _assert_close, _assert_params_match, _infer, _train
@@ -96,11 +101,13 @@ def _rank_main(rank: int, world: int, port: int, model_path: str, cp_degrees: li
         assert metrics["augtree/trees"].aggregate() == len({row["uid"] for row in our_rows})
         assert metrics["augtree/logical_tokens"].aggregate() == sum(len(r["prompt"]) + len(r["response"])
                                                                     for r in our_rows)
-        if rank < cp:  # the first CP group holds group 0 (MoveQ) and group 2 (ring) in every layout here
-            assert metrics["augtree/cp_degree_max"].aggregate() == max(d for _, d in [s if isinstance(s, tuple)
-                                                                                       else (None, s.degree) for s in specs])
+        if rank < cp and cp_max > 1:  # the first CP group holds group 0 (MoveQ) and group 2 (ring) in these layouts
+            assert metrics["augtree/cp_degree_max"].aggregate() == cp_max
             for primitive in ("move_q", "ring"):  # each ran context-parallel (it moved bytes)
                 assert metrics[f"augtree/comm_bytes/{primitive}/bwd"].aggregate() > 0, primitive
+        if cp_max == 1:  # every CP plan was moved to one rank: nothing moved
+            assert metrics["augtree/cp_degree_max"].aggregate() == 1
+            assert sum(v.aggregate() for k, v in metrics.items() if k.startswith("augtree/comm_bytes/")) == 0
         if rank == 0:  # verl adds grad_norm on the ranks whose outputs it collects
             _assert_close(f"step {step} grad norm", torch.tensor(metrics["grad_norm"]),
                           torch.tensor(out_stock["metrics"]["grad_norm"]))
@@ -108,22 +115,27 @@ def _rank_main(rank: int, world: int, port: int, model_path: str, cp_degrees: li
     torch.distributed.destroy_process_group()
 
 
-def _run(tmp_path, world, cp_degrees, specs, loss_agg_mode="token-mean", entropy_coeff=0.0):
+def _run(tmp_path, world, cp_degrees, specs, cp_max, loss_agg_mode="token-mean", entropy_coeff=0.0):
     model_path = H.save_tiny_qwen2(str(tmp_path / "tiny-qwen2"))
-    mp.start_processes(_rank_main, args=(world, H.free_port(), model_path, cp_degrees, specs, loss_agg_mode,
+    mp.start_processes(_rank_main, args=(world, H.free_port(), model_path, cp_degrees, specs, cp_max, loss_agg_mode,
                                          entropy_coeff), nprocs=world, join=True, start_method="spawn")
 
 
 @pytest.mark.timeout(420)
 def test_one_cp_group_of_two_matches_stock_data_parallel(tmp_path):
-    _run(tmp_path, 2, [1, 2], PLANS_DEGREE_2)
+    _run(tmp_path, 2, [1, 2], PLANS_DEGREE_2, 2)
+
+
+@pytest.mark.timeout(420)
+def test_inefficient_cp_plans_run_side_by_side_and_match_stock(tmp_path):
+    _run(tmp_path, 2, [1, 2], INEFFICIENT, 1)
 
 
 @pytest.mark.timeout(600)
 def test_two_cp_groups_of_two_match_stock_data_parallel(tmp_path):
-    _run(tmp_path, 4, [1, 2], PLANS_DEGREE_2, "seq-mean-token-sum")
+    _run(tmp_path, 4, [1, 2], PLANS_DEGREE_2, 2, "seq-mean-token-sum")
 
 
 @pytest.mark.timeout(600)
 def test_cp_group_of_four_with_degree_two_subgroups_matches_stock(tmp_path):
-    _run(tmp_path, 4, [1, 2, 4], PLANS_DEGREE_4_AND_2, "seq-mean-token-mean", 0.01)
+    _run(tmp_path, 4, [1, 2, 4], PLANS_DEGREE_4_AND_2, 4, "seq-mean-token-mean", 0.01)

@@ -107,7 +107,8 @@ def test_plans_reach_the_replay_and_metrics_reach_wandb(engine, wandb_offline):
     metrics = reduce_metrics({f"actor/{k}": v for k, v in out["metrics"].items()})
     logical, executed = _expected_tokens(batch)
     expected = {
-        "actor/augtree/plans/tree_move_kv": 1, "actor/augtree/plans/ring": 2, "actor/augtree/plans/single": 1,
+        # the fallback tree runs with the one-device plan (ring, degree 1)
+        "actor/augtree/plans/tree_move_kv": 1, "actor/augtree/plans/ring": 3, "actor/augtree/plans/single": 0,
         "actor/augtree/plans/move_q": 0, "actor/augtree/plan_fallbacks": 1, "actor/augtree/trees": 4,
         "actor/augtree/predicted_replay_s": 1.0, "actor/augtree/cp_degree_max": 1.0,
         "actor/augtree/logical_tokens": logical, "actor/augtree/executed_tokens": executed,
@@ -143,24 +144,25 @@ def test_split_plan_placement_follows_the_planners_response_order():
     plans, fallbacks = plans_for_trees(micro_batches, build_trees(micro_batches))
     # Our response i of group 0 is the planner's response (i + 1) % 4.
     assert plans[0].placement == tuple(SPLIT.placement[(i + 1) % 4] for i in range(4))
-    assert (plans[1], plans[2], plans[3], fallbacks) == (RING, None, RING, 1)
+    assert (plans[1], plans[2], plans[3], fallbacks) == (RING, Plan(), RING, 1)
 
 
 def test_context_parallel_plans_apply_where_the_engine_has_that_degree():
     """A degree-2 plan applies with CP subgroups of 2 ranks; without them, or for a tree shorter than the
-    fallback threshold, the tree runs on one device (only the first counts as a planner fallback)."""
+    fallback threshold, the tree runs with the one-device plan and the planner's one-rank estimate (only the
+    first counts as a planner fallback)."""
     rows = H.group_rows(GROUPS)
-    cp_ring = Plan(degree=2, est_time_s=0.25)
+    cp_ring, one_device = Plan(degree=2, est_time_s=0.25, est_single_s=0.4), Plan(est_time_s=0.4)
     entries = [{**entry, **cp_ring.to_dict()} if row["uid"] == "group-1" else entry
                for row, entry in zip(rows, _plan_entries(rows))]
     micro_batches, _ = prepare_micro_batches(H.rows_to_batch(rows, extra={PLAN_FIELD: entries}))
     grouped = build_trees(micro_batches)
     plans, fallbacks = plans_for_trees(micro_batches, grouped)
-    assert (plans[1], plans[3], fallbacks) == (None, RING, 2)
+    assert (plans[1], plans[3], fallbacks) == (one_device, RING, 2)
     plans, fallbacks = plans_for_trees(micro_batches, grouped, (1, 2))
     assert (plans[1], plans[3], fallbacks) == (cp_ring, RING, 1)
     longest = 4 + 6  # group 1: prompt 4, longest response 6
-    for threshold, want in ((longest, cp_ring), (longest + 1, None)):
+    for threshold, want in ((longest, cp_ring), (longest + 1, one_device)):
         plans, fallbacks = plans_for_trees(micro_batches, grouped, (1, 2), min_cp_tokens=threshold)
         assert (plans[1], fallbacks) == (want, 1), threshold
 
