@@ -12,8 +12,9 @@ one random-weight built-in model, fp32. The engines, on the same world and the s
 - ``augtree cp``: our engine, ``cp_degrees=[1, 2]``: one CP group of both ranks; each group with a prompt of
   at least ``--cp-min-prompt`` tokens runs context-parallel with the planner's plan for ``--primitive``
   at degree 2, the others on one rank each;
-- ``augtree planned``: the same engine with the planner's own choice per group (degree 1 or 2, any
-  primitive), its cost model calibrated on these two ranks at start (``ClusterProfile.calibrate``).
+- ``augtree planned``: the same engine with the planner's own plan per group (degree 1 or 2, any
+  primitive; its cost model calibrated on these two ranks at start, ``ClusterProfile.calibrate``), which
+  the engine's schedule (``cp_mesh.schedule_trees``) may run side by side on one rank each instead.
 
 Batches (prompt length, responses of 64 tokens per group):
 
@@ -69,7 +70,7 @@ def _batches(name: str, rank: int, primitive: str, min_prompt: int, profile) -> 
         out[run] = H.rows_to_batch(rows, micro_batch_size=len(rows),
                                    extra={PLAN_FIELD: plan_entries(trees, plans, len(rows))})
     if rank == 0:
-        print(f"{name}: planner's choice " + ", ".join(f"prompt {t.prompt_len}: {planned[t.tree_id].primitive} "
+        print(f"{name}: planner's per-group plans " + ", ".join(f"prompt {t.prompt_len}: {planned[t.tree_id].primitive} "
                                                        f"d={planned[t.tree_id].degree}" for t in trees), flush=True)
     for batch in out.values():
         tu.assign_non_tensor(batch, global_batch_size=len(rows))
@@ -111,26 +112,30 @@ def _rank_main(rank: int, port: int, model_path: str, args) -> None:
     if rank == 0:
         print(f"model {args.model}, {WORLD} ranks x 1 thread, CP plans: {args.primitive} at degree 2 for prompts "
               f">= {args.cp_min_prompt}")
-        print(f"{'batch':10}{'pass':7}" + "".join(f"{e + ' s':>15}" for e in names)
+        print(f"{'batch':10}{'pass':7}" + "".join(f"{e + ' s':>19}" for e in names)
               + "".join(f"{a.split()[-1] + '/' + b.split()[-1]:>12}" for a, b in ratios), flush=True)
     for name in BATCHES:
         if args.batch and name not in args.batch:
             continue
         batches = _batches(name, rank, args.primitive, args.cp_min_prompt, profile)
         for pass_name, run in (("train", train), ("infer", infer)):
-            times = {e: [] for e in names}
+            times, last = {e: [] for e in names}, {}
             for repeat in range(args.repeats + 1):
                 for e in names:
                     dist.barrier()
                     start = time.perf_counter()
-                    run(engines[e], batches[e])
+                    last[e] = run(engines[e], batches[e])
                     elapsed = torch.tensor(time.perf_counter() - start)
                     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
                     if repeat:  # the first round warms up
                         times[e].append(elapsed.item())
             med = {e: statistics.median(times[e]) for e in names}
+            if rank == 0 and pass_name == "train":
+                degree = last["augtree planned"]["metrics"]["augtree/cp_degree_max"].aggregate()
+                print(f"{name}: the engine's schedule ran the planned batch at CP degree up to {degree:.0f}",
+                      flush=True)
             if rank == 0:
-                print(f"{name:10}{pass_name:7}" + "".join(f"{med[e]:>15.3f}" for e in names)
+                print(f"{name:10}{pass_name:7}" + "".join(f"{med[e]:>19.3f}" for e in names)
                       + "".join(f"{med[a] / med[b]:>11.2f}x" for a, b in ratios), flush=True)
     dist.destroy_process_group()
 
