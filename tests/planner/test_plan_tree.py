@@ -101,6 +101,19 @@ def test_more_ranks_never_slower_when_efficiency_is_ignored():
     assert all(a >= b for a, b in zip(times, times[1:]))
 
 
+def test_plans_report_the_best_one_rank_time():
+    """``est_single_s``: the tree's best one-rank plan time (what a CP group weighs CP against)."""
+    for prompt_len, response_lens in ((131072, [256] * 8), (4096, [64] * 8), (64, [32] * 8)):
+        plan = plan_tree(prompt_len, response_lens, degrees=CLUSTER)
+        alone = plan_tree(prompt_len, response_lens, degrees=(1,),
+                          profile=dataclasses.replace(ClusterProfile.default(), min_parallel_efficiency=0.0))
+        assert plan.est_single_s == pytest.approx(alone.est_time_s)
+        assert plan.est_single_s >= plan.est_time_s
+        assert Plan.from_dict(plan.to_dict()) == plan
+    assert plan_tree(4096, [64] * 8, degrees=(2, 4)).est_single_s is None  # no one-rank plan allowed
+    assert plan_tree(400_000, [1000] * 8, degrees=CLUSTER).est_single_s is None  # none fits in memory
+
+
 def test_memory_error_says_what_the_smallest_plan_needs():
     with pytest.raises(ValueError, match=r"no plan fits in memory: the smallest plan \(.*\) needs "
                                          r"[0-9.]+ GiB per rank but a rank has 46.57 GiB"):
