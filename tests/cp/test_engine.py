@@ -34,6 +34,15 @@ def ring_plan(d):
     return Plan(degree=d, primitive="ring")
 
 
+def summed_grads(model) -> dict[str, torch.Tensor]:
+    """Every parameter's .grad summed over the ranks (a rank that scores no token leaves e.g. the LM head's
+    .grad None: its share is zero)."""
+    summed = {n: p.grad.clone() if p.grad is not None else torch.zeros_like(p) for n, p in model.named_parameters()}
+    for n in summed:
+        dist.all_reduce(summed[n])
+    return summed
+
+
 def check_call(model, trees, plans, *, use_replay=False, temperature=1.0, train=True, seed=0, forward_runs=1):
     """One CP call vs the baseline on the same weights; returns (stats, grads summed over ranks).
     ``forward_runs``: 2 with activation checkpointing (each layer's forward, and its communication, re-runs
@@ -45,13 +54,7 @@ def check_call(model, trees, plans, *, use_replay=False, temperature=1.0, train=
         got = replay(model, trees, loss_fn, plans=plans, temperature=temperature, stats=stats)
     else:
         got = replay_cp(model, trees, loss_fn, plans, temperature=temperature, stats=stats)
-    summed = {}
-    if train:
-        # a rank that scores no token leaves e.g. the LM head's .grad None: its share is zero
-        summed = {n: p.grad.clone() if p.grad is not None else torch.zeros_like(p)
-                  for n, p in model.named_parameters()}
-        for n in summed:
-            dist.all_reduce(summed[n])
+    summed = summed_grads(model) if train else {}
     model.zero_grad(set_to_none=True)
     want = flattened_replay(model, trees, loss_fn, temperature=temperature)
     assert_logps_match(got, want)
@@ -159,10 +162,7 @@ def _deferred_with_entropy(rank, world):
         assert all(s.shape == (n, 2) and not s.requires_grad for tree, row in zip(trees, got)
                    for s, n in zip(row, tree.response_lens))
         pending.run(loss_fn)
-        summed = {n: p.grad.clone() if p.grad is not None else torch.zeros_like(p)
-                  for n, p in model.named_parameters()}
-        for n in summed:
-            dist.all_reduce(summed[n])
+        summed = summed_grads(model)
         model.zero_grad(set_to_none=True)
         entropies = {}
         want = flattened_replay(model, trees, keep_graph=True, temperature=0.8,
