@@ -28,6 +28,7 @@ class CPMesh:
     """This rank's place in the (data-parallel x context-parallel) layout; builds the process groups.
 
     Every rank must construct it at the same point (``dist.new_subgroups_by_enumeration`` is collective).
+    ``degrees``: the engine's ``cp_degrees``, each dividing the largest (``AugTreeEngineConfig`` checks that).
     ``subgroups[d]``: this rank's subgroup of d consecutive ranks, for each degree d > 1 in ``degrees``.
     """
 
@@ -38,9 +39,6 @@ class CPMesh:
         if world % size:
             raise ValueError(f"cp_degrees {list(self.degrees)}: the largest degree {size} must divide the "
                              f"world size {world}")
-        bad = [d for d in self.degrees if size % d]
-        if bad:
-            raise ValueError(f"cp_degrees {list(self.degrees)}: degrees {bad} do not divide the largest degree {size}")
         self.dp_size, self.dp_rank, self.cp_rank = world // size, rank // size, rank % size
         self.dp_group = dist.group.WORLD
         if size > 1:

@@ -75,13 +75,14 @@ def replay_in_group(model, mesh: CPMesh, trees: Sequence[ReplayTree], plans: Seq
         queued.append((pending, ids, cp_stats, mesh.cp_rank % d == 0))  # the subgroup's first member counts trees
 
     shared = _share(trees, mine, owner, mesh, width, stats)
+    my_cp_trees = {t for _, ids, _, _ in queued for t in ids}
     scores: dict[Slot, Scores] = {}
     leaves: dict[Slot, torch.Tensor] = {}
     for slot, values in shared.items():
         if slot in graphs:
             scores[slot] = graphs[slot]
             continue
-        if train and any(slot[0] in ids for _, ids, _, _ in queued):
+        if train and slot[0] in my_cp_trees:
             values = leaves[slot] = values.clone().requires_grad_()
         scores[slot] = (values[:, 0], values[:, 1] if width == 2 else None)
 
