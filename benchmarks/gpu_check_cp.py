@@ -3,7 +3,7 @@
     python benchmarks/gpu_check_cp.py [--out gpu_check_cp.json]     # one CUDA GPU with flash-attn
     python benchmarks/gpu_check_cp.py --cpu-smoke                    # same code on CPU, tiny sizes, float32
 
-1. ``attn_ops`` on CUDA (flash-attn varlen forward/backward through the version shim) against the CPU path
+1. ``ops.attention`` on CUDA (flash-attn varlen forward/backward through the version shim) against the CPU path
    (ATen CPU flash kernel, float32) on the same (bf16-rounded) inputs: full and causal blocks, MHA and GQA, odd lengths,
    and a blockwise (ring-style) merged attention with its merged-state backward. The device runs bf16;
    tolerance |got - want| <= 1e-3 + 1e-2 |want| elementwise (bf16 has 8 mantissa bits).
@@ -27,8 +27,8 @@ import time
 
 import torch
 
-from augtree_verl.cp.attn_ops import attention_backward, attention_forward
-from augtree_verl.cp.merge import empty_state, merge_into
+from augtree_verl.ops.attention import attention_backward, attention_forward
+from augtree_verl.ops.merge import empty_state, merge_into
 
 ATOL, RTOL = 1e-3, 1e-2  # bf16 vs float32 reference: 8 mantissa bits
 QWEN25_7B_SHAPE = dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_attention_heads=28,
@@ -163,7 +163,7 @@ def main(argv=None) -> int:
     ops = check_ops(device, dtype, small=args.cpu_smoke)
     timings = time_primitives(device, dtype, args.layers, small=args.cpu_smoke)
     failed = [r for r in ops if max(v for k, v in r.items() if k != "case") > 0]
-    print(f"attn_ops on {device} {dtype} vs CPU float32 (worst |err| - ({ATOL} + {RTOL}|ref|), <= 0 passes):")
+    print(f"ops.attention on {device} {dtype} vs CPU float32 (worst |err| - ({ATOL} + {RTOL}|ref|), <= 0 passes):")
     for r in ops:
         print(f"  {r['case']:36}" + "".join(f"{k}={v:+.1e} " for k, v in r.items() if k != "case"))
     print("replay_cp on one rank (compute only):")

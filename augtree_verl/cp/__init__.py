@@ -1,6 +1,6 @@
 """Context-parallel replay (DESIGN.md §2, issue 3): RingCP, TreeMoveKV and MoveQ as exact autograd primitives.
 
 ``augtree_verl.cp.engine.replay_cp`` runs the grouped replay over a CP process group; ``augtree_verl.replay``
-dispatches to it when a plan has degree > 1. Nothing is imported here: ``replay`` itself uses
-``cp.attn_ops`` and ``cp.merge``, so this package must stay importable before ``replay`` is.
+dispatches to it when a plan has degree > 1. The attention kernels and the merge they build on live in
+``augtree_verl.ops``.
 """

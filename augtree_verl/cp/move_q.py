@@ -11,7 +11,7 @@ the lane. For one attention layer, the rank holding queries q [H, n, D] of a res
   4. all partial states merge exactly on the query owner (``merge.merge_into``, float32).
 Backward: the query owner sends (dout, merged out, merged lse) to every owner, which runs its block's
 backward with the *merged* state (the exact share of the merged attention's gradient, see
-``attn_ops.attention_backward``), keeps dK/dV for its prompt shard (accumulated across lanes and steps into
+``ops.attention.attention_backward``), keeps dK/dV for its prompt shard (accumulated across lanes and steps into
 the prompt leaves) and returns dq; the lane ring backward gives the response's own dq/dk/dv.
 The merge is fused into this autograd Function rather than composed from autograd collectives because a
 partial state's lse gradient cannot be fed to the flash backward kernels; the merged-state backward is
@@ -31,10 +31,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from augtree_verl.cp.attn_ops import attention_backward, attention_forward
+from augtree_verl.ops.attention import attention_backward, attention_forward
 from augtree_verl.cp.comm import Meter, all_to_all_rows
 from augtree_verl.cp.layout import ZigzagLayout
-from augtree_verl.cp.merge import accum_dtype, merge_into
+from augtree_verl.ops.merge import accum_dtype, merge_into
 from augtree_verl.cp.ring import RingSpec, ring_backward, ring_bytes, ring_forward
 
 

@@ -4,7 +4,7 @@ Compute is measured on the profile's model shapes (call ``with_model`` first), w
 - flops_per_s: median of [T, hidden] @ [hidden, intermediate] matmuls (an MLP projection; float32 on CPU, the
   profile's dtype on CUDA; widths capped on CPU so a 7B shape still calibrates in seconds).
 - attention_flops_per_s: median forward + backward of one non-causal attention block with the model's
-  query/KV heads and head dim, through the CP engine's kernels (``cp.attn_ops``: the ATen flash kernel on CPU,
+  query/KV heads and head dim, through the CP engine's kernels (``ops.attention``: the ATen flash kernel on CPU,
   flash-attn on CUDA, SDPA there if flash-attn is missing); 3 x forward FLOPs / time, as the cost model counts.
 - layer_overhead_s: what a pass costs beyond its FLOPs, per layer: with ``model`` (the unwrapped Hugging Face
   model the replay runs), the median forward + backward of the model on ``OVERHEAD_TOKENS`` tokens / its
@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from augtree_verl.cp.attn_ops import attention_backward, attention_forward
+from augtree_verl.ops.attention import attention_backward, attention_forward
 
 CUDA_MEMORY_HEADROOM = 0.9    # leave 10% of free memory to the allocator and NCCL
 MATMUL_TOKENS = {"cpu": 1024, "cuda": 8192}

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from augtree_verl.cp.attn_ops import attention_backward, attention_forward
-from augtree_verl.cp.merge import merge_into
+from augtree_verl.ops.attention import attention_backward, attention_forward
+from augtree_verl.ops.merge import merge_into
 
 
 class PrefixCausalAttention(torch.autograd.Function):

@@ -12,7 +12,7 @@ SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_check_cp.py"
 
 
 def test_cp_package_does_not_import_flash_attn():
-    code = ("import sys, augtree_verl.cp.engine, augtree_verl.cp.attn_ops; "
+    code = ("import sys, augtree_verl.cp.engine, augtree_verl.ops.attention; "
             "assert 'flash_attn' not in sys.modules, 'flash_attn imported eagerly'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 

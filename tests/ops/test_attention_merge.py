@@ -1,10 +1,10 @@
-"""attn_ops + merge: blockwise attention merged with the online softmax equals plain attention."""
+"""ops.attention + ops.merge: blockwise attention merged with the online softmax equals plain attention."""
 
 import pytest
 import torch
 
-from augtree_verl.cp.attn_ops import attention_backward, attention_forward
-from augtree_verl.cp.merge import accum_dtype, empty_state, merge_into
+from augtree_verl.ops.attention import attention_backward, attention_forward
+from augtree_verl.ops.merge import accum_dtype, empty_state, merge_into
 
 # float32 CPU: blockwise attention sums the same exponentials in another order; 1e-5 relative is ~100x eps.
 RTOL = 1e-5
