@@ -46,7 +46,7 @@ TINY_SHAPE = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_atte
 GPU_GROUPS = [(8192, [256, 512, 1024, 384, 128, 768, 640, 896]), (16384, [64] * 8), (1024, [2048, 1536, 1024, 512])]
 SMOKE_GROUPS = [(9, [3, 5, 4, 2]), (6, [4]), (4, [6, 2, 3])]
 # old log-probs = current + noise this small: no token is clipped (a clipped token has zero gradient and would
-# hide a wrong log-prob), yet ratios differ from 1 (see shared/docs/VERL_ON_CPU.md, "Traps").
+# hide a wrong log-prob), yet ratios differ from 1 (see docs/design.md §5).
 OLD_LOGP_NOISE = 0.02
 
 # Tolerances on rel_err = max|ours - stock| / max|stock| per tensor.
@@ -317,7 +317,7 @@ def parse_setup(argv=None) -> tuple[Setup, str | None]:
 def main(argv=None) -> int:
     setup, out_path = parse_setup(argv)
     if setup.device == "cpu":
-        # verl registers no CPU platform; ours is selected before verl imports its engines (VERL_ON_CPU.md).
+        # verl registers no CPU platform; ours is selected before verl imports its engines (docs/design.md §7).
         os.environ["VERL_PLATFORM"] = "cpu"
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="augtree-inductor-"))
     else:

@@ -12,7 +12,7 @@ match the gold answer or an alias after normalisation).
     python examples/prepare_musique_longctx.py --input musique_ans_v1.0_train.jsonl --output ~/data/musique_longctx
 
 ``--input`` takes the official MuSiQue-Ans files (JSON lines) or a JSON list of the same records, such as
-the 100-question sample in shared/data/musique_hipporag/musique_train.json.
+the 100-question sample in tests/data/musique_hipporag/musique_train.json.
 """
 
 from __future__ import annotations

@@ -1,4 +1,40 @@
+import socket
+import sys
+
 import pytest
+import torch.distributed as dist
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def single_process_group():
+    """A gloo process group of this one process (world size 1) for a module's tests, destroyed after them."""
+    if dist.is_initialized():
+        raise RuntimeError("a process group is already initialised here: an earlier test module leaked it")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def nothing_left_running(request):
+    """Every test module tears down the process groups and the Ray instance it starts (tests run in any order)."""
+    yield
+    leaks = []
+    if dist.is_initialized():
+        leaks.append("a torch.distributed process group")
+        dist.destroy_process_group()
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        leaks.append("Ray")
+        ray.shutdown()
+    if leaks:
+        pytest.fail(f"{request.module.__name__} left {' and '.join(leaks)} running")
 
 
 @pytest.fixture

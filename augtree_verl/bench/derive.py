@@ -1,6 +1,6 @@
 """Derive the shipped workload length tables from the raw samples (offline, run once by maintainers).
 
-    python -m augtree_verl.bench.derive --data-dir ../shared/data
+    python -m augtree_verl.bench.derive --data-dir DATA_DIR   (the sample folders named in tables/ATTRIBUTION.md)
 
 Tokenizes the samples with the Qwen2.5 tokenizer in ``<data-dir>/qwen2_5_tokenizer`` and writes one JSON per
 regime into ``augtree_verl/bench/tables/``: ``{"workload", "source", "groups": [{"id", "prompt_len",

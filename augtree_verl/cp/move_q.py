@@ -1,4 +1,4 @@
-"""MoveQ: prompt K/V stays on its owners; response queries travel to them (DESIGN.md §2).
+"""MoveQ: prompt K/V stays on its owners; response queries travel to them (docs/design.md §3).
 
 The prompt (all but what the responses recompute) is zigzag-sharded over all d ranks of the CP group and
 prefilled once. In a replay step each lane of ranks holds one response, its tokens zigzag-sharded over

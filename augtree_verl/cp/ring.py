@@ -9,7 +9,7 @@ Every member m of a ring of size M holds, for one attention layer:
     pk, pv [H_kv, p_m, D]            its shard of a prefix every query sees in full (p_m may be 0).
 Forward: the block (k, v, pk, pv) of each member travels once around the ring (M - 1 P2P steps); each
 member attends its queries to every block (full / diagonal / skipped per zigzag chunk pair, the prefix
-in full) and merges the states in float32. Backward (DESIGN.md §5: re-fetch rotated K/V, never reuse
+in full) and merges the states in float32. Backward (docs/design.md §5: re-fetch rotated K/V, never reuse
 step-0 tensors): the blocks travel around again, each followed by a float32 gradient accumulator that
 collects every member's dK/dV contribution and arrives back at its owner after M sends; every block
 backward uses the *merged* (out, lse).

@@ -1,6 +1,6 @@
 """TreeMoveKV: the d ranks form s lanes of d/s ranks; each lane keeps the prompt sharded over its members
 (prefilled once per lane with a causal ring over the lane) and replays its own responses with a K/V ring
-that carries only the prompt shards and the K/V of the response being replayed (DESIGN.md §2).
+that carries only the prompt shards and the K/V of the response being replayed (docs/design.md §3).
 
 At the attention level one replay step of a lane is exactly the K/V ring of ``ring.py`` over the lane's
 members, with the response as the causal sequence and the lane's prompt shards as the fully visible

@@ -1,6 +1,6 @@
 """Attention of one query block against one key/value block, returning the log-sum-exp.
 
-One interface, two backends (DESIGN.md §4): on CPU the ATen flash kernel
+One interface, two backends (docs/design.md §4): on CPU the ATen flash kernel
 ``aten._scaled_dot_product_flash_attention_for_cpu`` and its ``_backward`` op; on CUDA flash-attn's
 varlen forward/backward, imported lazily (flash-attn has no CPU build) behind a small signature shim.
 Both give the natural-log lse. Both support grouped-query attention natively (H_kv divides H).

@@ -23,7 +23,7 @@ import torch
 
 
 def accum_dtype(dtype: torch.dtype) -> torch.dtype:
-    """float32 accumulators for bf16/fp16/fp32 inputs (DESIGN.md §5); float64 inputs keep float64."""
+    """float32 accumulators for bf16/fp16/fp32 inputs (docs/design.md §5); float64 inputs keep float64."""
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 

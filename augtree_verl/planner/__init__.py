@@ -1,4 +1,4 @@
-"""The online planner: per-tree CP plans from a calibrated cluster profile (DESIGN.md section 2).
+"""The online planner: per-tree CP plans from a calibrated cluster profile (docs/design.md §6).
 
 The Ray planner service lives in ``augtree_verl.planner.service`` (imported on demand: it pulls in Ray).
 """

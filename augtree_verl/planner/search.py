@@ -1,4 +1,4 @@
-"""``plan_tree``: choose the context-parallel plan of one replay tree (DESIGN.md section 2).
+"""``plan_tree``: choose the context-parallel plan of one replay tree (docs/design.md §6).
 
 Candidates: for each degree d, the ring fallback (b = 0) and, for each lane count s (s divides d, s <= G),
 TreeMoveKV and MoveQ. Lane semantics (what the CP primitives execute):

@@ -1,4 +1,4 @@
-"""``replay``: the grouped replay schedule on one device (DESIGN.md §2).
+"""``replay``: the grouped replay schedule on one device (docs/design.md §2).
 
 Per tree:
   A. prefill: the prompt runs once; each layer's K/V and the last hidden state are detached into leaves.

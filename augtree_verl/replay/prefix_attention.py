@@ -1,6 +1,6 @@
 """Attention of a batch of responses to one shared, fully visible prompt plus their own causal tokens.
 
-Two blocks per query, merged exactly by log-sum-exp (DESIGN.md §4): every response query of the batch
+Two blocks per query, merged exactly by log-sum-exp (docs/design.md §4): every response query of the batch
 attends to the prompt K/V as one unmasked block (all B x Rq queries against P keys, no copy of the prompt
 per row), and each row attends causally to its own K/V (a square diagonal block, so no mask and no
 wasted work above the diagonal). The backward runs each block's backward with the *merged* (out, lse).

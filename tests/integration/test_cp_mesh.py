@@ -6,8 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.integration import verl_harness as H
-from augtree_verl.integration.cp_mesh import CPMesh, place_trees, schedule_trees  # noqa: I001
+from augtree_verl.integration.cp_mesh import CPMesh, place_trees, schedule_trees
 from augtree_verl.plan import Plan
 from augtree_verl.replay import ReplayTree
 
@@ -73,8 +72,7 @@ def test_without_planner_estimates_the_planned_degrees_stand():
     assert schedule_trees(trees, [Plan(degree=2), Plan(degree=2, est_time_s=1.0)], 2)[0] == [2, 2]
 
 
-def test_mesh_needs_the_largest_degree_to_divide_the_world():
-    H.init_process_group()
+def test_mesh_needs_the_largest_degree_to_divide_the_world(single_process_group):
     mesh = CPMesh([1])
     assert (mesh.cp_size, mesh.dp_size, mesh.dp_rank, mesh.cp_rank, mesh.cp_group) == (1, 1, 0, 0, None)
     with pytest.raises(ValueError, match="largest degree 2 must divide the world size 1"):

@@ -21,8 +21,7 @@ KL_ATOL = 1e-6
 
 
 @pytest.fixture(scope="module")
-def model_path(tmp_path_factory):
-    H.init_process_group()
+def model_path(tmp_path_factory, single_process_group):
     return H.save_tiny_qwen2(str(tmp_path_factory.mktemp("tiny-qwen2")))
 
 

@@ -87,8 +87,7 @@ def _logged_history(path: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    H.init_process_group()
+def engine(tmp_path_factory, single_process_group):
     path = H.save_tiny_qwen2(str(tmp_path_factory.mktemp("tiny-qwen2")))
     return H.build_engine("augtree", path, engine_knobs={"micro_batch_tokens": 8})
 

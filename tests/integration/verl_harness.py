@@ -1,4 +1,4 @@
-"""Run verl 0.9.1's real engines on CPU (VERL_ON_CPU.md): our CPU platform, gloo, a tiny Qwen2 from a config.
+"""Run verl 0.9.1's real engines on CPU (docs/design.md §7): our CPU platform, gloo, a tiny Qwen2 from a config.
 
 Import this module before anything imports ``verl.workers.engine``: it selects the CPU platform.
 """

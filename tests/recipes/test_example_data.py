@@ -11,8 +11,9 @@ from verl.utils.dataset.rl_dataset import RLHFDataset
 from verl.utils.reward_score import default_compute_score
 
 REPO = Path(__file__).resolve().parents[2]
-MUSIQUE_SAMPLE = "/work/shared/data/musique_hipporag/musique_train.json"  # 100 questions, official format
-TOKENIZER = "/work/shared/data/qwen2_5_tokenizer"
+DATA = REPO / "tests" / "data"
+MUSIQUE_SAMPLE = str(DATA / "musique_hipporag" / "musique_train.json")  # 100 questions, official format
+TOKENIZER = str(DATA / "qwen2_5_tokenizer")
 PARAGRAPHS = 120  # ~14k tokens: long, but quick to tokenize here
 
 

@@ -30,7 +30,7 @@ from augtree_verl.trainer.augtree_sync import AugTreeSyncTrainer
 from augtree_verl.trainer.plan_field import PLAN_FIELD, group_plan_entries
 
 REPO = Path(__file__).resolve().parents[2]
-TOKENIZER = "/work/shared/data/qwen2_5_tokenizer"
+TOKENIZER = str(REPO / "tests" / "data" / "qwen2_5_tokenizer")
 PARTITION = "train"
 N = 4  # rollout.n: responses per prompt
 
