@@ -17,6 +17,7 @@ def _augtree() -> list[str]:
     return [exe] if exe else [sys.executable, "-m", "augtree_verl.cli"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_quick_smoke_run_writes_json_and_plot(tmp_path):
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"

@@ -11,6 +11,7 @@ from augtree_verl.bench.workloads import TABLES_DIR, WORKLOADS
 DATA = Path(__file__).resolve().parents[2] / ".." / "shared" / "data"
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not (DATA / "qwen2_5_tokenizer").is_dir(), reason="the shared data folder is not here")
 @pytest.mark.timeout(300)
 def test_tables_regenerate_identically(tmp_path):

@@ -6,6 +6,8 @@ from augtree_verl.bench.config import BenchConfig
 from augtree_verl.bench.distributed import run
 from augtree_verl.bench.runner import FLOAT32_GRAD_RTOL
 
+pytestmark = pytest.mark.slow  # spawns process groups, Ray, verl engines or subprocesses
+
 
 @pytest.mark.timeout(400)
 def test_cp2_runs_every_method_exactly():

@@ -12,6 +12,7 @@ from augtree_verl.bench.runner import FLOAT32_GRAD_RTOL, MethodResult, max_rel_e
 import torch
 
 
+@pytest.mark.slow
 def test_every_method_runs_every_workload_and_matches_the_baseline(results):
     assert [(r.workload, r.method) for r in results] == [
         ("rag", "MegaN"), ("rag", "AugTree"), ("chat", "MegaN"), ("chat", "AugTree")]
@@ -28,6 +29,7 @@ def test_every_method_runs_every_workload_and_matches_the_baseline(results):
     assert results[0].ideal_speedup > 2.5
 
 
+@pytest.mark.slow
 def test_json_has_the_documented_keys(results, tmp_path):
     path = tmp_path / "r.json"
     write_json(results, path, config={"model": "qwen2-tiny"})
@@ -40,12 +42,14 @@ def test_json_has_the_documented_keys(results, tmp_path):
         assert row["step_time_s"] == r.step_time_s and row["status"] == "ok"
 
 
+@pytest.mark.slow
 def test_plot_is_a_png(results, tmp_path):
     path = tmp_path / "r.png"
     write_plot(results, path, title="test")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
 
 
+@pytest.mark.slow
 def test_table_and_ideal_lines(results):
     table = format_table(results)
     assert table.count("\n") == 5 and "flattened" in table and "WRONG" not in table

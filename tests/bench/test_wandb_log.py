@@ -3,6 +3,7 @@ import pytest
 from augtree_verl.bench.wandb_log import log_runs
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_one_offline_run_per_method(results, wandb_offline):
     assert log_runs(results, {"model": "qwen2-tiny"}) == "offline"

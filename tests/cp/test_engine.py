@@ -17,6 +17,8 @@ from augtree_verl.replay.baseline import flattened_replay
 from tests.cp.distributed import run_distributed
 from tests.parity import assert_grads_match, assert_logps_match, grads, random_trees, tiny_model
 
+pytestmark = pytest.mark.slow  # spawns process groups, Ray, verl engines or subprocesses
+
 
 def grpo_like_loss(trees, seed=0):
     """Policy-gradient term plus a non-linear term so dL/dlogp differs per token."""

@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
+pytestmark = pytest.mark.slow  # spawns process groups, Ray, verl engines or subprocesses
+
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_check_cp.py"
 
 

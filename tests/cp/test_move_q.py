@@ -13,6 +13,8 @@ from tests.cp.attention_reference import (HEAD_DIM, HEADS, KV_HEADS, RTOL, SCALE
                                           random_heads, rel)
 from tests.cp.distributed import run_distributed
 
+pytestmark = pytest.mark.slow  # spawns process groups, Ray, verl engines or subprocesses
+
 
 def _move_q_member(rank, world, prompt_len, response_lens, lanes, dtype):
     """``response_lens[l]``: the response lane l replays in this step (0 = the lane is idle)."""

@@ -11,6 +11,8 @@ from augtree_verl.replay.stats import ReplayStats
 from tests.cp.attention_reference import HEAD_DIM, KV_HEADS, SCALE, RTOL, prefix_causal_reference, rel
 from tests.cp.distributed import run_distributed
 
+pytestmark = pytest.mark.slow  # spawns process groups, Ray, verl engines or subprocesses
+
 
 def _ring_member(rank, world, seq_len, prefix_len, dtype):
     ref = prefix_causal_reference(prefix_len, seq_len, dtype, seed=seq_len * 31 + prefix_len)

@@ -10,6 +10,8 @@ from augtree_verl.replay.stats import ReplayStats
 from tests.cp.attention_reference import HEAD_DIM, KV_HEADS, RTOL, SCALE, prefix_causal_reference, rel
 from tests.cp.distributed import run_distributed
 
+pytestmark = pytest.mark.slow  # spawns process groups, Ray, verl engines or subprocesses
+
 
 def _lane_member(rank, world, lanes, prompt_len, response_lens):
     lane = lane_of(rank, world, lanes)

@@ -22,6 +22,8 @@ import torch.multiprocessing as mp
 from tests.integration import verl_harness as H
 from augtree_verl.plan import Plan  # noqa: I001  (after the harness: it selects the CPU platform)
 
+pytestmark = pytest.mark.slow  # spawns process groups, Ray, verl engines or subprocesses
+
 STEPS = 2
 # (prompt length, response lengths): prompt-heavy groups for the split primitives, a response-heavy one
 # for the ring, and degree-1 groups (one a group of one) that a CP group spreads over its ranks.

@@ -11,6 +11,8 @@ from tests.integration import verl_harness as H
 from verl.utils import tensordict_utils as tu  # noqa: I001  (after the harness: it selects the CPU platform)
 from tests.parity import RTOL, rel_err
 
+pytestmark = pytest.mark.slow  # spawns process groups, Ray, verl engines or subprocesses
+
 STEPS = 3
 # (prompt length, response lengths): groups of several sizes, a group of one, 1-token prompt and responses.
 GROUPS = [(9, [3, 5, 4, 2]), (4, [6, 2, 3, 1, 5, 2]), (6, [4]), (1, [2, 1, 3])]

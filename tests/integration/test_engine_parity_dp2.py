@@ -8,6 +8,8 @@ import torch.multiprocessing as mp
 
 from tests.integration import verl_harness as H
 
+pytestmark = pytest.mark.slow  # spawns process groups, Ray, verl engines or subprocesses
+
 STEPS = 2
 WORLD = 2
 # Rows are dealt to ranks round-robin, so every group of two or more has samples on both ranks.

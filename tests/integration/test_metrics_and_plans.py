@@ -20,6 +20,8 @@ from augtree_verl.trainer.plan_field import PLAN_FIELD
 from verl.utils.metric import reduce_metrics
 from verl.workers.engine.utils import prepare_micro_batches
 
+pytestmark = pytest.mark.slow  # spawns process groups, Ray, verl engines or subprocesses
+
 WANDB_FLUSH_WAIT_S = 30
 # group 0: a complete split plan (applies); group 1: ring; group 2: a split plan planned for 2 responses of
 # which this rank holds 1 (cannot apply: a fallback); group 3: ring.

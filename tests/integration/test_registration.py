@@ -10,6 +10,8 @@ from importlib.metadata import entry_points
 
 import pytest
 
+pytestmark = pytest.mark.slow  # spawns process groups, Ray, verl engines or subprocesses
+
 PROBE = """
 import json, sys
 import verl
@@ -23,6 +25,7 @@ from augtree_verl.integration.registration import register_engine
 importlib.reload(plugin)                                 # importing again ...
 register_engine(engines)                                 # ... and registering again must not fail
 from verl.utils.device import get_device_name
+
 print(json.dumps({"cheap": cheap, "cls": f"{cls.__module__}.{cls.__qualname__}",
                   "stock": f"{stock.__module__}.{stock.__qualname__}", "device": get_device_name()}))
 """

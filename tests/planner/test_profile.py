@@ -51,6 +51,7 @@ def test_with_model_reads_a_hugging_face_config():
             p.vocab_size) == (3, 8, 2, 32, 256, 512, 1000)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_calibrate_without_process_group_measures_compute_and_keeps_comm():
     base = ClusterProfile.default()
@@ -64,6 +65,7 @@ def test_calibrate_without_process_group_measures_compute_and_keeps_comm():
     assert p.num_layers == base.num_layers
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_calibrate_with_a_model_measures_its_pass_overhead():
     """The per-layer overhead comes from a short pass of the model itself; its gradients are left untouched."""
@@ -92,6 +94,7 @@ def _calibrate_worker(rank, world, port, results):
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_calibrate_on_gloo_agrees_across_ranks():
     world = 2

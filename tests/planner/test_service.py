@@ -7,6 +7,8 @@ import ray
 from augtree_verl.planner import ClusterProfile, plan_tree
 from augtree_verl.planner.service import PlannerClient, start_planner_service
 
+pytestmark = pytest.mark.slow  # spawns process groups, Ray, verl engines or subprocesses
+
 DEGREES = (1, 2, 4, 8)
 PROMPT_HEAVY = (131072, [256] * 8)      # MoveQ
 RESPONSE_HEAVY = (512, [16384] * 8)     # TreeMoveKV

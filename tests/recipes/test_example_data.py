@@ -10,6 +10,8 @@ from transformers import AutoTokenizer
 from verl.utils.dataset.rl_dataset import RLHFDataset
 from verl.utils.reward_score import default_compute_score
 
+pytestmark = pytest.mark.slow  # spawns process groups, Ray, verl engines or subprocesses
+
 REPO = Path(__file__).resolve().parents[2]
 DATA = REPO / "tests" / "data"
 MUSIQUE_SAMPLE = str(DATA / "musique_hipporag" / "musique_train.json")  # 100 questions, official format

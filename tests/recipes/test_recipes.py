@@ -99,6 +99,7 @@ def main_ppo_cfg_job(args, cwd):
     return yaml.safe_load(out.stdout)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_single_node_script_composes_through_main_ppo(tmp_path):
     """examples/run_grpo_single_node.sh, extra arguments passed through to hydra: here --cfg job."""
@@ -113,6 +114,7 @@ def test_single_node_script_composes_through_main_ppo(tmp_path):
     assert cfg["trainer"]["n_gpus_per_node"] == 4 and cfg["trainer"]["v1"]["trainer_mode"] == "augtree_sync"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_ray_job_script_submits_a_command_that_composes_on_the_cluster_side(tmp_path):
     """DRY_RUN=1 prints the ``ray job submit`` command; its entrypoint runs from the uploaded working_dir."""

@@ -77,6 +77,7 @@ def test_reentrant_checkpointing_is_refused():
         replay(model, trees, lambda t, i, lp: lp.sum())
 
 
+@pytest.mark.slow
 def test_several_optimizer_steps_stay_in_parity():
     """Train by replay for several steps; before every step the flattened baseline, run on the same
     weights, must give the same log-probs and gradients (catches state leaking across steps or trees).

@@ -29,6 +29,8 @@ from augtree_verl.planner.service import PlannerClient
 from augtree_verl.trainer.augtree_sync import AugTreeSyncTrainer
 from augtree_verl.trainer.plan_field import PLAN_FIELD, group_plan_entries
 
+pytestmark = pytest.mark.slow  # spawns process groups, Ray, verl engines or subprocesses
+
 REPO = Path(__file__).resolve().parents[2]
 TOKENIZER = str(REPO / "tests" / "data" / "qwen2_5_tokenizer")
 PARTITION = "train"
