@@ -11,6 +11,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def pytest_terminal_summary(terminalreporter, config):
+    """Name the random order of this run (pytest-random-order's header is hidden by -q), so it can be repeated."""
+    opt = config.option
+    bucket, seed = str(getattr(opt, "random_order_bucket", "")), str(getattr(opt, "random_order_seed", ""))
+    given = lambda value: value and not value.startswith("default:")  # the plugin marks values not given so
+    if getattr(opt, "random_order", False) or given(bucket) or given(seed):
+        terminalreporter.write_line(f"test order: --random-order-bucket={bucket.removeprefix('default:')} "
+                                    f"--random-order-seed={seed.removeprefix('default:')}")
+
+
 @pytest.fixture(scope="module")
 def single_process_group():
     """A gloo process group of this one process (world size 1) for a module's tests, destroyed after them."""
