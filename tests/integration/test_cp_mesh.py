@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.integration import verl_harness as H
-from augtree_verl.integration.cp_mesh import CPMesh, place_trees, schedule_trees  # noqa: I001
+from augtree_verl.integration.cp_mesh import CPMesh, place_trees, schedule_trees
 from augtree_verl.plan import Plan
 from augtree_verl.replay import ReplayTree
+from augtree_verl.testing import harness as H
 
 
 def test_heaviest_first_onto_the_least_loaded_subgroup():
