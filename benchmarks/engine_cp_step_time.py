@@ -2,7 +2,7 @@
 
     python benchmarks/engine_cp_step_time.py [--repeats 3] [--model qwen2-small] [--primitive move_q] [--stock]
 
-Two spawned ranks (gloo, 1 torch thread each), verl's real engines (``tests/integration/verl_harness.py``),
+Two spawned ranks (gloo, 1 torch thread each), verl's real engines (``augtree_verl.testing.harness``),
 one random-weight built-in model, fp32. The engines, on the same world and the same GRPO batch:
 
 - ``stock`` (with ``--stock``; slow on CPU, see ``engine_step_time.py``): verl's fsdp2 engine, data-parallel 2;
@@ -30,9 +30,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import statistics
-import sys
 import tempfile
 import time
 
@@ -40,7 +38,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from augtree_verl.testing import harness as H
 
 WORLD = 2
 RESPONSE_LEN, GROUP_SIZE = 64, 8
@@ -49,7 +47,6 @@ BATCHES = {"skewed": [8192, 256], "balanced": [4096, 4096]}  # name: prompt leng
 
 def _batches(name: str, rank: int, primitive: str, min_prompt: int, profile) -> dict:
     """This rank's batch for each run."""
-    from tests.integration import verl_harness as H
     from verl.utils import tensordict_utils as tu
 
     from augtree_verl.planner import plan_tree
@@ -81,7 +78,7 @@ def _batches(name: str, rank: int, primitive: str, min_prompt: int, profile) -> 
 
 def _rank_main(rank: int, port: int, model_path: str, args) -> None:
     torch.set_num_threads(1)
-    from tests.integration import verl_harness as H
+    H.use_cpu_platform()
     from verl.utils import tensordict_utils as tu
 
     from augtree_verl.models import load_model
@@ -156,7 +153,6 @@ def main() -> None:
         raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
     model_path = tempfile.mkdtemp(prefix="augtree-cp-step-time-")
     load_model(args.model).save_pretrained(model_path)
-    from tests.integration import verl_harness as H
     mp.start_processes(_rank_main, args=(H.free_port(), model_path, args), nprocs=WORLD, join=True,
                        start_method="spawn")
 

@@ -2,7 +2,7 @@
 
     python benchmarks/engine_step_time.py [--repeats 3] [--model qwen2-small] [--micro-batch-size 2]
 
-Both engines are verl's real engines (``tests/integration/verl_harness.py``: our CPU platform, gloo, world
+Both engines are verl's real engines (``augtree_verl.testing.harness``: our CPU platform, gloo, world
 size 1, fp32) on one random-weight built-in model (``augtree_verl.models``). Two GRPO batches, each group's
 samples contiguous as the ``augtree_sync`` trainer delivers them:
 
@@ -23,21 +23,15 @@ to attention here than with flash-attn varlen on a GPU (benchmarks/gpu_check_eng
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import sys
 import tempfile
 import time
 
 import torch
+from verl.utils import tensordict_utils as tu
 
-# The verl harness lives with the tests (it selects the CPU platform before verl loads its engines).
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from tests.integration import verl_harness as H  # noqa: E402
-from verl.utils import tensordict_utils as tu  # noqa: E402,I001  (after the harness)
-
-from augtree_verl.models import BUILTIN_MODELS, DEFAULT_MODEL, load_model  # noqa: E402
+from augtree_verl.models import BUILTIN_MODELS, DEFAULT_MODEL, load_model
+from augtree_verl.testing import harness as H
 
 # name: (prompt length, response length, responses per group, groups)
 BATCHES = {"prompt-heavy": (1024, 64, 8, 2), "response-heavy": (64, 1024, 8, 2)}
@@ -76,6 +70,7 @@ def main() -> None:
         raise ValueError(f"--repeats and --threads must be >= 1, got {args.repeats} and {args.threads}")
     torch.set_num_threads(args.threads)
 
+    H.use_cpu_platform()
     H.init_process_group()
     model_path = tempfile.mkdtemp(prefix="augtree-step-time-")
     load_model(args.model).save_pretrained(model_path)

@@ -24,7 +24,6 @@ import argparse
 import functools
 import importlib.util
 import json
-import os
 import random
 import socket
 import statistics
@@ -168,7 +167,7 @@ def make_rows(setup: Setup, vocab: int) -> list[dict]:
 
 def to_batch(rows: list[dict], setup: Setup, old_log_probs: list[torch.Tensor] | None = None, *, entropy=False):
     """The TensorDict verl's engines take, with dynamic micro-batches of at most ``setup.max_tokens``."""
-    from augtree_verl.integration import verl_batch
+    from augtree_verl.testing import verl_batch
 
     return verl_batch.rows_to_batch(rows, old_log_probs=old_log_probs, use_dynamic_bsz=True,
                                     max_token_len_per_gpu=setup.max_tokens, calculate_entropy=entropy)
@@ -176,7 +175,7 @@ def to_batch(rows: list[dict], setup: Setup, old_log_probs: list[torch.Tensor] |
 
 def response_values(output, rows: list[dict], setup: Setup, key: str) -> list[torch.Tensor]:
     """Per row, the response part of a nested model output, float32 on CPU."""
-    from augtree_verl.integration import verl_batch
+    from augtree_verl.testing import verl_batch
 
     batch = to_batch(rows, setup)
     return [v.detach().float().cpu() for v in verl_batch.response_values(output, batch, key)]
@@ -318,8 +317,9 @@ def main(argv=None) -> int:
     setup, out_path = parse_setup(argv)
     if setup.device == "cpu":
         # verl registers no CPU platform; ours is selected before verl imports its engines (docs/design.md §7).
-        os.environ["VERL_PLATFORM"] = "cpu"
-        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="augtree-inductor-"))
+        from augtree_verl.testing.harness import use_cpu_platform
+
+        use_cpu_platform()
     else:
         if not torch.cuda.is_available():
             raise SystemExit("gpu_check_engine: no CUDA device here; run it where the device tool lends a GPU, "

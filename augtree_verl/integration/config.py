@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from verl.workers.config import FSDPEngineConfig
-from verl.workers.config.engine import EngineConfig
 
+from augtree_verl.integration import verl_compat
 from augtree_verl.integration.registration import STRATEGY
 from augtree_verl.plan import PRIMITIVES
 from augtree_verl.replay.engine import DEFAULT_MICRO_BATCH_TOKENS
@@ -51,7 +51,7 @@ class AugTreeEngineConfig(FSDPEngineConfig):
 
     def __post_init__(self):
         # FSDPEngineConfig.__post_init__ only adds a strategy assertion that rejects "augtree".
-        EngineConfig.__post_init__(self)
+        verl_compat.engine_config_post_init(self)
         if self.strategy not in ACCEPTED_STRATEGIES:
             raise ValueError(f"AugTreeEngineConfig.strategy must be one of {ACCEPTED_STRATEGIES}, got {self.strategy!r}")
         _check_int("micro_batch_tokens", self.micro_batch_tokens, minimum=1)
@@ -63,7 +63,7 @@ class AugTreeEngineConfig(FSDPEngineConfig):
             raise ValueError(f"AugTreeEngineConfig.cp_degrees must hold ints >= 1, got {degrees!r}")
         if any(max(degrees) % d for d in degrees):
             raise ValueError(f"AugTreeEngineConfig.cp_degrees must each divide the largest, got {degrees!r}")
-        object.__setattr__(self, "cp_degrees", sorted(set(degrees)))
+        verl_compat.set_frozen_field(self, "cp_degrees", sorted(set(degrees)))
         if self.force_primitive is not None and self.force_primitive not in PRIMITIVES:
             raise ValueError(
                 f"AugTreeEngineConfig.force_primitive must be None or one of {PRIMITIVES}, got {self.force_primitive!r}")

@@ -24,6 +24,7 @@ from types import SimpleNamespace
 import torch
 from verl.plugin.platform import PlatformBase, PlatformRegistry
 
+from augtree_verl.integration import verl_compat
 from augtree_verl.integration.import_hooks import after_import
 
 CPU_PLATFORM = "cpu"
@@ -160,7 +161,7 @@ def _register_stock_fsdp_engine_for_cpu(engine_package) -> None:
     """Register verl's stock FSDP engine for device "cpu" (idempotent: ``register`` asserts on duplicates)."""
     registry = engine_package.EngineRegistry
     for backend in ("fsdp", "fsdp2"):
-        if CPU_PLATFORM not in registry._engines["language_model"].get(backend, {}):
+        if CPU_PLATFORM not in verl_compat.registered_engine_devices(registry, "language_model", backend):
             registry.register(model_type="language_model", backend=backend, device=CPU_PLATFORM)(
                 engine_package.FSDPEngineWithLMHead)
 

@@ -37,6 +37,7 @@ from verl.utils.device import get_device_id
 from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 from verl.workers.engine.utils import postprocess_batch_func, prepare_micro_batches
 
+from augtree_verl.integration import verl_compat
 from augtree_verl.integration.batch_trees import build_trees, sequence_lengths
 from augtree_verl.integration.config import FSDP_STRATEGY, AugTreeEngineConfig
 from augtree_verl.integration.cp_mesh import CPMesh, schedule_trees
@@ -67,11 +68,11 @@ class AugTreeEngine(FSDPEngineWithLMHead):
     def _build_fsdp_module(self, module):
         # verl's builder branches on the strategy string and knows only fsdp/fsdp2: build as fsdp2.
         requested = self.engine_config.strategy
-        object.__setattr__(self.engine_config, "strategy", FSDP_STRATEGY)
+        verl_compat.set_frozen_field(self.engine_config, "strategy", FSDP_STRATEGY)
         try:
             return super()._build_fsdp_module(module)
         finally:
-            object.__setattr__(self.engine_config, "strategy", requested)
+            verl_compat.set_frozen_field(self.engine_config, "strategy", requested)
 
     def _init_device_mesh(self):
         super()._init_device_mesh()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from augtree_verl.integration import verl_compat
 from augtree_verl.integration.import_hooks import after_import
 
 # The backend name users select with actor_rollout_ref.actor.strategy.
@@ -17,7 +18,7 @@ def register_engine(engine_package) -> None:
     from augtree_verl.integration.engine import AugTreeEngine
 
     registry = engine_package.EngineRegistry
-    registered = registry._engines.get(MODEL_TYPE, {}).get(STRATEGY, {})
+    registered = verl_compat.registered_engine_devices(registry, MODEL_TYPE, STRATEGY)
     missing = [d for d in DEVICES if d not in registered]
     if missing:
         registry.register(model_type=MODEL_TYPE, backend=STRATEGY, device=missing)(AugTreeEngine)

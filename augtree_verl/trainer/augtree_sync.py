@@ -24,6 +24,7 @@ from verl.utils import tensordict_utils as tu
 from verl.utils.config import omega_conf_to_dataclass
 from verl.utils.seqlen_balancing import log_seqlen_unbalance
 
+from augtree_verl.integration import verl_compat
 from augtree_verl.integration.registration import STRATEGY as AUGTREE_STRATEGY
 from augtree_verl.planner.service import PlannerClient, start_planner_service
 from augtree_verl.trainer.group_balance import WorkModel, balance_groups, find_trees, split_groups
@@ -40,14 +41,9 @@ class AugTreeSyncTrainer(PPOTrainerSync):
 
     # verl's PPOTrainer branches on ``self.trainer_mode == "sync"`` (replay-buffer class, dataloader refill,
     # TransferQueue checkpointing) and reads ``trainer.v1.<trainer_mode>`` settings. This mode is the sync
-    # trainer under another registry name, so it answers "sync" to those checks and uses the sync settings.
-    @property
-    def trainer_mode(self) -> str:
-        return "sync"
-
-    @trainer_mode.setter
-    def trainer_mode(self, registered_name: str) -> None:
-        self.registered_trainer_mode = registered_name
+    # trainer under another registry name, so it answers "sync" to those checks and uses the sync settings
+    # (the registered name stays readable as ``registered_trainer_mode``).
+    trainer_mode = verl_compat.sync_trainer_mode()
 
     def __init__(self, config):
         super().__init__(config)
@@ -79,10 +75,7 @@ class AugTreeSyncTrainer(PPOTrainerSync):
 
     def _actor_dp_size(self) -> int:
         """Data-parallel size of the actor worker group (as verl's own ``_balance_batch`` finds it)."""
-        worker_group = self.actor_rollout_wg
-        if "actor" not in worker_group._dispatch_info:
-            worker_group._dispatch_info["actor"] = worker_group._query_dispatch_info("actor")
-        return max(worker_group._dispatch_info["actor"]) + 1
+        return verl_compat.dispatch_dp_size(self.actor_rollout_wg, "actor")
 
     def _actor_mini_batches(self, num_samples: int, dp_size: int) -> int:
         """How many PPO mini-batches each rank cuts its share into this step (1 if there is no actor update)."""
@@ -97,7 +90,7 @@ class AugTreeSyncTrainer(PPOTrainerSync):
         """Pad the batch as verl does, then order it group-aware across ranks and attach the plans."""
         dp_size = self._actor_dp_size()
         batch = upsample_batch_to_divisible_size(
-            batch, self._get_required_batch_multiple(dp_size), self.tokenizer.eos_token_id)
+            batch, verl_compat.required_batch_multiple(self, dp_size), self.tokenizer.eos_token_id)
         return self._group_balance(batch, dp_size, metrics, logging_prefix)
 
     def _group_balance(self, batch: KVBatchMeta, dp_size: int, metrics: dict, logging_prefix: str) -> KVBatchMeta:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.integration import verl_harness as H
-from augtree_verl.integration.batch_trees import build_trees  # noqa: I001
+from augtree_verl.integration.batch_trees import build_trees
+from augtree_verl.testing import harness as H
 from verl.utils import tensordict_utils as tu
 
 

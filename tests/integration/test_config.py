@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 from omegaconf import OmegaConf
 
-from tests.integration import verl_harness  # noqa: F401  (CPU platform before verl's engines)
-from augtree_verl.integration.config import AugTreeEngineConfig  # noqa: I001
+from augtree_verl.integration.config import AugTreeEngineConfig
 from verl.utils.config import omega_conf_to_dataclass
 from verl.workers.config import FSDPEngineConfig
 

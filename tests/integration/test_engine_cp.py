@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from tests.integration import verl_harness as H
-from augtree_verl.plan import Plan  # noqa: I001  (after the harness: it selects the CPU platform)
+from augtree_verl.plan import Plan
+from augtree_verl.testing import harness as H
 
 pytestmark = pytest.mark.slow  # spawns process groups, Ray, verl engines or subprocesses
 
@@ -59,6 +59,7 @@ def _gather_rows(indices: list[int], values: list[torch.Tensor]) -> dict[int, to
 def _rank_main(rank: int, world: int, port: int, model_path: str, cp_degrees: list[int], specs: list,
                cp_max: int, loss_agg_mode: str, entropy_coeff: float) -> None:
     """``cp_max``: the largest degree expected to run."""
+    H.use_cpu_platform()  # a spawned process: select verl's CPU platform before building engines
     from verl.utils import tensordict_utils as tu
 
     from tests.integration.test_engine_parity import _assert_close, _assert_params_match, _infer, _train

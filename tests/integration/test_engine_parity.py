@@ -7,8 +7,9 @@ import random
 import pytest
 import torch
 
-from tests.integration import verl_harness as H
-from verl.utils import tensordict_utils as tu  # noqa: I001  (after the harness: it selects the CPU platform)
+from verl.utils import tensordict_utils as tu
+
+from augtree_verl.testing import harness as H
 from tests.parity import RTOL, rel_err
 
 pytestmark = pytest.mark.slow  # spawns process groups, Ray, verl engines or subprocesses

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from tests.integration import verl_harness as H
+from augtree_verl.testing import harness as H
 
 pytestmark = pytest.mark.slow  # spawns process groups, Ray, verl engines or subprocesses
 
@@ -17,6 +17,7 @@ GROUPS = [(9, [3, 5, 4, 2]), (4, [6, 2, 3, 1, 5, 2]), (6, [4, 2]), (1, [2, 1, 3,
 
 
 def _rank_main(rank: int, port: int, model_path: str) -> None:
+    H.use_cpu_platform()  # a spawned process: select verl's CPU platform before building engines
     from verl.utils import tensordict_utils as tu
 
     from tests.integration.test_engine_parity import _assert_close, _assert_params_match, _infer, _train

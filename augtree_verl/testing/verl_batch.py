@@ -1,4 +1,4 @@
-"""verl's V1 batch from plain rows, and the response part of its outputs (for parity tests and GPU checks)."""
+"""verl's V1 batch from plain rows, and the response part of its outputs (for tests, benchmarks and GPU checks)."""
 
 from __future__ import annotations
 

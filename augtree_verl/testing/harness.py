@@ -1,6 +1,7 @@
 """Run verl 0.9.1's real engines on CPU (docs/design.md §7): our CPU platform, gloo, a tiny Qwen2 from a config.
 
-Import this module before anything imports ``verl.workers.engine``: it selects the CPU platform.
+Importing this module has no side effects. Call :func:`use_cpu_platform` before anything imports
+``verl.workers.engine`` (that import fixes verl's device for the process), then :func:`init_process_group`.
 """
 
 from __future__ import annotations
@@ -10,18 +11,12 @@ import os
 import socket
 import tempfile
 
-os.environ["VERL_PLATFORM"] = "cpu"
-# Some runs leave an (empty) inductor cache folder behind even with torch.compile off.
-os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="augtree-inductor-"))
+import torch
+import torch.distributed as dist
+from tensordict import TensorDict
+from transformers import Qwen2Config, Qwen2ForCausalLM
 
-import verl  # noqa: E402,F401  (loads our entry point when the package is installed)
-import augtree_verl.integration  # noqa: E402,F401  (and this covers a plain checkout)
-from augtree_verl.integration import verl_batch  # noqa: E402
-
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from tensordict import TensorDict  # noqa: E402
-from transformers import Qwen2Config, Qwen2ForCausalLM  # noqa: E402
+from augtree_verl.testing import verl_batch
 
 VOCAB = 128
 MODEL_SHAPE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -35,6 +30,25 @@ OLD_LOGP_NOISE = 0.02
 # softmax) into a sign, amplifying float32 rounding by orders of magnitude. A larger eps keeps the update a
 # smooth function of the gradient, so weights after a step compare at the gradients' tolerance.
 ADAM_EPS = 1e-3
+
+
+def use_cpu_platform() -> None:
+    """Select our CPU platform for verl in this process (and the processes it spawns, through the environment).
+
+    Sets ``VERL_PLATFORM=cpu`` (and a private inductor cache folder: some runs leave an empty one behind even
+    with torch.compile off), imports verl and our plugin, and resolves verl's platform. RuntimeError if this
+    process resolved it to another device before (verl keeps the first one).
+    """
+    os.environ["VERL_PLATFORM"] = "cpu"
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="augtree-inductor-"))
+    import verl  # noqa: F401  (loads our entry point when the package is installed)
+    from verl.utils.device import get_device_name
+
+    import augtree_verl.integration  # noqa: F401  (and this covers a plain checkout)
+
+    if get_device_name() != "cpu":
+        raise RuntimeError(f"verl resolved its device to {get_device_name()!r} before use_cpu_platform(); call it "
+                           "first in the process, before anything imports verl.workers.engine")
 
 
 def free_port() -> int:
@@ -130,7 +144,6 @@ def rows_to_batch(rows: list[dict], *, micro_batch_size: int = 2, temperature: f
 
 
 response_logps = verl_batch.response_values
-
 
 
 def set_old_log_probs(batch: TensorDict, current: list[torch.Tensor], seed: int = 0) -> None:

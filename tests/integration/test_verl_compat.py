@@ -1,0 +1,291 @@
+"""verl's private names live in ``integration/verl_compat.py`` only, that module checks verl's version, and
+the verl internals it names still exist in the installed verl.
+
+The scan reads every module of ``augtree_verl`` (but ``verl_compat.py`` and ``testing/``) and reports:
+- any attribute starting with ``_`` of a name imported from verl (``EngineConfig.__post_init__``, ``verl._x``),
+  and any private name imported from verl;
+- ``x._name`` for a private name verl defines and our package does not (``registry._engines``,
+  ``worker_group._dispatch_info``), except ``super()._name`` inside an override listed in
+  ``verl_compat.PRIVATE_OVERRIDES``;
+- a method of a verl subclass that overrides a verl private name not listed in ``PRIVATE_OVERRIDES``;
+- ``object.__setattr__`` (a detour around verl's frozen config fields) in a module that imports verl.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.metadata
+import importlib.util
+import inspect
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import augtree_verl
+from augtree_verl.integration import verl_compat
+
+PACKAGE = Path(augtree_verl.__file__).parent
+EXEMPT = (PACKAGE / "integration" / "verl_compat.py", PACKAGE / "testing")
+# Dunders of any object that say nothing about verl's internals.
+METADATA_DUNDERS = {"__name__", "__qualname__", "__module__", "__doc__", "__version__", "__file__", "__class__"}
+
+
+def _is_private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _defined_private_names(tree: ast.AST, skip: set[int] = frozenset()) -> set[str]:
+    """Private names a module defines: functions, classes, assigned names and attributes, parameters."""
+    names = set()
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            names.add(node.attr)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+        elif isinstance(node, ast.arg):
+            names.add(node.arg)
+    return {n for n in names if _is_private(n)}
+
+
+def _verl_bound_names(tree: ast.AST) -> set[str]:
+    """Local names a module binds to verl modules or objects."""
+    bound = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == "verl":
+                    bound.add(alias.asname or "verl")
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "verl":
+            bound.update(alias.asname or alias.name for alias in node.names)
+    return bound
+
+
+def _root_name(node: ast.AST) -> str | None:
+    while isinstance(node, ast.Attribute):
+        node = node.value
+    return node.id if isinstance(node, ast.Name) else None
+
+
+def _verl_subclasses(tree: ast.AST, verl_names: set[str]) -> list[ast.ClassDef]:
+    return [node for node in ast.walk(tree) if isinstance(node, ast.ClassDef)
+            and any(_root_name(base) in verl_names for base in node.bases)]
+
+
+def _overrides(tree: ast.AST, verl_private: set[str]) -> list[ast.FunctionDef]:
+    """Methods of verl subclasses named like a verl private name."""
+    verl_names = _verl_bound_names(tree)
+    return [item for cls in _verl_subclasses(tree, verl_names) for item in cls.body
+            if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)) and item.name in verl_private]
+
+
+def _is_super_call(node: ast.AST) -> bool:
+    return isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "super"
+
+
+def _attributes(tree: ast.AST, function: str | None = None):
+    """(attribute node, name of the innermost function around it) for every attribute in ``tree``."""
+    for child in ast.iter_child_nodes(tree):
+        if isinstance(child, ast.Attribute):
+            yield child, function
+        inner = child.name if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)) else function
+        yield from _attributes(child, inner)
+
+
+def private_verl_uses(tree: ast.AST, verl_private: set[str], own_private: set[str],
+                      overrides: set[str]) -> list[tuple[int, str]]:
+    """(line, what) for each use of a verl private name in one module (see the module docstring)."""
+    verl_names = _verl_bound_names(tree)
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "verl":
+            parts = node.module.split(".") + [alias.name for alias in node.names]
+            found += [(node.lineno, f"imports verl private {p}") for p in parts if p.startswith("_")]
+        elif isinstance(node, ast.Import):
+            found += [(node.lineno, f"imports verl private {alias.name}") for alias in node.names
+                      if alias.name.split(".")[0] == "verl" and any(p.startswith("_") for p in alias.name.split("."))]
+    for method in _overrides(tree, verl_private):
+        if method.name not in overrides:
+            found.append((method.lineno, f"overrides verl's {method.name} (not in PRIVATE_OVERRIDES)"))
+    for node, function in _attributes(tree):
+        if _root_name(node.value) in verl_names and node.attr.startswith("_") and node.attr not in METADATA_DUNDERS:
+            found.append((node.lineno, f"{_root_name(node.value)}....{node.attr} of a verl import"))
+        elif _is_private(node.attr) and node.attr in verl_private and node.attr not in own_private:
+            # An override may call the method it overrides.
+            if not (_is_super_call(node.value) and node.attr in overrides and function == node.attr):
+                found.append((node.lineno, f".{node.attr}: a verl private name"))
+    if verl_names:
+        found += [(node.lineno, "object.__setattr__ around verl's frozen config fields") for node in ast.walk(tree)
+                  if isinstance(node, ast.Attribute) and node.attr == "__setattr__"
+                  and isinstance(node.value, ast.Name) and node.value.id == "object"]
+    return sorted(set(found))
+
+
+@pytest.fixture(scope="module")
+def verl_private() -> set[str]:
+    root = Path(importlib.util.find_spec("verl").origin).parent
+    names = set()
+    for path in root.rglob("*.py"):
+        try:
+            names |= _defined_private_names(ast.parse(path.read_text(encoding="utf-8")))
+        except (SyntaxError, UnicodeDecodeError):
+            continue
+    return names
+
+
+def _package_modules() -> dict[Path, ast.AST]:
+    return {path: ast.parse(path.read_text(encoding="utf-8")) for path in sorted(PACKAGE.rglob("*.py"))
+            if not any(path == e or e in path.parents for e in EXEMPT)}
+
+
+def _own_private(modules: dict[Path, ast.AST], verl_private: set[str]) -> set[str]:
+    """Private names our package defines itself (overrides of verl's names are verl's)."""
+    own = set()
+    for tree in modules.values():
+        own |= _defined_private_names(tree, skip={id(m) for m in _overrides(tree, verl_private)})
+    return own
+
+
+def test_no_module_but_verl_compat_touches_a_verl_private_name(verl_private):
+    modules = _package_modules()
+    own = _own_private(modules, verl_private)
+    overrides = set(verl_compat.PRIVATE_OVERRIDES)
+    found = [f"{path.relative_to(PACKAGE.parent)}:{line}: {what}" for path, tree in modules.items()
+             for line, what in private_verl_uses(tree, verl_private, own, overrides)]
+    assert not found, "verl private names outside integration/verl_compat.py:\n" + "\n".join(found)
+    # The list of overrides stays honest: each is overridden somewhere, and each is a verl private name.
+    overridden = {m.name for tree in modules.values() for m in _overrides(tree, verl_private)}
+    assert overridden == overrides
+
+
+PLANTED = {
+    "dunder of a verl class": "from verl.workers.config.engine import EngineConfig\n"
+                              "def f(self):\n    EngineConfig.__post_init__(self)\n",
+    "registry dict": "def f(registry):\n    return registry._engines\n",
+    "dispatch cache": "def f(wg):\n    return wg._dispatch_info['actor']\n",
+    "private of a verl module": "import verl.utils.device as device\nx = device._hidden\n",
+    "private import": "from verl.trainer.ppo.v1.trainer_base import _private_helper\n",
+    "unlisted override": "from verl.trainer.ppo.v1 import PPOTrainerSync\n"
+                         "class T(PPOTrainerSync):\n    def _get_required_batch_multiple(self, dp_size):\n        return 1\n",
+    "super() of a private name": "from verl.trainer.ppo.v1 import PPOTrainerSync\n"
+                                 "class T(PPOTrainerSync):\n    def f(self):\n"
+                                 "        return super()._get_required_batch_multiple(2)\n",
+    "frozen-field detour": "from verl.workers.config import FSDPEngineConfig\n"
+                           "def f(c):\n    object.__setattr__(c, 'strategy', 'x')\n",
+}
+CLEAN = ("from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead\n"
+         "class E(FSDPEngineWithLMHead):\n"
+         "    def _build_fsdp_module(self, module):\n        return super()._build_fsdp_module(module)\n"
+         "    def _mine(self):\n        self._counts = 1\n        return self._counts, self.__class__.__name__\n")
+
+
+@pytest.mark.parametrize("what", sorted(PLANTED))
+def test_the_scan_catches_a_planted_violation(verl_private, what):
+    tree = ast.parse(PLANTED[what])
+    assert private_verl_uses(tree, verl_private, {"_mine"}, set(verl_compat.PRIVATE_OVERRIDES)), what
+
+
+def test_the_scan_passes_listed_overrides_and_our_own_names(verl_private):
+    tree = ast.parse(CLEAN)
+    assert "_counts" in verl_private  # a name both define: ours where our module defines it
+    own = _defined_private_names(tree, skip={id(m) for m in _overrides(tree, verl_private)})
+    assert private_verl_uses(tree, verl_private, own, set(verl_compat.PRIVATE_OVERRIDES)) == []
+
+
+def _pretend_verl(monkeypatch, version: str) -> None:
+    real = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: version if name == "verl" else real(name))
+
+
+def test_another_verl_version_raises_naming_both(monkeypatch):
+    monkeypatch.delenv(verl_compat.ALLOW_VERSION_ENV, raising=False)
+    _pretend_verl(monkeypatch, "0.9.2")
+    with pytest.raises(verl_compat.VerlVersionError) as err:
+        verl_compat.check_verl_version()
+    message = str(err.value)
+    assert "verl 0.9.1" in message and "verl 0.9.2 is installed" in message
+    assert f"{verl_compat.ALLOW_VERSION_ENV}=1" in message
+
+
+def test_the_escape_hatch_turns_it_into_a_warning(monkeypatch):
+    monkeypatch.setenv(verl_compat.ALLOW_VERSION_ENV, "1")
+    _pretend_verl(monkeypatch, "0.10.0")
+    with pytest.warns(RuntimeWarning, match="tested with verl 0.9.1, but verl 0.10.0"):
+        verl_compat.check_verl_version()
+
+
+def test_the_tested_version_passes_silently():
+    assert verl_compat.TESTED_VERL == importlib.metadata.version("verl") == "0.9.1"
+    verl_compat.check_verl_version()
+
+
+IMPORT_WITH_OTHER_VERL = """
+import importlib.metadata as m
+real = m.version
+m.version = lambda name: "0.9.2" if name == "verl" else real(name)
+import augtree_verl.integration.verl_compat
+"""
+
+
+@pytest.mark.timeout(300)
+def test_importing_the_module_checks_the_version():
+    env = {k: v for k, v in os.environ.items() if k != verl_compat.ALLOW_VERSION_ENV}
+    env["PYTHONPATH"] = os.pathsep.join([str(PACKAGE.parent), env.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, "-c", IMPORT_WITH_OTHER_VERL], env=env, capture_output=True, text=True,
+                          timeout=240)
+    assert done.returncode != 0
+    assert "VerlVersionError: augtree-verl is tested with verl 0.9.1, but verl 0.9.2 is installed" in done.stderr, \
+        done.stderr[-3000:]
+
+
+# The verl internals verl_compat names exist in the installed verl (catches a changed verl even when the
+# version check is waived).
+
+def test_engine_registry_keeps_its_dict_of_devices():
+    from verl.workers.engine import EngineRegistry
+
+    assert isinstance(EngineRegistry._engines, dict)
+    assert verl_compat.registered_engine_devices(EngineRegistry, "language_model", "augtree") == {"cuda", "cpu"}
+    assert verl_compat.registered_engine_devices(EngineRegistry, "language_model", "no-such-backend") == set()
+
+
+def test_fsdp_engine_config_post_init_only_adds_the_strategy_assertion():
+    from verl.workers.config import FSDPEngineConfig
+
+    source = inspect.getsource(FSDPEngineConfig.__post_init__)
+    assert "super().__post_init__()" in source and "assert self.strategy in" in source
+    with pytest.raises(AssertionError):
+        FSDPEngineConfig(strategy="augtree")
+
+
+def test_the_frozen_field_and_the_overridden_methods_exist():
+    from verl.base_config import BaseConfig
+    from verl.trainer.ppo.v1.trainer_base import PPOTrainer
+    from verl.workers.config import FSDPEngineConfig
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngine
+
+    config = FSDPEngineConfig()
+    with pytest.raises(Exception, match="frozen"):
+        config.strategy = "fsdp"
+    verl_compat.set_frozen_field(config, "strategy", "fsdp")
+    assert config.strategy == "fsdp" and "_mutable_fields" in vars(BaseConfig)
+    owners = {"_build_fsdp_module": FSDPEngine, "_init_device_mesh": FSDPEngine, "_balance_batch": PPOTrainer}
+    assert set(owners) == set(verl_compat.PRIVATE_OVERRIDES)
+    for name, owner in owners.items():
+        assert callable(vars(owner).get(name)), f"verl's {owner.__name__} has no {name} any more"
+    assert callable(vars(PPOTrainer).get("_get_required_batch_multiple"))
+    assert 'self.trainer_mode == "sync"' in inspect.getsource(PPOTrainer)
+
+
+def test_worker_groups_keep_their_dispatch_cache():
+    from verl.single_controller.base.worker import Worker
+    from verl.single_controller.base.worker_group import WorkerGroup
+
+    assert "self._dispatch_info = {}" in inspect.getsource(WorkerGroup.__init__)
+    assert callable(getattr(Worker, "_query_dispatch_info", None))
