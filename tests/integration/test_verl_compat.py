@@ -172,7 +172,8 @@ PLANTED = {
     "private of a verl module": "import verl.utils.device as device\nx = device._hidden\n",
     "private import": "from verl.trainer.ppo.v1.trainer_base import _private_helper\n",
     "unlisted override": "from verl.trainer.ppo.v1 import PPOTrainerSync\n"
-                         "class T(PPOTrainerSync):\n    def _get_required_batch_multiple(self, dp_size):\n        return 1\n",
+                         "class T(PPOTrainerSync):\n"
+                         "    def _get_required_batch_multiple(self, dp_size):\n        return 1\n",
     "super() of a private name": "from verl.trainer.ppo.v1 import PPOTrainerSync\n"
                                  "class T(PPOTrainerSync):\n    def f(self):\n"
                                  "        return super()._get_required_batch_multiple(2)\n",
