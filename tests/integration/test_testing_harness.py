@@ -13,6 +13,8 @@ import pytest
 
 import augtree_verl
 
+pytestmark = pytest.mark.slow  # subprocesses that import verl
+
 REPO = Path(augtree_verl.__file__).parents[1]
 PLATFORM_ENV = ("VERL_PLATFORM", "TORCHINDUCTOR_CACHE_DIR")
 
