@@ -61,36 +61,36 @@ def check_verl_version() -> None:
 
 
 def registered_engine_devices(registry, model_type: str, backend: str) -> set:
-    """verl/workers/engine/base.py EngineRegistry._engines: the devices ``backend`` is registered for (register asserts on repeats)."""
+    """verl/workers/engine/base.py EngineRegistry._engines: devices ``backend`` has (register asserts on repeats)."""
     return set(registry._engines.get(model_type, {}).get(backend, {}))
 
 
 def engine_config_post_init(config) -> None:
-    """verl/workers/config/engine.py: EngineConfig.__post_init__, skipping FSDPEngineConfig's (its strategy assertion rejects "augtree")."""
+    """verl/workers/config/engine.py EngineConfig.__post_init__, not FSDPEngineConfig's (it asserts away "augtree")."""
     from verl.workers.config.engine import EngineConfig
 
     EngineConfig.__post_init__(config)
 
 
 def set_frozen_field(config, name: str, value) -> None:
-    """verl/base_config.py BaseConfig.__setattr__ freezes fields outside _mutable_fields once set: set ``name`` anyway."""
+    """verl/base_config.py BaseConfig.__setattr__ freezes fields not in _mutable_fields: set ``name`` anyway."""
     object.__setattr__(config, name, value)
 
 
 def dispatch_dp_size(worker_group, mesh_name: str) -> int:
-    """verl/single_controller/base/decorator.py: DP size from worker_group._dispatch_info[mesh_name] (filled by _query_dispatch_info), as PPOTrainer._balance_batch reads it."""
+    """verl/single_controller/base/decorator.py: DP size from _dispatch_info (_query_dispatch_info), as verl gets it."""
     if mesh_name not in worker_group._dispatch_info:
         worker_group._dispatch_info[mesh_name] = worker_group._query_dispatch_info(mesh_name)
     return max(worker_group._dispatch_info[mesh_name]) + 1
 
 
 def required_batch_multiple(trainer, dp_size: int) -> int:
-    """verl/trainer/ppo/v1/trainer_base.py PPOTrainer._get_required_batch_multiple: what verl's _balance_batch pads the batch to."""
+    """verl/trainer/ppo/v1/trainer_base.py PPOTrainer._get_required_batch_multiple: what verl pads the batch to."""
     return trainer._get_required_batch_multiple(dp_size)
 
 
 def sync_trainer_mode() -> property:
-    """verl/trainer/ppo/v1/trainer_base.py PPOTrainer branches on ``self.trainer_mode == "sync"``: a property answering "sync"."""
+    """verl/trainer/ppo/v1/trainer_base.py PPOTrainer checks ``trainer_mode == "sync"``: a property answering "sync"."""
 
     def get(self) -> str:
         return "sync"

@@ -172,7 +172,8 @@ PLANTED = {
     "private of a verl module": "import verl.utils.device as device\nx = device._hidden\n",
     "private import": "from verl.trainer.ppo.v1.trainer_base import _private_helper\n",
     "unlisted override": "from verl.trainer.ppo.v1 import PPOTrainerSync\n"
-                         "class T(PPOTrainerSync):\n    def _get_required_batch_multiple(self, dp_size):\n        return 1\n",
+                         "class T(PPOTrainerSync):\n"
+                         "    def _get_required_batch_multiple(self, dp_size):\n        return 1\n",
     "super() of a private name": "from verl.trainer.ppo.v1 import PPOTrainerSync\n"
                                  "class T(PPOTrainerSync):\n    def f(self):\n"
                                  "        return super()._get_required_batch_multiple(2)\n",
@@ -233,6 +234,7 @@ import augtree_verl.integration.verl_compat
 """
 
 
+@pytest.mark.slow  # a subprocess / verl's engines
 @pytest.mark.timeout(300)
 def test_importing_the_module_checks_the_version():
     env = {k: v for k, v in os.environ.items() if k != verl_compat.ALLOW_VERSION_ENV}
@@ -247,6 +249,7 @@ def test_importing_the_module_checks_the_version():
 # The verl internals verl_compat names exist in the installed verl (catches a changed verl even when the
 # version check is waived).
 
+@pytest.mark.slow  # a subprocess / verl's engines
 def test_engine_registry_keeps_its_dict_of_devices():
     from verl.workers.engine import EngineRegistry
 
