@@ -10,8 +10,9 @@ would take seconds in every Ray worker and fix verl's platform before the CPU pl
 import importlib
 
 from augtree_verl.integration.import_hooks import after_import
-from augtree_verl.trainer.group_balance import Tree, WorkModel, balance_groups, find_trees, tree_workload
-from augtree_verl.trainer.plan_field import PLAN_FIELD, PlannedTree, group_plan_entries, plan_entries
+from augtree_verl.groups import Tree, find_trees, tree_workload
+from augtree_verl.plan_field import PLAN_FIELD, PlannedTree, group_plan_entries, plan_entries
+from augtree_verl.trainer.group_balance import WorkModel, balance_groups
 
 TRAINER_MODULE = "augtree_verl.trainer.augtree_sync"
 

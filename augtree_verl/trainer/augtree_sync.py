@@ -27,7 +27,7 @@ from verl.utils.seqlen_balancing import log_seqlen_unbalance
 from augtree_verl.integration.registration import STRATEGY as AUGTREE_STRATEGY
 from augtree_verl.planner.service import PlannerClient, start_planner_service
 from augtree_verl.trainer.group_balance import WorkModel, balance_groups, find_trees, split_groups
-from augtree_verl.trainer.plan_field import PLAN_FIELD, plan_entries
+from augtree_verl.plan_field import PLAN_FIELD, plan_entries
 
 logger = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ from verl.utils.transferqueue_utils import _meta_to_realdata, kv_batch_meta2batc
 from augtree_verl.planner.search import plan_tree
 from augtree_verl.planner.service import PlannerClient
 from augtree_verl.trainer.augtree_sync import AugTreeSyncTrainer
-from augtree_verl.trainer.plan_field import PLAN_FIELD, group_plan_entries
+from augtree_verl.plan_field import PLAN_FIELD, group_plan_entries
 
 REPO = Path(__file__).resolve().parents[2]
 TOKENIZER = "/work/shared/data/qwen2_5_tokenizer"
