@@ -17,22 +17,9 @@ from __future__ import annotations
 
 import ray
 from verl.trainer.ppo.v1.agent_loop_tq import AgentLoopManagerTQ, AgentLoopWorkerTQ
-from verl.utils.config import omega_conf_to_dataclass
 
-from augtree_verl.integration.registration import STRATEGY
 from augtree_verl.planner.feed import PlannerFeed
-
-
-def planner_engine_config(config):
-    """The actor's ``AugTreeEngineConfig`` when it runs the AugTree engine with the planner on, else None.
-
-    ``config``: verl's whole trainer config (``actor_rollout_ref.actor`` is read).
-    """
-    actor = config.actor_rollout_ref.actor
-    if actor.strategy != STRATEGY:
-        return None
-    engine_config = omega_conf_to_dataclass(actor.fsdp_config)
-    return engine_config if engine_config.use_planner else None
+from augtree_verl.rollout.planner_config import planner_engine_config
 
 
 class GroupLengths:

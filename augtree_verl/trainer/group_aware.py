@@ -29,7 +29,7 @@ from augtree_verl.groups import Tree, find_trees
 from augtree_verl.plan_field import PLAN_FIELD, plan_entries
 from augtree_verl.planner.client import PlannerClient
 from augtree_verl.planner.service import start_planner_service
-from augtree_verl.rollout.agent_loop import planner_engine_config
+from augtree_verl.rollout.planner_config import planner_engine_config
 from augtree_verl.trainer.group_balance import WorkModel, balance_groups, split_groups
 
 logger = logging.getLogger(__name__)
