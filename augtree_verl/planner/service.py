@@ -69,6 +69,7 @@ class PlannerService:
         self.entries: OrderedDict[str, _Entry] = OrderedDict()   # oldest report first
         self.arrived = asyncio.Event()         # set and replaced whenever a report arrives
         self.counts = {"reported": 0, "reported_twice": 0, "rejected": 0, "evicted": 0}
+        self.last_planned_s = None             # time.monotonic() when the latest report's plan was done
 
     async def config(self) -> dict:
         return {"degrees": list(self.degrees), "profile": self.profile.to_dict()}
@@ -89,6 +90,7 @@ class PlannerService:
             del self.entries[uid]
         self.counts["reported"] += 1
         self.entries[uid] = _Entry(P, lens, plan_group(P, lens, self.degrees, self.profile), time.monotonic())
+        self.last_planned_s = time.monotonic()
         self._evict()
         self.arrived.set()
         self.arrived = asyncio.Event()
@@ -129,8 +131,10 @@ class PlannerService:
         return self._state()
 
     def _state(self) -> dict:
-        """Cumulative counters of this actor instance, its instance id and how many entries it holds."""
-        return {"instance": self.instance, "queue_depth": len(self.entries), **self.counts}
+        """Cumulative counters of this actor instance, its instance id, how many entries it holds and when
+        it finished planning the latest report (``time.monotonic()``, one clock for every process of a host)."""
+        return {"instance": self.instance, "queue_depth": len(self.entries), "last_planned_s": self.last_planned_s,
+                **self.counts}
 
     def _evict(self) -> None:
         now = time.monotonic()
