@@ -25,6 +25,9 @@ from omegaconf import OmegaConf
 from transformers import AutoTokenizer
 from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer, ReplayBufferAsync
 from verl.utils import tensordict_utils as tu
+from verl.utils.config import omega_conf_to_dataclass
+from verl.utils.import_utils import load_class_from_fqn
+from verl.workers.config import RolloutConfig
 from verl.utils.transferqueue_utils import _meta_to_realdata, kv_batch_meta2batch_meta
 
 from augtree_verl.groups import find_trees
@@ -32,6 +35,7 @@ from augtree_verl.plan_field import PLAN_FIELD, group_plan_entries
 from augtree_verl.planner.client import PlannerClient
 from augtree_verl.planner.feed import PlannerFeed
 from augtree_verl.planner.search import plan_tree
+from augtree_verl.rollout.agent_loop import PlannerFeedAgentLoopManager
 from augtree_verl.trainer.augtree_async import AugTreeColocateAsyncTrainer, AugTreeSeparateAsyncTrainer
 from augtree_verl.trainer.augtree_sync import AugTreeSyncTrainer
 from augtree_verl.trainer.group_aware import in_rollout_order
@@ -289,3 +293,12 @@ def test_separate_asyncs_actor_worker_accepts_strategy_augtree_in_a_fresh_interp
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=280, cwd="/tmp")
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "refused Unsupported strategy: unknown"
+
+
+@pytest.mark.parametrize("recipe", ["grpo_augtree", "dapo_augtree"])
+def test_recipes_run_the_planner_feed_agent_loop_manager(recipe):
+    rollout = make_trainer(recipe=recipe).config.actor_rollout_ref.rollout
+    # what main_ppo's init_agent_loop_manager does with the key
+    assert load_class_from_fqn(rollout.agent.agent_loop_manager_class, "AgentLoopManager") is \
+        PlannerFeedAgentLoopManager
+    assert isinstance(omega_conf_to_dataclass(rollout), RolloutConfig)   # the rollout config accepts the key
