@@ -1,12 +1,123 @@
-"""The one place that touches verl's private names (each function says which and why)."""
+"""Every verl internal augtree-verl relies on, in one place, and the verl version they were checked against.
+
+verl's public API does not cover all an engine backend and a trainer mode need: a registry's dict, a worker
+group's dispatch cache, a config's frozen fields, a trainer's private helpers. Each use of one is a small
+function here (its docstring names the verl file and name it touches, and why), so that moving to a new verl
+means reading this file. Private methods of verl classes that our subclasses override (verl calls them) are
+listed in ``PRIVATE_OVERRIDES``. ``tests/integration/test_verl_compat.py`` fails if any other module of the
+package touches a verl private name.
+
+Importing this module checks the installed verl against ``TESTED_VERL`` and raises ``VerlVersionError``
+naming both versions when they differ; ``AUGTREE_ALLOW_VERL_VERSION=1`` turns that into a warning (at your
+own risk: the names below may have changed). This module imports no verl module at import time (it is
+imported inside ``import verl``, through the plugin entry point).
+"""
 
 from __future__ import annotations
 
+import importlib.metadata
+import logging
+import os
+import warnings
+
+TESTED_VERL = "0.9.1"
+ALLOW_VERSION_ENV = "AUGTREE_ALLOW_VERL_VERSION"
+
+logger = logging.getLogger(__name__)
+
+# Private methods of verl classes that our subclasses override, because verl calls them (name: what and why).
+PRIVATE_OVERRIDES = {
+    "_build_fsdp_module": "verl/workers/engine/fsdp/transformer_impl.py FSDPEngine._build_fsdp_module branches "
+                          "on engine_config.strategy, which it knows as fsdp/fsdp2 only: AugTreeEngine builds as "
+                          "fsdp2",
+    "_init_device_mesh": "verl/workers/engine/fsdp/transformer_impl.py FSDPEngine._init_device_mesh, run by "
+                         "initialize() before verl asks the data-parallel layout: AugTreeEngine builds its CP mesh",
+    "_balance_batch": "verl/trainer/ppo/v1/trainer_base.py PPOTrainer._balance_batch, called each step to order "
+                      "the batch over data-parallel ranks: AugTreeTrainerMixin balances whole groups",
+    "_run_prompt": "verl/trainer/ppo/v1/agent_loop_tq.py AgentLoopWorkerTQ._run_prompt runs one uid's n sessions "
+                   "and marks the group finished: PlannerFeedWorker opens the group's length record around it",
+    "_agent_loop_postprocess": "verl/trainer/ppo/v1/agent_loop_tq.py AgentLoopWorkerTQ._agent_loop_postprocess "
+                               "puts one session's samples into the TransferQueue: PlannerFeedWorker records their "
+                               "lengths and reports the group to the planner once its n sessions are in",
+}
+
+
+class VerlVersionError(RuntimeError):
+    """The installed verl is not the version augtree-verl was tested with."""
+
+
+def check_verl_version() -> None:
+    """importlib.metadata's version of "verl" against TESTED_VERL: VerlVersionError (a warning with the env var)."""
+    try:
+        installed = importlib.metadata.version("verl")
+    except importlib.metadata.PackageNotFoundError:
+        installed = None
+    if installed == TESTED_VERL:
+        return
+    found = f"verl {installed} is installed" if installed else "verl is not installed"
+    message = (f"augtree-verl is tested with verl {TESTED_VERL}, but {found}. Install verl=={TESTED_VERL}, or set "
+               f"{ALLOW_VERSION_ENV}=1 to run anyway (the verl internals in {__name__} may have changed).")
+    if os.environ.get(ALLOW_VERSION_ENV) == "1":
+        warnings.warn(message, RuntimeWarning, stacklevel=2)
+        return
+    # verl loads plugins inside ``import verl`` and logs their errors at debug level only: say it here too.
+    logger.error(message)
+    raise VerlVersionError(message)
+
+
+def registered_engine_devices(registry, model_type: str, backend: str) -> set:
+    """verl/workers/engine/base.py EngineRegistry._engines: the devices ``backend`` is registered for (register asserts on repeats)."""
+    return set(registry._engines.get(model_type, {}).get(backend, {}))
+
+
+def engine_config_post_init(config) -> None:
+    """verl/workers/config/engine.py: EngineConfig.__post_init__, skipping FSDPEngineConfig's (its strategy assertion rejects "augtree")."""
+    from verl.workers.config.engine import EngineConfig
+
+    EngineConfig.__post_init__(config)
+
+
+def set_frozen_field(config, name: str, value) -> None:
+    """verl/base_config.py BaseConfig.__setattr__ freezes fields outside _mutable_fields once set: set ``name`` anyway."""
+    object.__setattr__(config, name, value)
+
+
+def dispatch_dp_size(worker_group, mesh_name: str) -> int:
+    """verl/single_controller/base/decorator.py: DP size from worker_group._dispatch_info[mesh_name] (filled by _query_dispatch_info), as PPOTrainer._balance_batch reads it."""
+    if mesh_name not in worker_group._dispatch_info:
+        worker_group._dispatch_info[mesh_name] = worker_group._query_dispatch_info(mesh_name)
+    return max(worker_group._dispatch_info[mesh_name]) + 1
+
+
+def required_batch_multiple(trainer, dp_size: int) -> int:
+    """verl/trainer/ppo/v1/trainer_base.py PPOTrainer._get_required_batch_multiple: what verl's _balance_batch pads the batch to."""
+    return trainer._get_required_batch_multiple(dp_size)
+
+
+def trainer_mode_as(verl_mode: str) -> property:
+    """verl/trainer/ppo/v1/trainer_base.py PPOTrainer branches on ``self.trainer_mode`` ("sync" or not) and reads
+    ``trainer.v1.<trainer_mode>``: a property answering ``verl_mode``, the verl mode a registered mode extends."""
+
+    def get(self) -> str:
+        return verl_mode
+
+    def set_registered_name(self, registered_name: str) -> None:
+        # PPOTrainer.__init__ assigns the registered mode (config trainer.v1.trainer_mode); keep it readable.
+        self.registered_trainer_mode = registered_name
+
+    return property(get, set_registered_name)
+
+
+def ray_actor_class(actor_class):
+    """verl/trainer/ppo/v1/agent_loop_tq.py AgentLoopWorkerTQ is a Ray actor class (``@ray.remote``), which Ray
+    forbids subclassing: its Python class, ``__ray_actor_class__`` (as verl's single_controller/ray/base.py does)."""
+    return actor_class.__ray_actor_class__
+
 
 def serve_strategy_in_detach_actor_worker(engine_workers_module, strategy: str) -> None:
-    """verl/experimental/separation/engine_workers.py ``DetachActorWorker._get_strategy_handlers`` raises
-    NotImplementedError for strategies it does not list; make it give ``strategy`` FSDP2's CPU save/restore
-    handlers (an FSDP2-sharded module), the others unchanged. Idempotent."""
+    """verl/experimental/separation/engine_workers.py DetachActorWorker._get_strategy_handlers raises
+    NotImplementedError for strategies it does not list: give ``strategy`` FSDP2's CPU save/restore handlers
+    (an FSDP2-sharded module), the others unchanged. Idempotent."""
     worker_cls = engine_workers_module.DetachActorWorker
     original = worker_cls._get_strategy_handlers
     if getattr(original, "served_strategy", None) == strategy:
@@ -21,3 +132,6 @@ def serve_strategy_in_detach_actor_worker(engine_workers_module, strategy: str) 
 
     _get_strategy_handlers.served_strategy = strategy
     worker_cls._get_strategy_handlers = _get_strategy_handlers
+
+
+check_verl_version()

@@ -18,6 +18,7 @@ from __future__ import annotations
 import ray
 from verl.trainer.ppo.v1.agent_loop_tq import AgentLoopManagerTQ, AgentLoopWorkerTQ
 
+from augtree_verl.integration import verl_compat
 from augtree_verl.planner.feed import PlannerFeed
 from augtree_verl.rollout.planner_config import planner_engine_config
 
@@ -43,7 +44,7 @@ class GroupLengths:
         return prompt_lens.pop(), [r for _, r in lengths]
 
 
-class PlannerFeedWorker(AgentLoopWorkerTQ.__ray_actor_class__):
+class PlannerFeedWorker(verl_compat.ray_actor_class(AgentLoopWorkerTQ)):
     """verl's TransferQueue agent-loop worker, reporting each finished training group to the planner."""
 
     def __init__(self, config, *args, **kwargs):

@@ -12,6 +12,7 @@ calls the balance once per mini-batch.
 
 from verl.trainer.ppo.v1 import PPOTrainerColocateAsync, PPOTrainerSeparateAsync, register_trainer
 
+from augtree_verl.integration import verl_compat
 from augtree_verl.trainer.group_aware import AugTreeTrainerMixin
 
 COLOCATE_ASYNC_MODE = "augtree_colocate_async"
@@ -22,11 +23,11 @@ SEPARATE_ASYNC_MODE = "augtree_separate_async"
 class AugTreeColocateAsyncTrainer(AugTreeTrainerMixin, PPOTrainerColocateAsync):
     """Trainer and rollout share the GPUs; partial rollouts; groups trained a step or more after sampling."""
 
-    VERL_MODE = "colocate_async"
+    trainer_mode = verl_compat.trainer_mode_as("colocate_async")
 
 
 @register_trainer(SEPARATE_ASYNC_MODE)
 class AugTreeSeparateAsyncTrainer(AugTreeTrainerMixin, PPOTrainerSeparateAsync):
     """A standalone rollout pool beside the trainer (which may lend its GPUs to the rollout when idle)."""
 
-    VERL_MODE = "separate_async"
+    trainer_mode = verl_compat.trainer_mode_as("separate_async")

@@ -6,6 +6,7 @@ Select it with ``trainer.v1.trainer_mode=augtree_sync`` (verl's ``main_ppo`` loo
 
 from verl.trainer.ppo.v1 import PPOTrainerSync, register_trainer
 
+from augtree_verl.integration import verl_compat
 from augtree_verl.trainer.group_aware import AugTreeTrainerMixin
 
 TRAINER_MODE = "augtree_sync"
@@ -15,4 +16,4 @@ TRAINER_MODE = "augtree_sync"
 class AugTreeSyncTrainer(AugTreeTrainerMixin, PPOTrainerSync):
     """Sync PPO/GRPO/DAPO trainer whose batch balance keeps groups whole and carries the AugTree plans."""
 
-    VERL_MODE = "sync"
+    trainer_mode = verl_compat.trainer_mode_as("sync")

@@ -26,6 +26,7 @@ from verl.utils import tensordict_utils as tu
 from verl.utils.seqlen_balancing import log_seqlen_unbalance
 
 from augtree_verl.groups import Tree, find_trees
+from augtree_verl.integration import verl_compat
 from augtree_verl.plan_field import PLAN_FIELD, plan_entries
 from augtree_verl.planner.client import PlannerClient
 from augtree_verl.planner.service import start_planner_service
@@ -57,19 +58,10 @@ class AugTreeTrainerMixin:
     """Mixed in before one of verl's V1 trainers (``class M(AugTreeTrainerMixin, PPOTrainerSync)``).
 
     verl's PPOTrainer branches on ``self.trainer_mode`` (replay-buffer class, dataloader refill, TransferQueue
-    checkpointing) and reads ``trainer.v1.<trainer_mode>`` settings. A mode registered under our name answers
-    ``VERL_MODE``, the verl mode it extends, to those checks, and keeps its registered name apart.
+    checkpointing) and reads ``trainer.v1.<trainer_mode>`` settings. A mode registered under our name sets
+    ``trainer_mode = verl_compat.trainer_mode_as(<the verl mode it extends>)``, which answers that mode to
+    those checks and keeps the registered name as ``registered_trainer_mode``.
     """
-
-    VERL_MODE: str
-
-    @property
-    def trainer_mode(self) -> str:
-        return self.VERL_MODE
-
-    @trainer_mode.setter
-    def trainer_mode(self, registered_name: str) -> None:
-        self.registered_trainer_mode = registered_name
 
     def __init__(self, config):
         super().__init__(config)
@@ -97,10 +89,7 @@ class AugTreeTrainerMixin:
 
     def _actor_dp_size(self) -> int:
         """Data-parallel size of the actor worker group (as verl's own ``_balance_batch`` finds it)."""
-        worker_group = self.actor_rollout_wg
-        if "actor" not in worker_group._dispatch_info:
-            worker_group._dispatch_info["actor"] = worker_group._query_dispatch_info("actor")
-        return max(worker_group._dispatch_info["actor"]) + 1
+        return verl_compat.dispatch_dp_size(self.actor_rollout_wg, "actor")
 
     def _actor_mini_batches(self, num_samples: int, dp_size: int) -> int:
         """How many PPO mini-batches each rank cuts its share into this step (1 if there is no actor update)."""
@@ -116,7 +105,7 @@ class AugTreeTrainerMixin:
         dp_size = self._actor_dp_size()
         sampled = set(batch.keys)
         batch = upsample_batch_to_divisible_size(
-            batch, self._get_required_batch_multiple(dp_size), self.tokenizer.eos_token_id)
+            batch, verl_compat.required_batch_multiple(self, dp_size), self.tokenizer.eos_token_id)
         return self._group_balance(batch, dp_size, metrics, logging_prefix, sampled)
 
     def _group_balance(self, batch: KVBatchMeta, dp_size: int, metrics: dict, logging_prefix: str,

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # spawns process groups, Ray, verl engines or subprocesses
+
 REPO = Path(__file__).resolve().parents[2]
 
 

@@ -13,6 +13,8 @@ from augtree_verl.planner.client import PlannerClient
 from augtree_verl.planner.feed import PlannerFeed
 from augtree_verl.planner.service import start_planner_service
 
+pytestmark = pytest.mark.slow  # spawns process groups, Ray, verl engines or subprocesses
+
 DEGREES = (1, 2, 4, 8)
 PROMPT_HEAVY = (131072, [256] * 8)      # MoveQ
 RESPONSE_HEAVY = (512, [16384] * 8)     # TreeMoveKV

@@ -14,28 +14,20 @@ import ray
 import torch
 import transfer_queue as tq
 from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
 from tensordict import NonTensorData, NonTensorStack, TensorDict
 from transformers import Qwen2Config
 
 from augtree_verl.planner.service import start_planner_service
 from augtree_verl.rollout.agent_loop import GroupLengths, PlannerFeedAgentLoopManager, PlannerFeedWorker
 
+from tests.ray_tq import ray_tq  # noqa: F401  (fixture)
+
+pytestmark = pytest.mark.slow  # spawns process groups, Ray, verl engines or subprocesses
+
 REPO = Path(__file__).resolve().parents[2]
 TOKENIZER = "/work/shared/data/qwen2_5_tokenizer"
 N = 3
 ACTOR_START_TIMEOUT_S = 240
-
-
-@pytest.fixture(scope="module")
-def ray_tq():
-    ray.init(num_cpus=2, include_dashboard=False)
-    tq.init(OmegaConf.create({"backend": {"storage_backend": "SimpleStorage",
-                                          "SimpleStorage": {"total_storage_size": 4096,
-                                                            "num_data_storage_units": 1}}}))
-    yield
-    tq.close()
-    ray.shutdown()
 
 
 def model_dir(tmp_path) -> str:

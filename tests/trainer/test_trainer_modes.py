@@ -21,7 +21,6 @@ import ray
 import torch
 import transfer_queue as tq
 from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
 from transformers import AutoTokenizer
 from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer, ReplayBufferAsync
 from verl.utils import tensordict_utils as tu
@@ -39,6 +38,10 @@ from augtree_verl.rollout.agent_loop import PlannerFeedAgentLoopManager
 from augtree_verl.trainer.augtree_async import AugTreeColocateAsyncTrainer, AugTreeSeparateAsyncTrainer
 from augtree_verl.trainer.augtree_sync import AugTreeSyncTrainer
 from augtree_verl.trainer.group_aware import in_rollout_order
+
+from tests.ray_tq import ray_tq  # noqa: F401  (fixture)
+
+pytestmark = pytest.mark.slow  # spawns process groups, Ray, verl engines or subprocesses
 
 REPO = Path(__file__).resolve().parents[2]
 TOKENIZER = "/work/shared/data/qwen2_5_tokenizer"
@@ -58,17 +61,6 @@ SEPARATE_ASYNC = ["trainer.v1.separate_async.parameter_sync_step=2", "actor_roll
 def fixed_dp(trainer_cls, dp_size=2):
     """The trainer with a stated DP size (verl asks its GPU actor worker group, which cannot run here)."""
     return type(f"FixedDP{trainer_cls.__name__}", (trainer_cls,), {"_actor_dp_size": lambda self: dp_size})
-
-
-@pytest.fixture(scope="module")
-def ray_tq():
-    ray.init(num_cpus=2, include_dashboard=False)
-    tq.init(OmegaConf.create({"backend": {"storage_backend": "SimpleStorage",
-                                          "SimpleStorage": {"total_storage_size": 4096,
-                                                            "num_data_storage_units": 1}}}))
-    yield
-    tq.close()
-    ray.shutdown()
 
 
 def make_trainer(*overrides, recipe="grpo_augtree", mode="augtree_sync"):
