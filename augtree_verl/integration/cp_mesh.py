@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from augtree_verl.plan import Plan
 from augtree_verl.replay import ReplayTree
-from augtree_verl.trainer.group_balance import tree_workload
+from augtree_verl.groups import tree_workload
 
 
 class CPMesh:

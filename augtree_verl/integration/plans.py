@@ -17,7 +17,7 @@ from tensordict import TensorDict
 
 from augtree_verl.integration.batch_trees import BatchTrees
 from augtree_verl.plan import Plan
-from augtree_verl.trainer.plan_field import PLAN_FIELD
+from augtree_verl.plan_field import PLAN_FIELD
 
 
 def plans_for_trees(micro_batches: list[TensorDict], grouped: BatchTrees,

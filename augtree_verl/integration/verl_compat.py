@@ -33,7 +33,12 @@ PRIVATE_OVERRIDES = {
     "_init_device_mesh": "verl/workers/engine/fsdp/transformer_impl.py FSDPEngine._init_device_mesh, run by "
                          "initialize() before verl asks the data-parallel layout: AugTreeEngine builds its CP mesh",
     "_balance_batch": "verl/trainer/ppo/v1/trainer_base.py PPOTrainer._balance_batch, called each step to order "
-                      "the batch over data-parallel ranks: AugTreeSyncTrainer balances whole groups",
+                      "the batch over data-parallel ranks: AugTreeTrainerMixin balances whole groups",
+    "_run_prompt": "verl/trainer/ppo/v1/agent_loop_tq.py AgentLoopWorkerTQ._run_prompt runs one uid's n sessions "
+                   "and marks the group finished: PlannerFeedWorker opens the group's length record around it",
+    "_agent_loop_postprocess": "verl/trainer/ppo/v1/agent_loop_tq.py AgentLoopWorkerTQ._agent_loop_postprocess "
+                               "puts one session's samples into the TransferQueue: PlannerFeedWorker records their "
+                               "lengths and reports the group to the planner once its n sessions are in",
 }
 
 
@@ -85,21 +90,48 @@ def dispatch_dp_size(worker_group, mesh_name: str) -> int:
 
 
 def required_batch_multiple(trainer, dp_size: int) -> int:
-    """verl/trainer/ppo/v1/trainer_base.py PPOTrainer._get_required_batch_multiple: what verl pads the batch to."""
+    """verl/trainer/ppo/v1/trainer_base.py PPOTrainer._get_required_batch_multiple: what verl's _balance_batch pads the batch to."""
     return trainer._get_required_batch_multiple(dp_size)
 
 
-def sync_trainer_mode() -> property:
-    """verl/trainer/ppo/v1/trainer_base.py PPOTrainer checks ``trainer_mode == "sync"``: a property answering "sync"."""
+def trainer_mode_as(verl_mode: str) -> property:
+    """verl/trainer/ppo/v1/trainer_base.py PPOTrainer branches on ``self.trainer_mode`` ("sync" or not) and reads
+    ``trainer.v1.<trainer_mode>``: a property answering ``verl_mode``, the verl mode a registered mode extends."""
 
     def get(self) -> str:
-        return "sync"
+        return verl_mode
 
     def set_registered_name(self, registered_name: str) -> None:
         # PPOTrainer.__init__ assigns the registered mode (config trainer.v1.trainer_mode); keep it readable.
         self.registered_trainer_mode = registered_name
 
     return property(get, set_registered_name)
+
+
+def ray_actor_class(actor_class):
+    """verl/trainer/ppo/v1/agent_loop_tq.py AgentLoopWorkerTQ is a Ray actor class (``@ray.remote``), which Ray
+    forbids subclassing: its Python class, ``__ray_actor_class__`` (as verl's single_controller/ray/base.py does)."""
+    return actor_class.__ray_actor_class__
+
+
+def serve_strategy_in_detach_actor_worker(engine_workers_module, strategy: str) -> None:
+    """verl/experimental/separation/engine_workers.py DetachActorWorker._get_strategy_handlers raises
+    NotImplementedError for strategies it does not list: give ``strategy`` FSDP2's CPU save/restore handlers
+    (an FSDP2-sharded module), the others unchanged. Idempotent."""
+    worker_cls = engine_workers_module.DetachActorWorker
+    original = worker_cls._get_strategy_handlers
+    if getattr(original, "served_strategy", None) == strategy:
+        return
+
+    def _get_strategy_handlers(self):
+        if self._strategy_handlers is None and self.config.actor.strategy == strategy:
+            from verl.utils.fsdp_utils import fsdp2_sharded_load_from_cpu, fsdp2_sharded_save_to_cpu
+
+            self._strategy_handlers = (fsdp2_sharded_save_to_cpu, fsdp2_sharded_load_from_cpu)
+        return original(self)
+
+    _get_strategy_handlers.served_strategy = strategy
+    worker_cls._get_strategy_handlers = _get_strategy_handlers
 
 
 check_verl_version()

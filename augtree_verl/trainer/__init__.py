@@ -1,26 +1,40 @@
-"""verl trainer hook: the ``augtree_sync`` trainer mode (group-aware balance, planner feed, plans in the batch).
+"""verl trainer hook: the trainer modes ``augtree_sync``, ``augtree_colocate_async``, ``augtree_separate_async``.
 
 This package is a ``verl.plugins`` entry point (``augtree_trainer``), so ``import verl`` imports it in every
-process. Importing it is cheap: it only arranges that ``augtree_sync`` is registered with verl's
-``@register_trainer`` as soon as verl imports its V1 trainers (``verl.trainer.ppo.v1``), which is where
-``main_ppo``'s task runner looks the mode up. Importing ``verl.trainer.ppo.v1`` inside ``import verl``
-would take seconds in every Ray worker and fix verl's platform before the CPU platform plugin registers.
+process. Importing it is cheap: it only arranges that
+
+- the modes are registered with verl's ``@register_trainer`` as soon as verl imports its V1 trainers
+  (``verl.trainer.ppo.v1``), which is where ``main_ppo``'s task runner looks the mode up;
+- verl's ``DetachActorWorker`` (separate_async's actor worker) accepts strategy ``augtree`` as soon as verl
+  imports it, in whichever process builds the worker.
+
+Importing ``verl.trainer.ppo.v1`` inside ``import verl`` would take seconds in every Ray worker and fix
+verl's platform before the CPU platform plugin registers.
 """
 
 import importlib
 
+from augtree_verl.groups import Tree, find_trees, tree_workload
 from augtree_verl.integration.import_hooks import after_import
-from augtree_verl.trainer.group_balance import Tree, WorkModel, balance_groups, find_trees, tree_workload
-from augtree_verl.trainer.plan_field import PLAN_FIELD, PlannedTree, group_plan_entries, plan_entries
+from augtree_verl.integration.registration import STRATEGY
+from augtree_verl.integration.verl_compat import serve_strategy_in_detach_actor_worker
+from augtree_verl.plan_field import PLAN_FIELD, PlannedTree, group_plan_entries, plan_entries
+from augtree_verl.trainer.group_balance import WorkModel, balance_groups
 
-TRAINER_MODULE = "augtree_verl.trainer.augtree_sync"
-
-
-def _register_trainer(_v1_package) -> None:
-    importlib.import_module(TRAINER_MODULE)  # its @register_trainer("augtree_sync") runs on import
+TRAINER_MODULES = ("augtree_verl.trainer.augtree_sync", "augtree_verl.trainer.augtree_async")
 
 
-after_import("verl.trainer.ppo.v1", _register_trainer)
+def _register_trainers(_v1_package) -> None:
+    for module in TRAINER_MODULES:
+        importlib.import_module(module)  # its @register_trainer(...) runs on import
+
+
+def _serve_augtree(engine_workers_module) -> None:
+    serve_strategy_in_detach_actor_worker(engine_workers_module, STRATEGY)
+
+
+after_import("verl.trainer.ppo.v1", _register_trainers)
+after_import("verl.experimental.separation.engine_workers", _serve_augtree)
 
 __all__ = [
     "PLAN_FIELD",

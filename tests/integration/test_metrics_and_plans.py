@@ -15,8 +15,8 @@ from augtree_verl.integration.batch_trees import build_trees
 from augtree_verl.integration.plans import plans_for_trees
 from augtree_verl.plan import Plan
 from augtree_verl.replay.microbatch import split_micro_batches
+from augtree_verl.plan_field import PLAN_FIELD
 from augtree_verl.testing import harness as H
-from augtree_verl.trainer.plan_field import PLAN_FIELD
 from verl.utils.metric import reduce_metrics
 from verl.workers.engine.utils import prepare_micro_batches
 

@@ -6,13 +6,8 @@ import pytest
 import torch
 from verl.utils.seqlen_balancing import calculate_workload, get_seqlen_balanced_partitions
 
-from augtree_verl.trainer.group_balance import (
-    WorkModel,
-    balance_groups,
-    find_trees,
-    split_groups,
-    tree_workload,
-)
+from augtree_verl.groups import find_trees, tree_workload
+from augtree_verl.trainer.group_balance import WorkModel, balance_groups, split_groups
 
 
 def grpo_batch(num_groups, n, seed, prompt_range=(512, 32768), response_range=(16, 4096)):

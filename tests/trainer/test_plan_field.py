@@ -5,8 +5,8 @@ import random
 import pytest
 
 from augtree_verl.plan import Plan
-from augtree_verl.trainer.group_balance import find_trees
-from augtree_verl.trainer.plan_field import group_plan_entries, plan_entries
+from augtree_verl.groups import find_trees
+from augtree_verl.plan_field import group_plan_entries, plan_entries
 
 UIDS = ["b", "a", "b", "a", "a", "b", "c"]
 PROMPTS = [700, 300, 700, 300, 300, 700, 50]

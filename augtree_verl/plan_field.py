@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from augtree_verl.plan import Plan
-from augtree_verl.trainer.group_balance import Tree
+from augtree_verl.groups import Tree
 
 PLAN_FIELD = "augtree_plan"
 

@@ -1,0 +1,1 @@
+"""Rollout-side parts: verl agent-loop workers and rollout backends."""
