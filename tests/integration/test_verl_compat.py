@@ -14,6 +14,7 @@ The scan reads every module of ``augtree_verl`` (but ``verl_compat.py`` and ``te
 from __future__ import annotations
 
 import ast
+import functools
 import importlib.metadata
 import importlib.util
 import inspect
@@ -73,9 +74,29 @@ def _root_name(node: ast.AST) -> str | None:
     return node.id if isinstance(node, ast.Name) else None
 
 
+def _base_root(base: ast.AST) -> str | None:
+    """The name a base class comes from; for ``verl_compat.ray_actor_class(X)`` (a Ray actor's Python class), X's."""
+    if isinstance(base, ast.Call) and isinstance(base.func, ast.Attribute) and base.func.attr == "ray_actor_class":
+        return _root_name(base.args[0]) if base.args else None
+    return _root_name(base)
+
+
 def _verl_subclasses(tree: ast.AST, verl_names: set[str]) -> list[ast.ClassDef]:
+    """verl subclasses, and our mixins that some class of the package combines with a verl class."""
     return [node for node in ast.walk(tree) if isinstance(node, ast.ClassDef)
-            and any(_root_name(base) in verl_names for base in node.bases)]
+            and (node.name in _verl_mixins() or any(_base_root(base) in verl_names for base in node.bases))]
+
+
+@functools.cache
+def _verl_mixins() -> frozenset[str]:
+    """Names of the package's classes that stand beside a verl class in some class's bases."""
+    mixins = set()
+    for tree in _package_modules().values():
+        verl_names = _verl_bound_names(tree)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef) and any(_base_root(b) in verl_names for b in node.bases):
+                mixins |= {_base_root(b) for b in node.bases if _base_root(b) not in verl_names} - {None}
+    return frozenset(mixins)
 
 
 def _overrides(tree: ast.AST, verl_private: set[str]) -> list[ast.FunctionDef]:
@@ -278,7 +299,11 @@ def test_the_frozen_field_and_the_overridden_methods_exist():
         config.strategy = "fsdp"
     verl_compat.set_frozen_field(config, "strategy", "fsdp")
     assert config.strategy == "fsdp" and "_mutable_fields" in vars(BaseConfig)
-    owners = {"_build_fsdp_module": FSDPEngine, "_init_device_mesh": FSDPEngine, "_balance_batch": PPOTrainer}
+    from verl.trainer.ppo.v1.agent_loop_tq import AgentLoopWorkerTQ
+
+    worker = AgentLoopWorkerTQ.__ray_actor_class__
+    owners = {"_build_fsdp_module": FSDPEngine, "_init_device_mesh": FSDPEngine, "_balance_batch": PPOTrainer,
+              "_run_prompt": worker, "_agent_loop_postprocess": worker}
     assert set(owners) == set(verl_compat.PRIVATE_OVERRIDES)
     for name, owner in owners.items():
         assert callable(vars(owner).get(name)), f"verl's {owner.__name__} has no {name} any more"
