@@ -4,6 +4,12 @@ import sys
 import pytest
 import torch.distributed as dist
 
+from augtree_verl.testing import harness
+
+# verl resolves its device once per process, when something first imports verl.workers.engine; the suite runs
+# verl's engines and trainers on our CPU platform, so it is selected before any test module is collected.
+harness.use_cpu_platform()
+
 
 def _free_port() -> int:
     with socket.socket() as s:
