@@ -1,6 +1,6 @@
 """Attention of query blocks against key/value blocks, returning the log-sum-exp: the public interface.
 
-Backends, one per file (DESIGN.md §4), all giving the natural-log lse and grouped-query attention
+Backends, one per file (docs/design.md §4), all giving the natural-log lse and grouped-query attention
 natively (H_kv divides H):
 - CPU tensors: ``cpu_flash`` (ATen's CPU flash kernel and its backward op);
 - CUDA tensors: ``torch_flash`` (torch's own FlashAttention-2 varlen ops, the default: no extra package)

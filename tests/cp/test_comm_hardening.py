@@ -12,6 +12,8 @@ from augtree_verl.integration.cp_mesh import CPMesh
 from augtree_verl.replay.stats import ReplayStats
 from tests.cp.distributed import run_distributed
 
+pytestmark = pytest.mark.slow  # spawns processes
+
 
 def _record_p2p(posted: list):
     real = dist.batch_isend_irecv
