@@ -16,8 +16,8 @@ ever need full blocks and square diagonal blocks, so top-left vs bottom-right al
 Blocks are never empty (a ``ValueError`` otherwise).
 
 ``varlen_attention_forward/_backward`` run many independent blocks in one kernel call: q [H, Tq, D] and
-k/v [H_kv, Tk, D] packed along the token axis as described by a ``Segments`` the caller builds once (its
-device offsets are made once, without a host sync).
+k/v [H_kv, Tk, D] packed along the token axis as described by a ``Segments`` (its device offsets are made
+once, without a host sync; single blocks use memoised one-segment ``Segments``).
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, caus
     backend = _backend(q)
     if backend is cpu_flash:
         return cpu_flash.forward(q, k, v, causal, scale)
-    return backend.varlen_forward(q, k, v, Segments((q.shape[1],), (k.shape[1],)), causal, scale)
+    return backend.varlen_forward(q, k, v, Segments.uniform(1, q.shape[1], k.shape[1]), causal, scale)
 
 
 def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -73,7 +73,7 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     backend = _backend(q)
     if backend is cpu_flash:
         return cpu_flash.backward(dout, q, k, v, out, lse, causal, scale)
-    return backend.varlen_backward(dout, q, k, v, out, lse, Segments((q.shape[1],), (k.shape[1],)),
+    return backend.varlen_backward(dout, q, k, v, out, lse, Segments.uniform(1, q.shape[1], k.shape[1]),
                                    causal, scale)
 
 

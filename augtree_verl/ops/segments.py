@@ -2,18 +2,20 @@
 
 ``Segments`` describes B independent attention segments packed along the token axis: segment b's
 queries are rows ``q_offsets[b] : q_offsets[b + 1]`` of q [H, Tq, D] and its keys rows
-``k_offsets[b] : k_offsets[b + 1]`` of k/v [H_kv, Tk, D]. The caller builds it once per micro-batch (or
-plan step) from Python lengths; the device offsets (``cu_seqlens``, int32 [B + 1]) are made at most once
-per device and never copied back, so a kernel call launches without a host sync:
+``k_offsets[b] : k_offsets[b + 1]`` of k/v [H_kv, Tk, D]. The caller builds it from Python lengths; the
+device offsets (``cu_seqlens``, int32 [B + 1]) are made at most once per ``Segments`` and device and never
+copied back, so a kernel call launches without a host sync:
 
-- equal-length segments (``Segments.uniform``, the padded rows of a micro-batch): ``torch.arange``, a
-  kernel with no host-to-device copy at all;
-- ragged segments: one pinned, non-blocking host-to-device copy.
+- equal-length segments (``Segments.uniform``: one block, or the padded rows of a micro-batch) are
+  memoised by shape, so every layer and every later call of that shape reuses the same offsets, made
+  by ``torch.arange`` (a kernel, no host-to-device copy);
+- ragged segments: one pinned, non-blocking host-to-device copy per ``Segments``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 import torch
 
@@ -36,9 +38,10 @@ class Segments:
         if min(self.q_lens) < 1 or min(self.k_lens) < 1:
             raise ValueError(f"Segments with no queries or no keys: q_lens {self.q_lens}, k_lens {self.k_lens}")
 
-    @classmethod
-    def uniform(cls, count: int, q_len: int, k_len: int) -> "Segments":
-        return cls((q_len,) * count, (k_len,) * count)
+    @staticmethod
+    def uniform(count: int, q_len: int, k_len: int) -> "Segments":
+        """``count`` segments of ``q_len`` queries against ``k_len`` keys each (memoised by shape)."""
+        return _uniform(count, q_len, k_len)
 
     @property
     def count(self) -> int:
@@ -75,6 +78,11 @@ class Segments:
         if q.shape[1] != self.total_q or k.shape[1] != self.total_k:
             raise ValueError(f"packed q has {q.shape[1]} rows and k {k.shape[1]}, but the Segments hold "
                              f"{self.total_q} queries and {self.total_k} keys")
+
+
+@lru_cache(maxsize=1024)
+def _uniform(count: int, q_len: int, k_len: int) -> Segments:
+    return Segments((q_len,) * count, (k_len,) * count)
 
 
 def _offsets(lengths: tuple[int, ...], device: torch.device) -> torch.Tensor:

@@ -133,3 +133,9 @@ def test_backend_knob(monkeypatch):
     # CPU tensors always take the CPU kernel, whatever the knob says
     q = torch.randn(2, 3, 4)
     assert attention_forward(q, q, q, causal=True, scale=1.0)[0].shape == q.shape
+
+
+def test_uniform_segments_are_memoised_with_their_offsets():
+    a, b = Segments.uniform(4, 7, 7), Segments.uniform(4, 7, 7)
+    assert a is b and a.cu_seqlens(torch.device("cpu"))[0] is b.cu_seqlens(torch.device("cpu"))[0]
+    assert a.cu_seqlens(torch.device("cpu"))[0].tolist() == [0, 7, 14, 21, 28]
