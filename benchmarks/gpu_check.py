@@ -369,9 +369,11 @@ def check_speed(report, sizes, model, device):
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
     def timed(fn, trees, adv):
+        """Seconds of one training step (forward, loss, backward), from zero gradients."""
+        model.zero_grad(set_to_none=True)
         sync()
         start = time.perf_counter()
-        run_step(model, fn, trees, adv)
+        fn(model, trees, lambda t, i, logp: -(logp * adv[t][i]).mean())
         sync()
         return time.perf_counter() - start
 
@@ -382,6 +384,7 @@ def check_speed(report, sizes, model, device):
         pairs = [(timed(flattened_replay, trees, adv), timed(replay, trees, adv)) for _ in range(sizes.repeats)]
         ratio = statistics.median(f / o for f, o in pairs)
         flat, ours = (statistics.median(x) for x in zip(*pairs))
+        model.zero_grad(set_to_none=True)
         report.add("INFO", f"speed {name} P={p} R={r} G={g}",
                    f"flattened {flat:.3f} s, replay {ours:.3f} s: {ratio:.2f}x (median of {len(pairs)} paired ratios)")
 
