@@ -40,7 +40,7 @@ def attn_implementation(device: str) -> str:
     if not device.startswith("cuda"):
         return "sdpa"
     if importlib.util.find_spec("flash_attn") is None:
-        warnings.warn("flash-attn is not installed (pip install -e '.[gpu]'): the CUDA baseline uses SDPA")
+        warnings.warn("flash-attn is not installed (pip install -e '.[flash-attn]'): the CUDA baseline uses SDPA")
         return "sdpa"
     return "flash_attention_2"
 

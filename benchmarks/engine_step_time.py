@@ -17,7 +17,7 @@ their slowest thread and times swing by several x).
 
 On CPU the stock engine runs each packed (remove-padding) micro-batch through SDPA, which has no varlen kernel:
 its attention spans the whole packed micro-batch under a mask rather than each sequence, so stock loses more
-to attention here than with flash-attn varlen on a GPU (benchmarks/gpu_check_engine.py measures that case).
+to attention here than with flash varlen kernels on a GPU (benchmarks/gpu_check.py times replay vs flattened there).
 """
 
 from __future__ import annotations

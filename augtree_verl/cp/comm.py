@@ -5,7 +5,11 @@
   step's compute and waited after it.
 - ``all_to_all_rows``: MoveQ's query / partial-state exchange, ``dist.all_to_all_single`` on row splits.
 - ``all_gather_sum``: exchange of small buffers (log-probs) among some members by P2P, summed.
+- ``warm_up``: one tiny all-reduce on a new group, so that NCCL builds its communicator with every member
+  present (a first ``batch_isend_irecv`` on a group must involve all its ranks).
 Every function records the bytes *this rank sends* (never what it keeps for itself) in a ``Meter``.
+Zero-element sends and receives are never posted (both sides know every size, so they skip the same
+pairs); NCCL ignores P2P tags, so every rank posts its operations in the same order.
 """
 
 from __future__ import annotations
@@ -66,15 +70,25 @@ class Ring:
         """Send ``send`` to the next member and receive the previous member's into ``recv``; returns the
         pending requests (wait on them with ``finish``). Both buffers are contiguous 1-D."""
         group = resolve(self.group)
-        ops = [dist.P2POp(dist.isend, send, group=group, tag=tag, group_peer=self.next),
-               dist.P2POp(dist.irecv, recv, group=group, tag=tag, group_peer=self.prev)]
+        ops = []
+        if send.numel():
+            ops.append(dist.P2POp(dist.isend, send, group=group, tag=tag, group_peer=self.next))
+        if recv.numel():
+            ops.append(dist.P2POp(dist.irecv, recv, group=group, tag=tag, group_peer=self.prev))
         meter.add(direction, nbytes(send))
-        return dist.batch_isend_irecv(ops)
+        return dist.batch_isend_irecv(ops) if ops else []
 
 
 def finish(requests) -> None:
     for r in requests:
         r.wait()
+
+
+def warm_up(group) -> None:
+    """One all-reduce of a single element over ``group`` (on the current CUDA device under NCCL)."""
+    group = resolve(group)
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
+    dist.all_reduce(torch.zeros(1, device=device), group=group)
 
 
 def all_to_all_rows(rows: torch.Tensor, send_counts: list[int], recv_counts: list[int], group,
@@ -96,7 +110,7 @@ def all_gather_sum(buffer: torch.Tensor, members: tuple[int, ...], group, meter:
     group = resolve(group)
     me = dist.get_rank(group)
     others = [r for r in members if r != me]
-    if not others:
+    if not others or buffer.numel() == 0:  # same shape on every member: all of them skip
         return buffer.clone()
     received = [torch.empty_like(buffer) for _ in others]
     ops = [dist.P2POp(dist.isend, buffer.contiguous(), group=group, tag=TAG_GATHER, group_peer=r) for r in others]

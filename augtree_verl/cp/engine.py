@@ -37,7 +37,6 @@ dropout inside attention. ``micro_batch_tokens`` does not apply: a CP replay ste
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -173,7 +172,7 @@ class _Run:
             step(self.loss_fn)
 
     def prefill(self, prompt: torch.Tensor, members: tuple[int, ...], meter: Meter) -> _Prefill:
-        start = time.perf_counter()
+        start = self.stats.start_timer(prompt.device)
         index = members.index(self.rank)
         layout = ZigzagLayout(prompt.shape[0], len(members))
         pos = layout.positions(index, device=prompt.device)
@@ -188,7 +187,7 @@ class _Run:
             last = last.detach().requires_grad_() if last is not None else None
         else:
             leaf_kv = live_kv
-        self.stats.prefill_s += time.perf_counter() - start
+        self.stats.stop_timer("prefill_s", start)
         return _Prefill(layout, hidden, live_kv, leaf_kv, last, local if owner == index else None)
 
     def prompt_backward(self, pre: _Prefill) -> None:
@@ -197,7 +196,7 @@ class _Run:
     def _prompt_backward(self, pre: _Prefill) -> None:
         """Phase C on every member of the prefill ring: all layers' K/V and the whole final hidden shard
         are roots (zero where nothing flowed), so every rank reaches every ring step of the prompt graph."""
-        start = time.perf_counter()
+        start = self.stats.start_timer(pre.hidden.device)
         roots, grads = [], []
         for live, leaf in zip(pre.live_kv, pre.leaf_kv):
             for x, lx in zip(live, leaf):
@@ -209,7 +208,7 @@ class _Run:
         roots.append(pre.hidden)
         grads.append(hidden_grad)
         torch.autograd.backward(roots, grads)
-        self.stats.prompt_backward_s += time.perf_counter() - start
+        self.stats.stop_timer("prompt_backward_s", start)
 
     def first_token_logps(self, pre: _Prefill, tree: ReplayTree, responses) -> list:
         """(response, token index 0, logp [1]) for each response, on the owner of prompt position P - 1."""
@@ -265,7 +264,7 @@ class _Run:
     def ring_tree(self, t: int, tree: ReplayTree, plan: Plan) -> list:
         meter, members = Meter(self.stats, "ring"), tuple(range(self.size))
         ring, p, out = Ring(self.group, members, self.rank), tree.prompt_len, []
-        start = time.perf_counter()
+        start = self.stats.start_timer(tree.prompt.device)
         for i, resp in enumerate(tree.responses):
             seq = torch.cat([tree.prompt, resp])
             layout = ZigzagLayout(seq.shape[0] - 1, self.size)
@@ -281,7 +280,7 @@ class _Run:
             self.backprop(t, [i], full, owned, keepalive)
             out += full
             self.stats.micro_batches += 1
-        self.stats.replay_s += time.perf_counter() - start
+        self.stats.stop_timer("replay_s", start)
         return out
 
     def tree_move_kv_tree(self, t: int, tree: ReplayTree, plan: Plan) -> list:
@@ -290,7 +289,7 @@ class _Run:
         members = lane_members(self.size, plan.lanes, lane)
         index, ring = members.index(self.rank), Ring(self.group, members, members.index(self.rank))
         pre = self.prefill(tree.prompt, members, meter)
-        start = time.perf_counter()
+        start = self.stats.start_timer(tree.prompt.device)
         mine = sorted((r, i) for i, (r, l) in enumerate(plan.placement) if l == lane)
         lane_logps = {}
         for _, i in mine:
@@ -304,7 +303,7 @@ class _Run:
             full = self.exchange(tree, [i], owned, members)
             self.backprop(t, [i], full, owned, keepalive)
             lane_logps[i] = full[0]
-        self.stats.replay_s += time.perf_counter() - start
+        self.stats.stop_timer("replay_s", start)
         self.prompt_backward(pre)
         # Every rank returns every response: the first member of each lane contributes its lane's.
         everything = list(range(len(tree.responses)))
@@ -318,7 +317,7 @@ class _Run:
         lane = next(l for l, m in enumerate(lanes) if self.rank in m)
         index, ring = lanes[lane].index(self.rank), Ring(self.group, lanes[lane], lanes[lane].index(self.rank))
         pre = self.prefill(tree.prompt, everyone, meter)
-        start = time.perf_counter()
+        start = self.stats.start_timer(tree.prompt.device)
         out: dict[int, torch.Tensor] = {}
         for rnd in range(plan.rounds):
             cells = [[i for i, cell in enumerate(plan.placement) if cell == (rnd, l)] for l in range(plan.lanes)]
@@ -342,7 +341,7 @@ class _Run:
                 full = self.exchange(tree, active, owned, everyone)
                 self.backprop(t, active, full, owned, keepalive)
                 out.update(zip(active, full))
-        self.stats.replay_s += time.perf_counter() - start
+        self.stats.stop_timer("replay_s", start)
         self.prompt_backward(pre)
         return [out[i] for i in range(len(tree.responses))]
 

@@ -19,6 +19,7 @@ from typing import Sequence
 
 import torch.distributed as dist
 
+from augtree_verl.cp.comm import warm_up
 from augtree_verl.plan import Plan
 from augtree_verl.replay import ReplayTree
 from augtree_verl.groups import tree_workload
@@ -27,7 +28,8 @@ from augtree_verl.groups import tree_workload
 class CPMesh:
     """This rank's place in the (data-parallel x context-parallel) layout; builds the process groups.
 
-    Every rank must construct it at the same point (``dist.new_subgroups_by_enumeration`` is collective).
+    Every rank must construct it at the same point (``dist.new_subgroups_by_enumeration`` is collective);
+    each new group is warmed up with one all-reduce (``cp.comm.warm_up``) before any P2P runs on it.
     ``degrees``: the engine's ``cp_degrees``, each dividing the largest (``AugTreeEngineConfig`` checks that).
     ``subgroups[d]``: this rank's subgroup of d consecutive ranks, for each degree d > 1 in ``degrees``.
     """
@@ -44,11 +46,13 @@ class CPMesh:
         if size > 1:
             self.dp_group, _ = dist.new_subgroups_by_enumeration(
                 [[c + k * size for k in range(self.dp_size)] for c in range(size)])
+            warm_up(self.dp_group)
         self.subgroups = {}
         for d in self.degrees:
             if d > 1:
                 self.subgroups[d], _ = dist.new_subgroups_by_enumeration(
                     [[first + j for j in range(d)] for first in range(0, world, d)])
+                warm_up(self.subgroups[d])
 
     @property
     def cp_group(self):

@@ -5,7 +5,8 @@ Compute is measured on the profile's model shapes (call ``with_model`` first), w
   profile's dtype on CUDA; widths capped on CPU so a 7B shape still calibrates in seconds).
 - attention_flops_per_s: median forward + backward of one non-causal attention block with the model's
   query/KV heads and head dim, through the CP engine's kernels (``ops.attention``: the ATen flash kernel on CPU,
-  flash-attn on CUDA, SDPA there if flash-attn is missing); 3 x forward FLOPs / time, as the cost model counts.
+  torch's flash kernels or flash-attn on CUDA, SDPA there where those cannot run: flash-attn selected but
+  missing, or float32); 3 x forward FLOPs / time, as the cost model counts.
 - layer_overhead_s: what a pass costs beyond its FLOPs, per layer: with ``model`` (the unwrapped Hugging Face
   model the replay runs), the median forward + backward of the model on ``OVERHEAD_TOKENS`` tokens / its
   layers (dispatch, autograd, launches, weight reads, embedding and LM head: every fixed cost of a short
@@ -138,8 +139,8 @@ def _attention_step(q, k, v, dout):
     scale = q.shape[-1] ** -0.5
     try:
         if q.is_cuda:
-            attention_forward(q, k, v, causal=False, scale=scale)   # flash-attn importable?
-    except ImportError:
+            attention_forward(q, k, v, causal=False, scale=scale)   # backend installed, dtype supported?
+    except (ImportError, ValueError):  # flash-attn selected but missing, or float32 (no flash kernel)
         group = q.shape[0] // k.shape[0]
         q, k, v = (x.detach().requires_grad_() for x in (q, k.repeat_interleave(group, 0),
                                                           v.repeat_interleave(group, 0)))

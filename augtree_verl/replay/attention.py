@@ -57,10 +57,39 @@ def augtree_attention_forward(module, query, key, value, attention_mask, scaling
     if augtree_ctx is None:
         fallback = ALL_ATTENTION_FUNCTIONS.get(getattr(module.config, FALLBACK_ATTR, "sdpa"), sdpa_attention_forward)
         return fallback(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
-    if kwargs.get("sliding_window"):
-        raise ValueError(f"layer {module.layer_idx} uses sliding-window attention, which augtree does not replay")
+    _reject_unsupported(module, kwargs)
     out = augtree_ctx.attend(module.layer_idx, query, key, value, scaling)
     return out.transpose(1, 2).contiguous(), None
+
+
+# kwargs transformers' attention modules pass for features the replay kernels do not implement:
+# Gemma2 passes ``softcap``, gpt-oss ``s_aux`` (attention sinks); ``dropout`` is > 0 only in training mode
+# with attention dropout configured; ``sliding_window`` is set on sliding layers (Mistral, Qwen2 with
+# use_sliding_window, Gemma2, gpt-oss).
+UNSUPPORTED_FEATURES = {"softcap": "logit soft-capping", "s_aux": "attention sinks",
+                        "dropout": "attention dropout", "sliding_window": "sliding-window attention"}
+
+
+def _reject_unsupported(module, kwargs) -> None:
+    """A ``ValueError`` naming the model, the layer and every unsupported feature this call asks for."""
+    used = [f"{what} ({name}={_describe(kwargs[name])})" for name, what in UNSUPPORTED_FEATURES.items()
+            if _is_set(kwargs.get(name))]
+    if used:
+        model = getattr(module.config, "model_type", None) or type(module).__name__
+        raise ValueError(f"model {model!r}, layer {module.layer_idx}: augtree's replay attention does not "
+                         f"implement {', '.join(used)}")
+
+
+def _is_set(value) -> bool:
+    if value is None:
+        return False
+    if isinstance(value, torch.Tensor):
+        return True  # sinks are a parameter: present means used
+    return bool(value)  # 0 / 0.0 / False: not used
+
+
+def _describe(value) -> str:
+    return f"tensor {tuple(value.shape)}" if isinstance(value, torch.Tensor) else repr(value)
 
 
 AttentionInterface.register(ATTN_NAME, augtree_attention_forward)

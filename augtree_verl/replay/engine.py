@@ -13,7 +13,6 @@ first token is scored from the prompt's last hidden state.
 
 from __future__ import annotations
 
-import time
 from typing import Callable, Sequence
 
 import torch
@@ -100,7 +99,7 @@ def _replay_tree(model, t, tree, loss_fn, temperature, micro_batch_tokens, stats
     p = tree.prompt_len
 
     # Phase A: prefill.
-    start = time.perf_counter()
+    start = stats.start_timer(tree.prompt.device)
     prefill = PrefillContext()
     hidden = base(input_ids=tree.prompt[None], attention_mask=NO_MASKS, use_cache=False,
                   augtree_ctx=prefill).last_hidden_state
@@ -113,11 +112,11 @@ def _replay_tree(model, t, tree, loss_fn, temperature, micro_batch_tokens, stats
         leaf_last = live_last.detach().requires_grad_()
     else:
         leaf_kv, leaf_last = live_kv, live_last
-    stats.prefill_s += time.perf_counter() - start
+    stats.stop_timer("prefill_s", start)
     stats.executed_tokens += p
 
     # Phase B: response micro-batches.
-    start = time.perf_counter()
+    start = stats.start_timer(tree.prompt.device)
     lengths = tree.response_lens
     out: list[torch.Tensor | None] = [None] * len(lengths)
     for rows in split_micro_batches(lengths, micro_batch_tokens):
@@ -143,13 +142,13 @@ def _replay_tree(model, t, tree, loss_fn, temperature, micro_batch_tokens, stats
             loss.backward()
         stats.micro_batches += 1
         stats.executed_tokens += len(rows) * rq
-    stats.replay_s += time.perf_counter() - start
+    stats.stop_timer("replay_s", start)
     stats.logical_tokens += sum(p + r for r in lengths)
     stats.trees += 1
 
     # Phase C: one delayed prompt backward.
     if train:
-        start = time.perf_counter()
+        start = stats.start_timer(tree.prompt.device)
         roots, grads = [], []
         for live, leaf in zip([x for kv in live_kv for x in kv] + [live_last],
                               [x for kv in leaf_kv for x in kv] + [leaf_last]):
@@ -158,7 +157,7 @@ def _replay_tree(model, t, tree, loss_fn, temperature, micro_batch_tokens, stats
                 grads.append(leaf.grad)
         if roots:
             torch.autograd.backward(roots, grads)
-        stats.prompt_backward_s += time.perf_counter() - start
+        stats.stop_timer("prompt_backward_s", start)
     return out
 
 

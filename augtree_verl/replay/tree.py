@@ -23,15 +23,25 @@ class ReplayTree:
         return [int(r.shape[0]) for r in self.responses]
 
     def validate(self, index: int, vocab_size: int, device: torch.device) -> None:
-        """Raise ``ValueError`` naming tree ``index`` (and the response) for any malformed input."""
-        _check_ids(self.prompt, f"tree {index} prompt", vocab_size, device)
+        """Raise ``ValueError`` naming tree ``index`` (and the response) for any malformed input.
+
+        The vocabulary range of all the tree's ids is read in one device-to-host copy (one host sync per
+        tree, before any kernel runs), not one per sequence."""
+        _check_ids(self.prompt, f"tree {index} prompt", device)
         if len(self.responses) == 0:
             raise ValueError(f"tree {index} has no responses")
         for i, r in enumerate(self.responses):
-            _check_ids(r, f"tree {index} response {i}", vocab_size, device)
+            _check_ids(r, f"tree {index} response {i}", device)
+        ids = [self.prompt, *self.responses]
+        bounds = torch.stack([torch.stack([t.min(), t.max()]) for t in ids]).tolist()
+        for j, (lo, hi) in enumerate(bounds):
+            if lo < 0 or hi >= vocab_size:
+                what = f"tree {index} prompt" if j == 0 else f"tree {index} response {j - 1}"
+                raise ValueError(f"{what} has token id {lo if lo < 0 else hi} outside the vocabulary "
+                                 f"[0, {vocab_size})")
 
 
-def _check_ids(t, what: str, vocab_size: int, device: torch.device) -> None:
+def _check_ids(t, what: str, device: torch.device) -> None:
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{what} must be a torch.Tensor of token ids, got {type(t).__name__}")
     if t.dim() != 1:
@@ -42,7 +52,3 @@ def _check_ids(t, what: str, vocab_size: int, device: torch.device) -> None:
         raise ValueError(f"{what} must hold integer token ids, got dtype {t.dtype}")
     if t.device != device:
         raise ValueError(f"{what} is on {t.device} but the model is on {device}")
-    lo, hi = int(t.min()), int(t.max())
-    if lo < 0 or hi >= vocab_size:
-        bad = lo if lo < 0 else hi
-        raise ValueError(f"{what} has token id {bad} outside the vocabulary [0, {vocab_size})")
