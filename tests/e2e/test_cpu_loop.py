@@ -1,0 +1,89 @@
+"""The full RL loop on CPU: ``examples/run_cpu.sh`` (verl's main_ppo, our GRPO recipe, rollout ``hf``, two
+worker processes, Ray) for 2 steps with each engine, read back from verl's file logger."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from augtree_verl.cpu_loop.task import TaskConfig, write_task
+
+REPO = Path(__file__).resolve().parents[2]
+STEPS = 2
+# Every stage of a step, as verl's marked_timer names them (timing_s/*).
+STAGES = ("gen", "old_log_prob", "ref", "adv", "update_actor", "update_weights", "step")
+# Step 1 runs the same sampled responses through both engines from the same weights, so the update is the
+# same up to float32 rounding (the parity tests bound that at 1e-5 relative).
+RTOL = 1e-5
+# Step 1's GRPO pg_loss is a sum of terms that cancel (importance ratios are 1, a group's advantages sum to
+# 0): its value is rounding noise, so only an absolute bound says anything.
+PG_LOSS_ATOL = 1e-6
+# Metrics our engine and trainer mode add.
+OURS = ("actor/augtree/prefill_s", "actor/augtree/delayed_backward_s", "actor/augtree/logical_tokens",
+        "actor/augtree/executed_tokens", "actor/augtree/predicted_replay_s", "augtree/planner/plans",
+        "augtree/planner/fallbacks", "augtree/balance/groups")
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    out = tmp_path_factory.mktemp("cpu-loop")
+    write_task(out, TaskConfig(train_rows=8, test_rows=2))
+    return out
+
+
+def run_cpu(assets: Path, log_dir: Path, **env) -> list[dict]:
+    """Run examples/run_cpu.sh; returns the per-step metrics verl's file logger wrote."""
+    log = log_dir / "metrics.jsonl"
+    env = dict(os.environ, ASSETS_DIR=str(assets), STEPS=str(STEPS), VERL_FILE_LOGGER_PATH=str(log),
+               PYTHON=sys.executable, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+               TORCHINDUCTOR_CACHE_DIR=str(log_dir / "inductor"), **env)
+    env.pop("RAY_ADDRESS", None)
+    run = subprocess.run(["bash", str(REPO / "examples/run_cpu.sh")], cwd=log_dir, env=env, capture_output=True,
+                         text=True, timeout=560)
+    assert run.returncode == 0, (run.stdout + run.stderr)[-6000:]
+    return [json.loads(line)["data"] for line in log.read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def steps(assets, tmp_path_factory):
+    return {strategy: run_cpu(assets, tmp_path_factory.mktemp(strategy), STRATEGY=strategy)
+            for strategy in ("augtree", "fsdp2")}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize("strategy", ["augtree", "fsdp2"])
+def test_every_stage_runs_for_each_step(steps, strategy):
+    assert len(steps[strategy]) == STEPS
+    for step, metrics in enumerate(steps[strategy], 1):
+        missing = [s for s in STAGES if f"timing_s/{s}" not in metrics]
+        assert not missing, f"{strategy} step {step}: stages {missing} did not run"
+        assert metrics["training/global_step"] == step
+        # the rollout really sampled (and the reward varies, so GRPO has a gradient)
+        assert metrics["response_length/mean"] > 0 and metrics["critic/score/max"] > metrics["critic/score/min"]
+        assert metrics["actor/grad_norm"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_step_one_update_is_the_same_with_both_engines(steps):
+    ours, stock = steps["augtree"][0], steps["fsdp2"][0]
+    # same seed, same weights: the same responses and rewards (means may be summed in another row order)
+    for key in ("critic/score/mean", "response_length/mean", "prompt_length/mean", "actor/grad_norm",
+                "actor/entropy"):
+        assert abs(ours[key] - stock[key]) <= RTOL * abs(stock[key]), (key, ours[key], stock[key])
+    assert abs(ours["actor/pg_loss"] - stock["actor/pg_loss"]) <= PG_LOSS_ATOL
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_our_metrics_are_logged_only_with_our_engine(steps):
+    for metrics in steps["augtree"]:
+        assert not [key for key in OURS if key not in metrics]
+        assert metrics["actor/augtree/executed_tokens"] < metrics["actor/augtree/logical_tokens"]
+    assert not [key for key in steps["fsdp2"][0] if "augtree" in key]
