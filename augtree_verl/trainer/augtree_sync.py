@@ -22,6 +22,7 @@ from verl.trainer.ppo.padding_utils import upsample_batch_to_divisible_size
 from verl.trainer.ppo.v1 import PPOTrainerSync, register_trainer
 from verl.utils import tensordict_utils as tu
 from verl.utils.config import omega_conf_to_dataclass
+from verl.utils.debug import marked_timer
 from verl.utils.seqlen_balancing import log_seqlen_unbalance
 
 from augtree_verl.integration.registration import STRATEGY as AUGTREE_STRATEGY
@@ -94,11 +95,16 @@ class AugTreeSyncTrainer(PPOTrainerSync):
         return num_samples // mini_batch
 
     def _balance_batch(self, batch: KVBatchMeta, metrics, logging_prefix="global_seqlen", keep_minibatch=False):
-        """Pad the batch as verl does, then order it group-aware across ranks and attach the plans."""
-        dp_size = self._actor_dp_size()
-        batch = upsample_batch_to_divisible_size(
-            batch, self._get_required_batch_multiple(dp_size), self.tokenizer.eos_token_id)
-        return self._group_balance(batch, dp_size, metrics, logging_prefix)
+        """Pad the batch as verl does, then order it group-aware across ranks and attach the plans.
+
+        verl calls this outside its stage timers; it is timed here as ``timing_s/balance``.
+        """
+        # verl's fit() sets timing_raw per step; a call outside fit() times into a throwaway dict
+        with marked_timer("balance", getattr(self, "timing_raw", {})):
+            dp_size = self._actor_dp_size()
+            batch = upsample_batch_to_divisible_size(
+                batch, self._get_required_batch_multiple(dp_size), self.tokenizer.eos_token_id)
+            return self._group_balance(batch, dp_size, metrics, logging_prefix)
 
     def _group_balance(self, batch: KVBatchMeta, dp_size: int, metrics: dict, logging_prefix: str) -> KVBatchMeta:
         """Reorder ``batch`` (already a multiple of ``dp_size``) group-aware; write plans into it if planning."""

@@ -23,8 +23,8 @@ RTOL = 1e-5
 # Step 1's GRPO pg_loss is a sum of terms that cancel (importance ratios are 1, a group's advantages sum to
 # 0): its value is rounding noise, so only an absolute bound says anything.
 PG_LOSS_ATOL = 1e-6
-# Metrics our engine and trainer mode add.
-OURS = ("actor/augtree/prefill_s", "actor/augtree/delayed_backward_s", "actor/augtree/logical_tokens",
+# Metrics our engine and trainer mode add (timing_s/balance: the trainer mode's group-aware balance).
+OURS = ("timing_s/balance", "actor/augtree/prefill_s", "actor/augtree/delayed_backward_s", "actor/augtree/logical_tokens",
         "actor/augtree/executed_tokens", "actor/augtree/predicted_replay_s", "augtree/planner/plans",
         "augtree/planner/fallbacks", "augtree/balance/groups")
 
@@ -36,10 +36,10 @@ def assets(tmp_path_factory):
     return out
 
 
-def run_cpu(assets: Path, log_dir: Path, **env) -> list[dict]:
+def run_cpu(assets: Path, log_dir: Path, steps: int = STEPS, **env) -> list[dict]:
     """Run examples/run_cpu.sh; returns the per-step metrics verl's file logger wrote."""
     log = log_dir / "metrics.jsonl"
-    env = dict(os.environ, ASSETS_DIR=str(assets), STEPS=str(STEPS), VERL_FILE_LOGGER_PATH=str(log),
+    env = dict(os.environ, ASSETS_DIR=str(assets), STEPS=str(steps), VERL_FILE_LOGGER_PATH=str(log),
                PYTHON=sys.executable, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
                TORCHINDUCTOR_CACHE_DIR=str(log_dir / "inductor"), **env)
     env.pop("RAY_ADDRESS", None)
@@ -87,3 +87,12 @@ def test_our_metrics_are_logged_only_with_our_engine(steps):
         assert not [key for key in OURS if key not in metrics]
         assert metrics["actor/augtree/executed_tokens"] < metrics["actor/augtree/logical_tokens"]
     assert not [key for key in steps["fsdp2"][0] if "augtree" in key]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_dapo_recipe_runs_a_step_on_our_engine(assets, tmp_path):
+    """DAPO: no reference model, dynamic sampling (filter_groups), the dapo reward manager's overlong shaping."""
+    (metrics,) = run_cpu(assets, tmp_path, steps=1, RECIPE="dapo_augtree")
+    assert "timing_s/ref" not in metrics and "timing_s/update_actor" in metrics
+    assert metrics["actor/grad_norm"] > 0 and "actor/augtree/logical_tokens" in metrics
