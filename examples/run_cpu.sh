@@ -14,11 +14,13 @@
 #               (default ~/.cache/augtree-verl/cpu_loop), written by python -m augtree_verl.cpu_loop.task
 #   STEPS       training steps (default 2); NPROC trainer worker processes (default 2)
 #   VERL_FILE_LOGGER_PATH  when set, verl's file logger also writes every step's metrics there (JSONL)
+#   LOGGER      trainer.logger (default [console], plus file when VERL_FILE_LOGGER_PATH is set)
 # Further arguments are hydra overrides, applied last.
 #
 # The rollout is the CPU backend "hf" of this package (one replica over the NPROC workers, seeded sampling);
 # the Ray settings below let everything be placed on a 2-core machine (a logical CPU count, one storage unit,
-# one agent-loop and one reward worker; a GPU count that satisfies verl's resource check).
+# one agent-loop and one reward worker; a logical GPU count that satisfies verl's resource check). With
+# RAY_ADDRESS set it joins that cluster instead (examples/submit_cpu_job.sh).
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -44,14 +46,21 @@ fi
 MODEL_PATH="${MODEL_PATH:-$ASSETS_DIR/model}"
 TRAIN_FILE="${TRAIN_FILE:-$ASSETS_DIR/data/train.parquet}"
 VAL_FILE="${VAL_FILE:-$ASSETS_DIR/data/test.parquet}"
-LOGGER="[console${VERL_FILE_LOGGER_PATH:+,file}]"
+LOGGER="${LOGGER:-[console${VERL_FILE_LOGGER_PATH:+,file}]}"
 # DAPO's overlong buffer must fit in the short CPU responses.
 RECIPE_ARGS=()
 [[ "$RECIPE" == dapo_augtree ]] && RECIPE_ARGS=(reward.reward_kwargs.overlong_buffer_cfg.len=4)
 FP32="{param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}"
-# A new local Ray instance unless RAY_ADDRESS names a cluster (ray.init would join the newest one on this host).
+# A new local Ray instance (ray.init would otherwise join the newest one on this host) sized for the trainer,
+# unless RAY_ADDRESS names a cluster (a `ray job submit` entrypoint has it): then the cluster's resources
+# count, and VERL_PLATFORM=cpu must come with the job's runtime environment (Ray refuses the same variable
+# in both).
 RAY_ARGS=()
-[[ -z "${RAY_ADDRESS:-}" ]] && RAY_ARGS=(+ray_kwargs.ray_init.address=local)
+if [[ -z "${RAY_ADDRESS:-}" ]]; then
+    RAY_ARGS=(+ray_kwargs.ray_init.address=local ray_kwargs.ray_init.num_cpus=16
+              +ray_kwargs.ray_init.num_gpus="$NPROC" +ray_kwargs.ray_init.include_dashboard=false
+              +ray_kwargs.ray_init.runtime_env.env_vars.VERL_PLATFORM=cpu)
+fi
 
 export VERL_PLATFORM=cpu
 exec "$PYTHON" -m verl.trainer.main_ppo \
@@ -76,10 +85,6 @@ exec "$PYTHON" -m verl.trainer.main_ppo \
     reward.num_workers=1 \
     reward.custom_reward_function.path=pkg://augtree_verl.cpu_loop.reward \
     transfer_queue.backend.SimpleStorage.num_data_storage_units=1 \
-    ray_kwargs.ray_init.num_cpus=16 \
-    +ray_kwargs.ray_init.num_gpus="$NPROC" \
-    +ray_kwargs.ray_init.include_dashboard=false \
-    +ray_kwargs.ray_init.runtime_env.env_vars.VERL_PLATFORM=cpu \
     trainer.n_gpus_per_node="$NPROC" trainer.nnodes=1 \
     trainer.total_training_steps="$STEPS" \
     trainer.logger="$LOGGER" \

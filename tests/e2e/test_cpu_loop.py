@@ -1,5 +1,6 @@
-"""The full RL loop on CPU: ``examples/run_cpu.sh`` (verl's main_ppo, our GRPO recipe, rollout ``hf``, two
-worker processes, Ray) for 2 steps with each engine, read back from verl's file logger."""
+"""The full RL loop on CPU: ``examples/compare_engines.sh`` runs ``examples/run_cpu.sh`` (verl's main_ppo, our
+GRPO recipe, rollout ``hf``, two worker processes, Ray) for 2 steps with each engine; the steps are read back
+from verl's file logger, the runs from wandb's offline files."""
 
 from __future__ import annotations
 
@@ -36,27 +37,41 @@ def assets(tmp_path_factory):
     return out
 
 
-def run_cpu(assets: Path, log_dir: Path, steps: int = STEPS, **env) -> list[dict]:
-    """Run examples/run_cpu.sh; returns the per-step metrics verl's file logger wrote."""
-    log = log_dir / "metrics.jsonl"
-    env = dict(os.environ, ASSETS_DIR=str(assets), STEPS=str(steps), VERL_FILE_LOGGER_PATH=str(log),
-               PYTHON=sys.executable, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-               TORCHINDUCTOR_CACHE_DIR=str(log_dir / "inductor"), **env)
-    env.pop("RAY_ADDRESS", None)
-    run = subprocess.run(["bash", str(REPO / "examples/run_cpu.sh")], cwd=log_dir, env=env, capture_output=True,
-                         text=True, timeout=560)
+def _env(assets: Path, log_dir: Path, **overrides) -> dict:
+    """The scripts' environment: our checkout first on the path, a local Ray, wandb offline."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "WANDB_API_KEY")}
+    env.update(ASSETS_DIR=str(assets), STEPS=str(STEPS), PYTHON=sys.executable,
+               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+               TORCHINDUCTOR_CACHE_DIR=str(log_dir / "inductor"), WANDB_MODE="offline", WANDB_SILENT="true")
+    env.update(overrides)
+    return env
+
+
+def _run(script: str, env: dict, cwd: Path) -> None:
+    run = subprocess.run(["bash", str(REPO / "examples" / script)], cwd=cwd, env=env, capture_output=True,
+                         text=True, timeout=1100)
     assert run.returncode == 0, (run.stdout + run.stderr)[-6000:]
+
+
+def read_steps(log: Path) -> list[dict]:
     return [json.loads(line)["data"] for line in log.read_text().splitlines()]
 
 
 @pytest.fixture(scope="module")
-def steps(assets, tmp_path_factory):
-    return {strategy: run_cpu(assets, tmp_path_factory.mktemp(strategy), STRATEGY=strategy)
-            for strategy in ("augtree", "fsdp2")}
+def compared(assets, tmp_path_factory):
+    """OUT_DIR of ``examples/compare_engines.sh``: <engine>.jsonl, compare.png, wandb/."""
+    out = tmp_path_factory.mktemp("compare")
+    _run("compare_engines.sh", _env(assets, out, OUT_DIR=str(out), WANDB_DIR=str(out)), cwd=out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def steps(compared):
+    return {strategy: read_steps(compared / f"{strategy}.jsonl") for strategy in ("augtree", "fsdp2")}
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1200)
+@pytest.mark.timeout(1300)
 @pytest.mark.parametrize("strategy", ["augtree", "fsdp2"])
 def test_every_stage_runs_for_each_step(steps, strategy):
     assert len(steps[strategy]) == STEPS
@@ -70,7 +85,7 @@ def test_every_stage_runs_for_each_step(steps, strategy):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1200)
+@pytest.mark.timeout(1300)
 def test_step_one_update_is_the_same_with_both_engines(steps):
     ours, stock = steps["augtree"][0], steps["fsdp2"][0]
     # same seed, same weights: the same responses and rewards (means may be summed in another row order)
@@ -81,7 +96,7 @@ def test_step_one_update_is_the_same_with_both_engines(steps):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1200)
+@pytest.mark.timeout(1300)
 def test_our_metrics_are_logged_only_with_our_engine(steps):
     for metrics in steps["augtree"]:
         assert not [key for key in OURS if key not in metrics]
@@ -89,10 +104,30 @@ def test_our_metrics_are_logged_only_with_our_engine(steps):
     assert not [key for key in steps["fsdp2"][0] if "augtree" in key]
 
 
+def _wandb_group(run_dir: Path) -> str | None:
+    """The run group recorded in an offline run: the RunRecord's ``run_group`` string field (protobuf field 6)."""
+    data = next(run_dir.glob("*.wandb")).read_bytes()
+    for group in ("augtree", "fsdp2"):
+        if bytes([6 << 3 | 2, len(group)]) + group.encode() in data:
+            return group
+    return None
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1300)
+def test_compare_engines_writes_the_picture_and_one_wandb_run_per_engine(compared):
+    assert (compared / "compare.png").stat().st_size > 10_000
+    runs = sorted((compared / "wandb").glob("offline-run-*"))
+    assert sorted(_wandb_group(run) for run in runs) == ["augtree", "fsdp2"]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_dapo_recipe_runs_a_step_on_our_engine(assets, tmp_path):
     """DAPO: no reference model, dynamic sampling (filter_groups), the dapo reward manager's overlong shaping."""
-    (metrics,) = run_cpu(assets, tmp_path, steps=1, RECIPE="dapo_augtree")
+    log = tmp_path / "metrics.jsonl"
+    _run("run_cpu.sh", _env(assets, tmp_path, STEPS="1", RECIPE="dapo_augtree", VERL_FILE_LOGGER_PATH=str(log)),
+         cwd=tmp_path)
+    (metrics,) = read_steps(log)
     assert "timing_s/ref" not in metrics and "timing_s/update_actor" in metrics
     assert metrics["actor/grad_norm"] > 0 and "actor/augtree/logical_tokens" in metrics
