@@ -67,11 +67,14 @@ class HFRolloutServer:
             raise ValueError(f"prompt length ({prompt_len}) leaves no room to generate within the model's "
                              f"maximum context length ({self.max_model_len})")
         params = dict(sampling_params)
+        if float(params.get("repetition_penalty", 1.0)) != 1.0:
+            raise ValueError(f"the hf rollout does not apply repetition_penalty={params['repetition_penalty']}")
         max_tokens = params.pop("max_tokens", params.pop("max_new_tokens", None))
         if max_tokens is None:
             max_tokens = min(self.config.response_length,
                              self.config.prompt_length + self.config.response_length - prompt_len)
-        return SamplingConfig(max_tokens=max(1, min(max_tokens, room)), temperature=float(params.get("temperature", 1.0)),
+        return SamplingConfig(max_tokens=max(1, min(max_tokens, room)),
+                              temperature=float(params.get("temperature", 1.0)),
                               top_k=int(params.get("top_k", -1)), top_p=float(params.get("top_p", 1.0)))
 
     async def generate(self, prompt_ids: list[int], sampling_params: dict, request_id: str, image_data=None,

@@ -8,7 +8,8 @@ from augtree_verl.cpu_loop.compare import TIMINGS, main, medians, read_steps, su
 
 
 def _write(path, steps):
-    path.write_text("".join(json.dumps({"step": i + 1, "data": d}) + "\n" for i, d in reversed(list(enumerate(steps)))))
+    lines = [json.dumps({"step": i + 1, "data": d}) + "\n" for i, d in enumerate(steps)]
+    path.write_text("".join(reversed(lines)))  # out of order: read_steps sorts by step
     return path
 
 

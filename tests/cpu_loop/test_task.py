@@ -42,8 +42,9 @@ def test_reward_is_the_fraction_of_key_words(task):
     row = pd.read_parquet(task / "data/train.parquet").iloc[0]
     keys = row["reward_model"]["ground_truth"].split()
     assert row["data_source"] == DATA_SOURCE and len(keys) == KEYS_PER_PROMPT
-    assert compute_score(DATA_SOURCE, f"{keys[0]} {keys[1]} zu", row["reward_model"]["ground_truth"]) == pytest.approx(2 / 3)
-    assert compute_score(DATA_SOURCE, "", row["reward_model"]["ground_truth"]) == 0.0
+    gold = row["reward_model"]["ground_truth"]
+    assert compute_score(DATA_SOURCE, f"{keys[0]} {keys[1]} zu", gold) == pytest.approx(2 / 3)
+    assert compute_score(DATA_SOURCE, "", gold) == 0.0
 
 
 def test_other_data_sources_keep_verls_reward():
@@ -52,8 +53,9 @@ def test_other_data_sources_keep_verls_reward():
         "searchR1_musique", "<answer>Paris</answer>", gold) == 1.0
 
 
-@pytest.mark.parametrize("bad, match", [(dict(max_words=10, min_words=20), "max_words"), (dict(train_rows=0), "train_rows"),
-                                        (dict(max_positions=100), "max_positions"), (dict(hidden_size=40), "hidden_size")])
+@pytest.mark.parametrize("bad, match", [(dict(max_words=10, min_words=20), "max_words"),
+                                        (dict(train_rows=0), "train_rows"), (dict(max_positions=100), "max_positions"),
+                                        (dict(hidden_size=40), "hidden_size")])
 def test_bad_sizes_are_named(bad, match):
     with pytest.raises(ValueError, match=match):
         TaskConfig(**bad)

@@ -24,9 +24,15 @@ RTOL = 1e-5
 # Step 1's GRPO pg_loss is a sum of terms that cancel (importance ratios are 1, a group's advantages sum to
 # 0): its value is rounding noise, so only an absolute bound says anything.
 PG_LOSS_ATOL = 1e-6
+# A learning rate at which one update moves the policy visibly, so step 2's rollout shows whether the
+# rollout server got the updated weights (the recipe's 1e-6 barely moves a random tiny model).
+LR = 1e-3
+# verl compares the rollout's log-probs with the trainer's recomputed ones (training/rollout_probs_diff_max:
+# max |p_rollout - p_trainer| over tokens). Same weights, float32, another kernel: rounding only.
+ROLLOUT_PROB_ATOL = 1e-5
 # Metrics our engine and trainer mode add (timing_s/balance: the trainer mode's group-aware balance).
-OURS = ("timing_s/balance", "actor/augtree/prefill_s", "actor/augtree/delayed_backward_s", "actor/augtree/logical_tokens",
-        "actor/augtree/executed_tokens", "actor/augtree/predicted_replay_s", "augtree/planner/plans",
+OURS = ("timing_s/balance", "actor/augtree/prefill_s", "actor/augtree/delayed_backward_s",
+        "actor/augtree/logical_tokens", "actor/augtree/executed_tokens", "actor/augtree/predicted_replay_s", "augtree/planner/plans",
         "augtree/planner/fallbacks", "augtree/balance/groups")
 
 
@@ -47,9 +53,9 @@ def _env(assets: Path, log_dir: Path, **overrides) -> dict:
     return env
 
 
-def _run(script: str, env: dict, cwd: Path) -> None:
-    run = subprocess.run(["bash", str(REPO / "examples" / script)], cwd=cwd, env=env, capture_output=True,
-                         text=True, timeout=1100)
+def _run(script: str, env: dict, cwd: Path, *overrides: str) -> None:
+    run = subprocess.run(["bash", str(REPO / "examples" / script), *overrides], cwd=cwd, env=env,
+                         capture_output=True, text=True, timeout=1100)
     assert run.returncode == 0, (run.stdout + run.stderr)[-6000:]
 
 
@@ -61,7 +67,8 @@ def read_steps(log: Path) -> list[dict]:
 def compared(assets, tmp_path_factory):
     """OUT_DIR of ``examples/compare_engines.sh``: <engine>.jsonl, compare.png, wandb/."""
     out = tmp_path_factory.mktemp("compare")
-    _run("compare_engines.sh", _env(assets, out, OUT_DIR=str(out), WANDB_DIR=str(out)), cwd=out)
+    _run("compare_engines.sh", _env(assets, out, OUT_DIR=str(out), WANDB_DIR=str(out)), out,
+         f"actor_rollout_ref.actor.optim.lr={LR}")
     return out
 
 
@@ -82,6 +89,9 @@ def test_every_stage_runs_for_each_step(steps, strategy):
         # the rollout really sampled (and the reward varies, so GRPO has a gradient)
         assert metrics["response_length/mean"] > 0 and metrics["critic/score/max"] > metrics["critic/score/min"]
         assert metrics["actor/grad_norm"] > 0
+        # the rollout sampled with the trainer's current weights: synced after step 1's update
+        diff = metrics["training/rollout_probs_diff_max"]
+        assert diff <= ROLLOUT_PROB_ATOL, f"{strategy} step {step}: rollout probabilities off by {diff:.1e}"
 
 
 @pytest.mark.slow

@@ -1,4 +1,5 @@
-"""The ``hf`` rollout's server (a real Ray actor) and its weight-sync adapter, as verl's agent loop and workers call them."""
+"""The ``hf`` rollout's server (a real Ray actor) and its weight-sync adapter, as verl's agent loop and
+workers call them."""
 
 from __future__ import annotations
 
@@ -93,6 +94,11 @@ def test_incomplete_weights_are_refused(server, models):
 def test_a_prompt_without_room_to_generate_is_refused_as_vllm_does(server):
     with pytest.raises(ValueError, match=r"prompt length \(72\) leaves no room"):
         _generate(server, prompt=list(range(72)))
+
+
+def test_sampling_it_cannot_apply_is_refused(server):
+    with pytest.raises(ValueError, match="repetition_penalty=1.2"):
+        _generate(server, repetition_penalty=1.2)
 
 
 def test_multimodal_requests_are_refused(server):

@@ -29,8 +29,12 @@ def test_greedy_is_hugging_faces_greedy(model):
     torch.testing.assert_close(torch.tensor(logps), expected, rtol=0, atol=1e-5)
 
 
+def _greedy(model, max_tokens=8):
+    return _sample(model, SamplingConfig(max_tokens=max_tokens, temperature=0))[0]
+
+
 def test_top_k_one_is_greedy(model):
-    assert _sample(model, SamplingConfig(max_tokens=8, top_k=1))[0] == _sample(model, SamplingConfig(max_tokens=8, temperature=0))[0]
+    assert _sample(model, SamplingConfig(max_tokens=8, top_k=1))[0] == _greedy(model)
 
 
 def test_seeded_sampling_is_reproducible_and_seeds_differ(model):
@@ -41,7 +45,7 @@ def test_seeded_sampling_is_reproducible_and_seeds_differ(model):
 
 def test_top_p_keeps_the_nucleus(model):
     """With a tiny top_p only the most likely token survives: sampling is greedy."""
-    assert _sample(model, SamplingConfig(max_tokens=8, top_p=1e-6))[0] == _sample(model, SamplingConfig(max_tokens=8, temperature=0))[0]
+    assert _sample(model, SamplingConfig(max_tokens=8, top_p=1e-6))[0] == _greedy(model)
 
 
 def test_stops_after_a_stop_token_and_keeps_it(model):
@@ -51,7 +55,8 @@ def test_stops_after_a_stop_token_and_keeps_it(model):
     assert got == tokens[:tokens.index(stop) + 1] and len(logps) == len(got)
 
 
-@pytest.mark.parametrize("bad, match", [(dict(max_tokens=0), "max_tokens"), (dict(max_tokens=4, temperature=-1), "temperature"),
+@pytest.mark.parametrize("bad, match", [(dict(max_tokens=0), "max_tokens"),
+                                        (dict(max_tokens=4, temperature=-1), "temperature"),
                                         (dict(max_tokens=4, top_p=0), "top_p")])
 def test_bad_sampling_knobs_are_named(bad, match):
     with pytest.raises(ValueError, match=match):
