@@ -66,6 +66,7 @@ def bench(args: argparse.Namespace) -> int:
     print(report.format_table(results))
     print()
     print(report.format_ideal(results))
+    print(report.format_prediction(results))
     config = asdict(cfg)
     if args.json:
         report.write_json(results, args.json, config)

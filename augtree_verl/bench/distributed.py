@@ -35,7 +35,7 @@ def run(cfg: BenchConfig) -> list[MethodResult]:
         mp.spawn(_rank_main, args=(cfg, _free_port(), out), nprocs=cfg.cp, join=True)
         with open(out) as f:
             rows = json.load(f)
-    return [MethodResult(**{k: v for k, v in r.items() if k not in ("step_time_s", "status")}) for r in rows]
+    return [MethodResult.from_dict(r) for r in rows]
 
 
 def _rank_main(rank: int, cfg: BenchConfig, port: int, out: str) -> None:

@@ -43,6 +43,20 @@ class Method:
                           force_primitive=self.force) for t in trees]
 
 
+    @property
+    def planned(self) -> bool:
+        """AugTree methods: their plans come from the planner, so the planner predicts their step time."""
+        return not self.flattened and self.fixed is None
+
+    def predicted_s(self, trees: Sequence[ReplayTree], plans: list[Plan] | None, profile) -> float | None:
+        """The planner's predicted update-step time: its estimate summed over the trees (they run one after
+        another); on one device, the estimate of each tree's degree-1 plan. None for the baselines."""
+        if not self.planned or profile is None:
+            return None
+        plans = plans or [plan_tree(t.prompt_len, t.response_lens, degrees=[1], profile=profile) for t in trees]
+        return sum(p.est_time_s for p in plans)
+
+
 def methods_for(cp: int) -> list[Method]:
     """MegaN first (the reference every other method is compared with)."""
     if cp == 1:

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 from typing import Sequence
 
 from augtree_verl.bench.runner import MethodResult, paired_ratio
 
-JSON_KEYS = ("workload", "method", "step_time_s", "executed_tokens", "logical_tokens", "comm_bytes",
+JSON_KEYS = ("workload", "method", "step_time_s", "predicted_s", "executed_tokens", "logical_tokens", "comm_bytes",
              "max_grad_rel_err", "plan")
 
 
@@ -42,6 +43,17 @@ def format_ideal(results: Sequence[MethodResult]) -> str:
             reached += (f"; planner's choice takes {paired_ratio(aug, best):.2f}x the time of the best forced "
                         f"primitive, {best.method}{same}")
         lines.append(f"{workload}: ideal FLOP-count speedup of prompt reuse over flattened {ideal:.2f}x{reached}")
+    return "\n".join(lines)
+
+
+def format_prediction(results: Sequence[MethodResult]) -> str:
+    """Per workload: the median over AugTree methods of |predicted - measured| / measured step time."""
+    lines = []
+    for workload in dict.fromkeys(r.workload for r in results):
+        errors = [r.prediction_error for r in results if r.workload == workload and r.prediction_error is not None]
+        if errors:
+            lines.append(f"{workload}: planner's predicted step time off by {statistics.median(errors):.0%} "
+                         f"(median over {len(errors)} AugTree method(s) of |predicted - measured| / measured)")
     return "\n".join(lines)
 
 

@@ -51,7 +51,16 @@ class MethodResult:
     ideal_speedup: float
     tolerance: float
     speedup_vs_megan: float | None = None
+    # The planner's predicted step time (AugTree methods; None for the baselines), beside the measured one.
+    predicted_s: float | None = None
     groups: list[dict] = field(default_factory=list)
+
+    @property
+    def prediction_error(self) -> float | None:
+        """|predicted - measured| / measured, or None without a prediction."""
+        if self.predicted_s is None:
+            return None
+        return abs(self.predicted_s - self.step_time_s) / self.step_time_s
 
     @property
     def step_time_s(self) -> float:
@@ -62,7 +71,13 @@ class MethodResult:
         return not self.max_grad_rel_err <= self.tolerance  # NaN is wrong too
 
     def to_dict(self) -> dict:
-        return {**asdict(self), "step_time_s": self.step_time_s, "status": "WRONG" if self.wrong else "ok"}
+        return {**asdict(self), "step_time_s": self.step_time_s, "prediction_error": self.prediction_error,
+                "status": "WRONG" if self.wrong else "ok"}
+
+    @classmethod
+    def from_dict(cls, row: dict) -> "MethodResult":
+        """Inverse of ``to_dict`` (the derived keys are recomputed)."""
+        return cls(**{k: v for k, v in row.items() if k not in ("step_time_s", "prediction_error", "status")})
 
 
 def run_benchmark(cfg: BenchConfig, rank: int = 0, world: int = 1, device: str = "cpu") -> list[MethodResult]:
@@ -70,11 +85,10 @@ def run_benchmark(cfg: BenchConfig, rank: int = 0, world: int = 1, device: str =
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     model = load_model(cfg.model, device=device, dtype=dtype, seed=cfg.seed)
     methods = methods_for(world)
-    # The planner's cost model, measured on this machine and process group (collective: every rank calls it).
-    profile = None
-    if world > 1:
-        profile = replace(ClusterProfile.default().with_model(model.config), activation_checkpointing=False,
-                          dtype_bytes=dtype.itemsize).calibrate(device=device, model=model)
+    # The planner's cost model, measured on this machine and process group (collective: every rank calls it);
+    # on one device it only predicts the AugTree step times (``predicted_s``).
+    profile = replace(ClusterProfile.default().with_model(model.config), activation_checkpointing=False,
+                      dtype_bytes=dtype.itemsize).calibrate(device=device, model=model)
     bar = tqdm(total=len(cfg.workloads) * (cfg.repeats * len(methods) + (world > 1)), disable=rank != 0,
                desc="augtree bench", unit="step", dynamic_ncols=True)
     _warm_up(model, methods, world, profile, device)
@@ -98,12 +112,12 @@ def _run_workload(model, workload: Workload, methods: list[Method], repeats: int
         bar.set_postfix_str(f"{workload.name}: flattened reference")
         reference = _split_flattened_grads(model, trees, loss_fn, rank, world)
         bar.update()
-    plans = {m.name: m.plans(trees, world, profile) for m in methods}
+    plans = {m.name: m.plans(trees, world, profile if world > 1 else None) for m in methods}
     results = {m.name: MethodResult(
         workload=workload.name, method=m.name, step_times_s=[], executed_tokens=0,
         logical_tokens=workload.logical_tokens, comm_bytes=0, max_grad_rel_err=0.0,
         plan=describe_plans(plans[m.name], m.flattened), ideal_speedup=ideal_speedup(model.config, workload.groups),
-        tolerance=tolerance,
+        tolerance=tolerance, predicted_s=m.predicted_s(trees, plans[m.name], profile),
         groups=[{"id": g.id, "prompt_len": g.prompt_len, "response_lens": list(g.response_lens)}
                 for g in workload.groups],
     ) for m in methods}

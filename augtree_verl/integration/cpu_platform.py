@@ -11,18 +11,28 @@ resolves the platform at module level). The ``verl.plugins`` entry point of this
 
 Importing this module also arranges that verl's stock fsdp/fsdp2 engine is registered for device "cpu"
 once ``verl.workers.engine`` is imported (verl registers it for cuda/npu only), so ``strategy=fsdp2`` runs on
-CPU too (the baseline of our parity tests).
+CPU too (the baseline of our parity tests), and fixes two places where verl assumes an accelerator, so that
+verl's workers run on this platform (both changes apply only while the platform is "cpu"):
+
+- ``verl.utils.distributed.initialize_global_process_group_ray`` (which verl's workers call at start) builds
+  the backend string ``cpu:gloo,{device}:{backend}``, i.e. ``cpu:gloo,cpu:gloo`` here, which torch rejects
+  ("Duplicate device type cpu"): on this platform it gets plain ``gloo``;
+- verl's FSDP2 engine gives forward-only engines (the reference policy) and ``offload_policy`` engines a
+  ``CPUOffloadPolicy(pin_memory=True)``; pinning needs an accelerator: on this platform it does not pin.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import platform as _host
 from contextlib import contextmanager
+from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
-from verl.plugin.platform import PlatformBase, PlatformRegistry
+from torch.distributed.fsdp import CPUOffloadPolicy
+from verl.plugin.platform import PlatformBase, PlatformRegistry, get_platform
 
 from augtree_verl.integration import verl_compat
 from augtree_verl.integration.import_hooks import after_import
@@ -167,3 +177,44 @@ def _register_stock_fsdp_engine_for_cpu(engine_package) -> None:
 
 
 after_import("verl.workers.engine", _register_stock_fsdp_engine_for_cpu)
+
+
+def _on_cpu_platform() -> bool:
+    return get_platform().device_name == CPU_PLATFORM
+
+
+def _plain_gloo_on_cpu(initialize):
+    """Wrap verl's ``initialize_global_process_group_ray``: on this platform its default backend is ``gloo``."""
+
+    @functools.wraps(initialize)
+    def wrapper(timeout_second=None, backend=None):
+        if backend is None and _on_cpu_platform():
+            backend = "gloo"
+        return initialize(timeout_second=timeout_second, backend=backend)
+
+    wrapper.augtree_cpu_backend = True
+    return wrapper
+
+
+def _patch_process_group_init(distributed_module) -> None:
+    """Install the wrapper before verl's workers bind the function by name (``from ... import``)."""
+    initialize = distributed_module.initialize_global_process_group_ray
+    if not getattr(initialize, "augtree_cpu_backend", False):
+        distributed_module.initialize_global_process_group_ray = _plain_gloo_on_cpu(initialize)
+
+
+@dataclass
+class HostOffloadPolicy(CPUOffloadPolicy):
+    """FSDP2's ``CPUOffloadPolicy`` that does not pin memory on this platform (there is no accelerator)."""
+
+    def __post_init__(self):
+        if _on_cpu_platform():
+            self.pin_memory = False
+
+
+def _patch_offload_policy(transformer_impl) -> None:
+    transformer_impl.CPUOffloadPolicy = HostOffloadPolicy
+
+
+after_import("verl.utils.distributed", _patch_process_group_init)
+after_import("verl.workers.engine.fsdp.transformer_impl", _patch_offload_policy)

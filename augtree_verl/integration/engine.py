@@ -206,8 +206,13 @@ def _check_supported(data: TensorDict) -> None:
     for flag in UNSUPPORTED_FLAGS:
         if tu.get_non_tensor_data(data=data, key=flag, default=False):
             raise ValueError(f"the augtree engine does not support {flag}=True")
-    if "multi_modal_inputs" in data.keys():
-        raise ValueError("the augtree engine replays text-only batches; this batch has multi_modal_inputs")
+    # verl's agent loop writes multi_modal_inputs for every sample, an empty dict for text: only a non-empty
+    # one means multimodal input.
+    for row, inputs in enumerate(tu.get(data, "multi_modal_inputs", default=None) or []):
+        if inputs:
+            uid = tu.get(data, "uid", default=None)
+            raise ValueError(f"the augtree engine replays text-only batches; row {row} (uid "
+                             f"{uid[row] if uid is not None else '?'!r}) has multi_modal_inputs {sorted(inputs)}")
 
 
 def _temperature(data: TensorDict) -> float:

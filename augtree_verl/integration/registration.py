@@ -1,4 +1,6 @@
-"""Registering ``AugTreeEngine`` with verl's ``EngineRegistry`` (idempotently: ``register`` asserts on repeats)."""
+"""Registering with verl (idempotently): ``AugTreeEngine`` in ``EngineRegistry`` (whose ``register`` asserts on
+repeats) and the CPU rollout backend ``hf`` (``augtree_verl.rollout.hf``) for ``rollout.name=hf``.
+"""
 
 from __future__ import annotations
 
@@ -26,3 +28,27 @@ def register_engine(engine_package) -> None:
 
 def register_engine_when_verl_loads() -> None:
     after_import("verl.workers.engine", register_engine)
+
+
+# The CPU rollout backend, selected with actor_rollout_ref.rollout.name.
+ROLLOUT = "hf"
+ROLLOUT_ADAPTER = "augtree_verl.rollout.hf.HFServerAdapter"
+
+
+def _load_hf_replica():
+    from augtree_verl.rollout.hf import HFReplica
+
+    return HFReplica
+
+
+def register_rollout_replica(replica_module) -> None:
+    replica_module.RolloutReplicaRegistry.register(ROLLOUT, _load_hf_replica)
+
+
+def register_rollout_adapter(base_module) -> None:
+    verl_compat.register_rollout_adapter(base_module, ROLLOUT, ROLLOUT_ADAPTER)
+
+
+def register_rollout_when_verl_loads() -> None:
+    after_import("verl.workers.rollout.replica", register_rollout_replica)
+    after_import("verl.workers.rollout.base", register_rollout_adapter)

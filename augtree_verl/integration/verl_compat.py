@@ -134,4 +134,10 @@ def serve_strategy_in_detach_actor_worker(engine_workers_module, strategy: str) 
     worker_cls._get_strategy_handlers = _get_strategy_handlers
 
 
+def register_rollout_adapter(rollout_package_base, name: str, adapter_fqdn: str, mode: str = "async") -> None:
+    """verl/workers/rollout/base.py _ROLLOUT_REGISTRY (no register function in 0.9.1): name the trainer-side rollout
+    class ("module.Class") of backend ``name``, which ``get_rollout_class`` reads. Idempotent."""
+    rollout_package_base._ROLLOUT_REGISTRY.setdefault((name, mode), adapter_fqdn)
+
+
 check_verl_version()

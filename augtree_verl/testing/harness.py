@@ -73,8 +73,11 @@ def save_tiny_qwen2(directory: str, seed: int = 0) -> str:
 
 
 def build_engine(strategy: str, model_path: str, *, loss_agg_mode: str = "token-mean", lr: float = 1e-2,
-                 entropy_coeff: float = 0.0, gradient_checkpointing: bool = False, engine_knobs: dict | None = None):
+                 entropy_coeff: float = 0.0, gradient_checkpointing: bool = False, engine_knobs: dict | None = None,
+                 forward_only: bool = False):
     """verl's engine for ``strategy`` ("fsdp2" = stock, "augtree" = ours), built the way verl's workers build it.
+
+    ``forward_only=True`` builds it as verl builds the reference policy's engine.
 
     Returns ``(engine, loss_fn)`` with ``loss_fn`` verl's ``ppo_loss`` bound to the actor config.
     """
@@ -88,7 +91,7 @@ def build_engine(strategy: str, model_path: str, *, loss_agg_mode: str = "token-
     model_config = HFModelConfig(path=model_path, load_tokenizer=False, use_remove_padding=True,
                                  enable_gradient_checkpointing=gradient_checkpointing,
                                  override_config={"attn_implementation": "sdpa"})
-    common = dict(mixed_precision=FP32, use_torch_compile=False)
+    common = dict(mixed_precision=FP32, use_torch_compile=False, forward_only=forward_only)
     if strategy == "augtree":
         fsdp_config = AugTreeEngineConfig(**common, **(engine_knobs or {}))
     else:

@@ -23,6 +23,7 @@ import transfer_queue as tq
 from transfer_queue import KVBatchMeta
 from verl.trainer.ppo.padding_utils import upsample_batch_to_divisible_size
 from verl.utils import tensordict_utils as tu
+from verl.utils.debug import marked_timer
 from verl.utils.seqlen_balancing import log_seqlen_unbalance
 
 from augtree_verl.groups import Tree, find_trees
@@ -101,12 +102,17 @@ class AugTreeTrainerMixin:
         return num_samples // mini_batch
 
     def _balance_batch(self, batch: KVBatchMeta, metrics, logging_prefix="global_seqlen", keep_minibatch=False):
-        """Pad the batch as verl does, then order it group-aware across ranks and attach the plans."""
-        dp_size = self._actor_dp_size()
-        sampled = set(batch.keys)
-        batch = upsample_batch_to_divisible_size(
-            batch, verl_compat.required_batch_multiple(self, dp_size), self.tokenizer.eos_token_id)
-        return self._group_balance(batch, dp_size, metrics, logging_prefix, sampled)
+        """Pad the batch as verl does, then order it group-aware across ranks and attach the plans.
+
+        verl calls this outside its stage timers; it is timed here as ``timing_s/balance``.
+        """
+        # verl's fit() sets timing_raw per step; a call outside fit() times into a throwaway dict
+        with marked_timer("balance", getattr(self, "timing_raw", {})):
+            dp_size = self._actor_dp_size()
+            sampled = set(batch.keys)
+            batch = upsample_batch_to_divisible_size(
+                batch, verl_compat.required_batch_multiple(self, dp_size), self.tokenizer.eos_token_id)
+            return self._group_balance(batch, dp_size, metrics, logging_prefix, sampled)
 
     def _group_balance(self, batch: KVBatchMeta, dp_size: int, metrics: dict, logging_prefix: str,
                        sampled: set) -> KVBatchMeta:

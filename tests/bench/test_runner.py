@@ -6,7 +6,7 @@ import statistics
 
 import pytest
 
-from augtree_verl.bench.report import JSON_KEYS, format_ideal, format_table, write_json, write_plot
+from augtree_verl.bench.report import JSON_KEYS, format_ideal, format_prediction, format_table, write_json, write_plot
 from augtree_verl.bench.runner import FLOAT32_GRAD_RTOL, MethodResult, max_rel_err, paired_ratio
 
 import torch
@@ -112,3 +112,19 @@ def test_planner_choice_is_compared_with_the_best_forced_primitive():
         r.speedup_vs_megan = paired_ratio(rows[0], r)
     line = format_ideal(rows)
     assert "1.10x the time of the best forced primitive, AugTree[move_q] (the same plan)" in line
+
+
+def test_augtree_rows_carry_the_planners_prediction(results, tmp_path):
+    """Only AugTree methods are planned: their rows carry predicted_s and its error against the clock."""
+    for r in results:
+        if r.method == "MegaN":
+            assert r.predicted_s is None and r.prediction_error is None
+        else:
+            assert r.predicted_s > 0
+            assert r.prediction_error == pytest.approx(abs(r.predicted_s - r.step_time_s) / r.step_time_s)
+    path = tmp_path / "r.json"
+    write_json(results, path, config={})
+    rows = json.loads(path.read_text())["results"]
+    assert [row["predicted_s"] for row in rows] == [r.predicted_s for r in results]
+    lines = format_prediction(results).splitlines()
+    assert [line.split(":")[0] for line in lines] == ["rag", "chat"] and "median over 1 AugTree method" in lines[0]

@@ -106,6 +106,10 @@ def _overrides(tree: ast.AST, verl_private: set[str]) -> list[ast.FunctionDef]:
             if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)) and item.name in verl_private]
 
 
+# Roots whose attributes are never verl's, whatever verl names privately too (torch.ops.aten._flash_attention_*).
+NOT_VERL = {"torch"}
+
+
 def _is_super_call(node: ast.AST) -> bool:
     return isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "super"
 
@@ -137,7 +141,8 @@ def private_verl_uses(tree: ast.AST, verl_private: set[str], own_private: set[st
     for node, function in _attributes(tree):
         if _root_name(node.value) in verl_names and node.attr.startswith("_") and node.attr not in METADATA_DUNDERS:
             found.append((node.lineno, f"{_root_name(node.value)}....{node.attr} of a verl import"))
-        elif _is_private(node.attr) and node.attr in verl_private and node.attr not in own_private:
+        elif (_is_private(node.attr) and node.attr in verl_private and node.attr not in own_private
+              and _root_name(node.value) not in NOT_VERL):
             # An override may call the method it overrides.
             if not (_is_super_call(node.value) and node.attr in overrides and function == node.attr):
                 found.append((node.lineno, f".{node.attr}: a verl private name"))

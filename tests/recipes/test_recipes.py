@@ -1,5 +1,6 @@
 """Every recipe composes on verl's own ppo_trainer (pip-installed verl) and sets the keys that matter."""
 
+import dataclasses
 import os
 import shlex
 import subprocess
@@ -13,12 +14,19 @@ from omegaconf import OmegaConf
 from verl.trainer.ppo.utils import need_critic, need_reference_policy
 from verl.utils.config import omega_conf_to_dataclass, validate_config
 
+from verl.workers.config import FSDPEngineConfig
+
 from augtree_verl.integration.config import AugTreeEngineConfig
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPES = REPO / "recipes"
 PRIMARY = sorted(p.stem for p in RECIPES.glob("*.yaml"))
+AUGTREE = ["dapo_augtree", "grpo_augtree"]
 ENGINE_TARGET = "augtree_verl.integration.config.AugTreeEngineConfig"
+STOCK_TARGET = "verl.workers.config.FSDPEngineConfig"
+# What base/augtree_engine.yaml sets, the only difference between a recipe and its stock-engine variant.
+AUGTREE_KNOBS = {f.name for f in dataclasses.fields(AugTreeEngineConfig)} - {
+    f.name for f in dataclasses.fields(FSDPEngineConfig)}
 
 
 def compose_recipe(name, overrides=()):
@@ -26,11 +34,11 @@ def compose_recipe(name, overrides=()):
         return compose(config_name=name, overrides=list(overrides))
 
 
-def test_the_recipes_are_grpo_and_dapo():
-    assert PRIMARY == ["dapo_augtree", "grpo_augtree"]
+def test_the_recipes_are_grpo_and_dapo_each_with_a_stock_engine_variant():
+    assert PRIMARY == ["dapo_augtree", "dapo_fsdp2", "grpo_augtree", "grpo_fsdp2"]
 
 
-@pytest.mark.parametrize("name", PRIMARY)
+@pytest.mark.parametrize("name", AUGTREE)
 def test_recipe_selects_augtree_everywhere_and_passes_verls_validation(name):
     cfg = compose_recipe(name)
     # composed through the searchpath: verl's own defaults are there
@@ -55,6 +63,40 @@ def test_recipe_selects_augtree_everywhere_and_passes_verls_validation(name):
     assert actor_engine.use_planner and ref_engine.forward_only and not actor_engine.forward_only
     assert omega_conf_to_dataclass(actor).engine.strategy == "augtree"
     validate_config(config=cfg, use_reference_policy=need_reference_policy(cfg), use_critic=need_critic(cfg))
+
+
+def _without_engine_keys(cfg) -> dict:
+    """The resolved config minus what base/augtree_engine.yaml sets, under one run name."""
+    cfg.trainer.experiment_name = "run"  # interpolated into checkpoint and trace paths
+    OmegaConf.resolve(cfg)
+    out = OmegaConf.to_container(cfg)
+    for role in ("actor", "ref"):
+        section = out["actor_rollout_ref"][role]
+        section.pop("strategy")
+        fsdp = section["fsdp_config"]
+        fsdp.pop("_target_")
+        for knob in AUGTREE_KNOBS:
+            fsdp.pop(knob, None)
+    out["actor_rollout_ref"]["actor"].pop("engine", None)
+    out["trainer"]["v1"].pop("trainer_mode")
+    return out
+
+
+@pytest.mark.parametrize("name", AUGTREE)
+def test_stock_variant_is_the_same_recipe_on_verls_fsdp2_engine(name):
+    stock_name = name.replace("_augtree", "_fsdp2")
+    ours, stock = compose_recipe(name), compose_recipe(stock_name)
+    actor, ref = stock.actor_rollout_ref.actor, stock.actor_rollout_ref.ref
+    assert actor.strategy == "fsdp2" and ref.strategy == "fsdp2"
+    assert actor.fsdp_config._target_ == STOCK_TARGET and ref.fsdp_config._target_ == STOCK_TARGET
+    assert stock.trainer.v1.trainer_mode == "sync"
+    assert stock.trainer.experiment_name == ours.trainer.experiment_name + "-fsdp2"
+    actor_engine, ref_engine = omega_conf_to_dataclass(actor.fsdp_config), omega_conf_to_dataclass(ref.fsdp_config)
+    assert type(actor_engine) is FSDPEngineConfig and type(ref_engine) is FSDPEngineConfig
+    assert ref_engine.forward_only and ref_engine.param_offload and not actor_engine.forward_only
+    assert omega_conf_to_dataclass(actor).engine.strategy == "fsdp2"
+    validate_config(config=stock, use_reference_policy=need_reference_policy(stock), use_critic=need_critic(stock))
+    assert _without_engine_keys(stock) == _without_engine_keys(ours)
 
 
 def test_grpo_recipe():

@@ -1,0 +1,6 @@
+"""What the full RL loop needs on a laptop, generated here (no download): a tiny model and a long-prompt task.
+
+``task``: a random-weight tiny Qwen2 with its own word-level tokenizer, and a verl-format parquet data set
+(long prompts, short answers); ``python -m augtree_verl.cpu_loop.task --out DIR``. ``reward``: its rule
+reward (verl's built-in scores for every other data source).
+"""

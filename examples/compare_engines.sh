@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Step times users compare on wandb: the same recipe on verl's stock fsdp2 engine and on AugTree, on CPU.
+#
+#   bash examples/compare_engines.sh                      # GRPO, 5 steps each; OUT_DIR=./compare_engines
+#   RECIPE=dapo_augtree STEPS=10 bash examples/compare_engines.sh [hydra overrides...]
+#
+# Runs examples/run_cpu.sh with STRATEGY=fsdp2, then augtree (same seed, data and model), logs both to wandb
+# (offline unless WANDB_API_KEY is set or WANDB_MODE says otherwise; runs grouped by engine through
+# WANDB_RUN_GROUP, project augtree-verl) and to OUT_DIR/<engine>.jsonl, then writes OUT_DIR/compare.png
+# (timing_s/update_actor, timing_s/old_log_prob, timing_s/step, reward, loss per step) and prints each
+# timing's median over steps 2+ with the fsdp2/augtree ratio. Other environment: as examples/run_cpu.sh.
+set -euo pipefail
+
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+OUT_DIR="$(mkdir -p "${OUT_DIR:-compare_engines}" && cd "${OUT_DIR:-compare_engines}" && pwd)"
+PYTHON="${PYTHON:-python}"
+export STEPS="${STEPS:-5}"
+[[ -z "${WANDB_API_KEY:-}" ]] && export WANDB_MODE="${WANDB_MODE:-offline}"
+export WANDB_DIR="${WANDB_DIR:-$OUT_DIR}"
+
+for STRATEGY in fsdp2 augtree; do
+    rm -f "$OUT_DIR/$STRATEGY.jsonl"
+    # The wandb settings reach wandb.init in verl's task runner through the Ray runtime environment.
+    WANDB_ENV=(+ray_kwargs.ray_init.runtime_env.env_vars.WANDB_RUN_GROUP="$STRATEGY"
+               +ray_kwargs.ray_init.runtime_env.env_vars.WANDB_DIR="$WANDB_DIR")
+    [[ -n "${WANDB_MODE:-}" ]] && WANDB_ENV+=(+ray_kwargs.ray_init.runtime_env.env_vars.WANDB_MODE="$WANDB_MODE")
+    STRATEGY="$STRATEGY" VERL_FILE_LOGGER_PATH="$OUT_DIR/$STRATEGY.jsonl" LOGGER="[console,file,wandb]" \
+        bash "$REPO/examples/run_cpu.sh" "${WANDB_ENV[@]}" "$@"
+done
+"$PYTHON" -m augtree_verl.cpu_loop.compare --out "$OUT_DIR/compare.png" \
+    fsdp2="$OUT_DIR/fsdp2.jsonl" augtree="$OUT_DIR/augtree.jsonl"

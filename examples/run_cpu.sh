@@ -1,0 +1,93 @@
+#!/usr/bin/env bash
+# The full RL loop on CPU: verl's main_ppo with one of our recipes, two worker processes, no GPU, no download.
+#
+#   bash examples/run_cpu.sh                                   # GRPO, AugTree engine, 2 steps
+#   STRATEGY=fsdp2 bash examples/run_cpu.sh                    # the same recipe on verl's stock fsdp2 engine
+#   RECIPE=dapo_augtree STEPS=5 bash examples/run_cpu.sh trainer.logger=[console,wandb]
+#
+# Environment:
+#   RECIPE      grpo_augtree (default) or dapo_augtree
+#   STRATEGY    augtree (default) or fsdp2 (the recipe's stock-engine variant, recipes/<name>_fsdp2.yaml)
+#   MODEL_PATH  a Hugging Face causal LM directory with its tokenizer (default: a tiny random Llama-architecture model)
+#   TRAIN_FILE, VAL_FILE  verl-format parquet: prompt (chat messages), data_source, reward_model.ground_truth
+#               (default: a small long-prompt key-word task); the generated defaults live in ASSETS_DIR
+#               (default ~/.cache/augtree-verl/cpu_loop), written by python -m augtree_verl.cpu_loop.task
+#   STEPS       training steps (default 2); NPROC trainer worker processes (default 2)
+#   VERL_FILE_LOGGER_PATH  when set, verl's file logger also writes every step's metrics there (JSONL)
+#   LOGGER      trainer.logger (default [console], plus file when VERL_FILE_LOGGER_PATH is set)
+# Further arguments are hydra overrides, applied last.
+#
+# The rollout is the CPU backend "hf" of this package (one replica over the NPROC workers, seeded sampling);
+# the Ray settings below let everything be placed on a 2-core machine (a logical CPU count, one storage unit,
+# one agent-loop and one reward worker; a logical GPU count that satisfies verl's resource check). With
+# RAY_ADDRESS set it joins that cluster instead (examples/submit_cpu_job.sh).
+set -euo pipefail
+
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+RECIPE="${RECIPE:-grpo_augtree}"
+STRATEGY="${STRATEGY:-augtree}"
+STEPS="${STEPS:-2}"
+NPROC="${NPROC:-2}"
+ASSETS_DIR="${ASSETS_DIR:-$HOME/.cache/augtree-verl/cpu_loop}"
+PYTHON="${PYTHON:-python}"
+
+case "$RECIPE" in
+    grpo_augtree|dapo_augtree) ;;
+    *) echo "RECIPE must be grpo_augtree or dapo_augtree, got '$RECIPE'" >&2; exit 2 ;;
+esac
+case "$STRATEGY" in
+    augtree) CONFIG_NAME="$RECIPE"; ENGINE_ARGS=(actor_rollout_ref.actor.fsdp_config.cp_degrees=[1]) ;;
+    fsdp2) CONFIG_NAME="${RECIPE%_augtree}_fsdp2"; ENGINE_ARGS=() ;;
+    *) echo "STRATEGY must be augtree or fsdp2, got '$STRATEGY'" >&2; exit 2 ;;
+esac
+if [[ -z "${MODEL_PATH:-}" || -z "${TRAIN_FILE:-}" || -z "${VAL_FILE:-}" ]] && [[ ! -f "$ASSETS_DIR/data/test.parquet" ]]; then
+    "$PYTHON" -m augtree_verl.cpu_loop.task --out "$ASSETS_DIR"
+fi
+MODEL_PATH="${MODEL_PATH:-$ASSETS_DIR/model}"
+TRAIN_FILE="${TRAIN_FILE:-$ASSETS_DIR/data/train.parquet}"
+VAL_FILE="${VAL_FILE:-$ASSETS_DIR/data/test.parquet}"
+LOGGER="${LOGGER:-[console${VERL_FILE_LOGGER_PATH:+,file}]}"
+# DAPO's overlong buffer must fit in the short CPU responses.
+RECIPE_ARGS=()
+[[ "$RECIPE" == dapo_augtree ]] && RECIPE_ARGS=(reward.reward_kwargs.overlong_buffer_cfg.len=4)
+FP32="{param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}"
+# A new local Ray instance (ray.init would otherwise join the newest one on this host) sized for the trainer,
+# unless RAY_ADDRESS names a cluster (a `ray job submit` entrypoint has it): then the cluster's resources
+# count, and VERL_PLATFORM=cpu must come with the job's runtime environment (Ray refuses the same variable
+# in both).
+RAY_ARGS=()
+if [[ -z "${RAY_ADDRESS:-}" ]]; then
+    RAY_ARGS=(+ray_kwargs.ray_init.address=local ray_kwargs.ray_init.num_cpus=16
+              +ray_kwargs.ray_init.num_gpus="$NPROC" +ray_kwargs.ray_init.include_dashboard=false
+              +ray_kwargs.ray_init.runtime_env.env_vars.VERL_PLATFORM=cpu)
+fi
+
+export VERL_PLATFORM=cpu
+exec "$PYTHON" -m verl.trainer.main_ppo \
+    --config-path "$REPO/recipes" --config-name "$CONFIG_NAME" \
+    actor_rollout_ref.model.path="$MODEL_PATH" \
+    +actor_rollout_ref.model.override_config.attn_implementation=sdpa \
+    actor_rollout_ref.model.enable_gradient_checkpointing=false \
+    data.train_files="$TRAIN_FILE" data.val_files="$VAL_FILE" \
+    data.max_prompt_length=1024 data.max_response_length=16 \
+    data.train_batch_size=2 data.dataloader_num_workers=0 \
+    actor_rollout_ref.actor.ppo_mini_batch_size=2 \
+    actor_rollout_ref.actor.ppo_max_token_len_per_gpu=8192 \
+    actor_rollout_ref.actor.use_torch_compile=false \
+    actor_rollout_ref.actor.fsdp_config.use_torch_compile=false \
+    actor_rollout_ref.ref.fsdp_config.use_torch_compile=false \
+    +actor_rollout_ref.actor.fsdp_config.mixed_precision="$FP32" \
+    +actor_rollout_ref.ref.fsdp_config.mixed_precision="$FP32" \
+    actor_rollout_ref.rollout.name=hf \
+    actor_rollout_ref.rollout.n=4 \
+    actor_rollout_ref.rollout.tensor_model_parallel_size="$NPROC" \
+    actor_rollout_ref.rollout.agent.num_workers=1 \
+    reward.num_workers=1 \
+    reward.custom_reward_function.path=pkg://augtree_verl.cpu_loop.reward \
+    transfer_queue.backend.SimpleStorage.num_data_storage_units=1 \
+    trainer.n_gpus_per_node="$NPROC" trainer.nnodes=1 \
+    trainer.total_training_steps="$STEPS" \
+    trainer.logger="$LOGGER" \
+    trainer.val_before_train=false trainer.test_freq=-1 trainer.save_freq=-1 trainer.resume_mode=disable \
+    "${ENGINE_ARGS[@]}" "${RECIPE_ARGS[@]}" "${RAY_ARGS[@]}" \
+    "$@"

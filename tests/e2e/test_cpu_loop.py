@@ -1,0 +1,143 @@
+"""The full RL loop on CPU: ``examples/compare_engines.sh`` runs ``examples/run_cpu.sh`` (verl's main_ppo, our
+GRPO recipe, rollout ``hf``, two worker processes, Ray) for 2 steps with each engine; the steps are read back
+from verl's file logger, the runs from wandb's offline files."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from augtree_verl.cpu_loop.task import TaskConfig, write_task
+
+REPO = Path(__file__).resolve().parents[2]
+STEPS = 2
+# Every stage of a step, as verl's marked_timer names them (timing_s/*).
+STAGES = ("gen", "old_log_prob", "ref", "adv", "update_actor", "update_weights", "step")
+# Step 1 runs the same sampled responses through both engines from the same weights, so the update is the
+# same up to float32 rounding (the parity tests bound that at 1e-5 relative).
+RTOL = 1e-5
+# Step 1's GRPO pg_loss is a sum of terms that cancel (importance ratios are 1, a group's advantages sum to
+# 0): its value is rounding noise, so only an absolute bound says anything.
+PG_LOSS_ATOL = 1e-6
+# A learning rate at which one update moves the policy visibly, so step 2's rollout shows whether the
+# rollout server got the updated weights (the recipe's 1e-6 barely moves a random tiny model).
+LR = 1e-3
+# verl compares the rollout's log-probs with the trainer's recomputed ones (training/rollout_probs_diff_max:
+# max |p_rollout - p_trainer| over tokens). Same weights, float32, another kernel: rounding only.
+ROLLOUT_PROB_ATOL = 1e-5
+# Metrics our engine and trainer mode add (timing_s/balance: the trainer mode's group-aware balance).
+OURS = ("timing_s/balance", "actor/augtree/prefill_s", "actor/augtree/delayed_backward_s",
+        "actor/augtree/logical_tokens", "actor/augtree/executed_tokens", "actor/augtree/predicted_replay_s", "augtree/planner/plans",
+        "augtree/planner/fallbacks", "augtree/balance/groups")
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    out = tmp_path_factory.mktemp("cpu-loop")
+    write_task(out, TaskConfig(train_rows=8, test_rows=2))
+    return out
+
+
+def _env(assets: Path, log_dir: Path, **overrides) -> dict:
+    """The scripts' environment: our checkout first on the path, a local Ray, wandb offline."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "WANDB_API_KEY")}
+    env.update(ASSETS_DIR=str(assets), STEPS=str(STEPS), PYTHON=sys.executable,
+               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+               TORCHINDUCTOR_CACHE_DIR=str(log_dir / "inductor"), WANDB_MODE="offline", WANDB_SILENT="true")
+    env.update(overrides)
+    return env
+
+
+def _run(script: str, env: dict, cwd: Path, *overrides: str) -> None:
+    run = subprocess.run(["bash", str(REPO / "examples" / script), *overrides], cwd=cwd, env=env,
+                         capture_output=True, text=True, timeout=1100)
+    assert run.returncode == 0, (run.stdout + run.stderr)[-6000:]
+
+
+def read_steps(log: Path) -> list[dict]:
+    return [json.loads(line)["data"] for line in log.read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def compared(assets, tmp_path_factory):
+    """OUT_DIR of ``examples/compare_engines.sh``: <engine>.jsonl, compare.png, wandb/."""
+    out = tmp_path_factory.mktemp("compare")
+    _run("compare_engines.sh", _env(assets, out, OUT_DIR=str(out), WANDB_DIR=str(out)), out,
+         f"actor_rollout_ref.actor.optim.lr={LR}")
+    return out
+
+
+@pytest.fixture(scope="module")
+def steps(compared):
+    return {strategy: read_steps(compared / f"{strategy}.jsonl") for strategy in ("augtree", "fsdp2")}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1300)
+@pytest.mark.parametrize("strategy", ["augtree", "fsdp2"])
+def test_every_stage_runs_for_each_step(steps, strategy):
+    assert len(steps[strategy]) == STEPS
+    for step, metrics in enumerate(steps[strategy], 1):
+        missing = [s for s in STAGES if f"timing_s/{s}" not in metrics]
+        assert not missing, f"{strategy} step {step}: stages {missing} did not run"
+        assert metrics["training/global_step"] == step
+        # the rollout really sampled (and the reward varies, so GRPO has a gradient)
+        assert metrics["response_length/mean"] > 0 and metrics["critic/score/max"] > metrics["critic/score/min"]
+        assert metrics["actor/grad_norm"] > 0
+        # the rollout sampled with the trainer's current weights: synced after step 1's update
+        diff = metrics["training/rollout_probs_diff_max"]
+        assert diff <= ROLLOUT_PROB_ATOL, f"{strategy} step {step}: rollout probabilities off by {diff:.1e}"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1300)
+def test_step_one_update_is_the_same_with_both_engines(steps):
+    ours, stock = steps["augtree"][0], steps["fsdp2"][0]
+    # same seed, same weights: the same responses and rewards (means may be summed in another row order)
+    for key in ("critic/score/mean", "response_length/mean", "prompt_length/mean", "actor/grad_norm",
+                "actor/entropy"):
+        assert abs(ours[key] - stock[key]) <= RTOL * abs(stock[key]), (key, ours[key], stock[key])
+    assert abs(ours["actor/pg_loss"] - stock["actor/pg_loss"]) <= PG_LOSS_ATOL
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1300)
+def test_our_metrics_are_logged_only_with_our_engine(steps):
+    for metrics in steps["augtree"]:
+        assert not [key for key in OURS if key not in metrics]
+        assert metrics["actor/augtree/executed_tokens"] < metrics["actor/augtree/logical_tokens"]
+    assert not [key for key in steps["fsdp2"][0] if "augtree" in key]
+
+
+def _wandb_group(run_dir: Path) -> str | None:
+    """The run group recorded in an offline run: the RunRecord's ``run_group`` string field (protobuf field 6)."""
+    data = next(run_dir.glob("*.wandb")).read_bytes()
+    for group in ("augtree", "fsdp2"):
+        if bytes([6 << 3 | 2, len(group)]) + group.encode() in data:
+            return group
+    return None
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1300)
+def test_compare_engines_writes_the_picture_and_one_wandb_run_per_engine(compared):
+    assert (compared / "compare.png").stat().st_size > 10_000
+    runs = sorted((compared / "wandb").glob("offline-run-*"))
+    assert sorted(_wandb_group(run) for run in runs) == ["augtree", "fsdp2"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_dapo_recipe_runs_a_step_on_our_engine(assets, tmp_path):
+    """DAPO: no reference model, dynamic sampling (filter_groups), the dapo reward manager's overlong shaping."""
+    log = tmp_path / "metrics.jsonl"
+    _run("run_cpu.sh", _env(assets, tmp_path, STEPS="1", RECIPE="dapo_augtree", VERL_FILE_LOGGER_PATH=str(log)),
+         cwd=tmp_path)
+    (metrics,) = read_steps(log)
+    assert "timing_s/ref" not in metrics and "timing_s/update_actor" in metrics
+    assert metrics["actor/grad_norm"] > 0 and "actor/augtree/logical_tokens" in metrics

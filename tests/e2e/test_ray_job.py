@@ -1,0 +1,86 @@
+"""``examples/submit_cpu_job.sh`` against a Ray head started here (127.0.0.1): a 1-step CPU job submitted,
+waited for, its logs read; the head is stopped at the end (only the processes this test started)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from augtree_verl.cpu_loop.task import TaskConfig, write_task
+
+REPO = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+HEAD_START_S = 120
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def head(tmp_path):
+    """``ray start --head --block`` with its own temp dir (so no other ray.init() here joins it) and ports."""
+    temp_dir = tempfile.mkdtemp(prefix="rayhead-", dir="/tmp")  # short: Ray's socket paths have a length limit
+    dashboard = _free_port()
+    args = [str(BIN / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={_free_port()}",
+            "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}",
+            f"--dashboard-agent-listen-port={_free_port()}", f"--dashboard-agent-grpc-port={_free_port()}",
+            f"--ray-client-server-port={_free_port()}", f"--metrics-export-port={_free_port()}",
+            f"--runtime-env-agent-port={_free_port()}", f"--temp-dir={temp_dir}",
+            "--num-cpus=16", "--num-gpus=2", "--disable-usage-stats"]
+    # Ray 2.60 turns token authentication on for `ray start` when ~/.ray/auth_token exists but leaves its CLI
+    # clients off unless RAY_AUTH_MODE says so: set the mode explicitly (off: a head on 127.0.0.1 for a test).
+    env = dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ['PATH']}", RAY_AUTH_MODE="disabled")
+    env.pop("RAY_ADDRESS", None)
+    proc = subprocess.Popen(args, env=env, stdout=open(tmp_path / "head.log", "w"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    address = f"http://127.0.0.1:{dashboard}"
+    try:
+        deadline = time.time() + HEAD_START_S
+        while subprocess.run([str(BIN / "ray"), "job", "list", "--address", address], env=env,
+                             capture_output=True, timeout=60).returncode != 0:
+            assert proc.poll() is None and time.time() < deadline, (tmp_path / "head.log").read_text()[-3000:]
+            time.sleep(2)
+        yield address, env
+    finally:
+        # --block: on SIGINT the command stops the Ray processes it started, and only those.
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_submitted_cpu_job_runs_a_step(head, tmp_path):
+    address, env = head
+    assets = tmp_path / "assets"
+    write_task(assets, TaskConfig(train_rows=4, test_rows=2))
+    log = tmp_path / "metrics.jsonl"
+    env = dict(env, RAY_ADDRESS=address, STEPS="1", ASSETS_DIR=str(assets), VERL_FILE_LOGGER_PATH=str(log),
+               PYTHON=sys.executable, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    run = subprocess.run(["bash", str(REPO / "examples/submit_cpu_job.sh")], env=env, capture_output=True,
+                         text=True, timeout=800)
+    output = run.stdout + run.stderr
+    assert run.returncode == 0, output[-6000:]
+    assert "succeeded" in output.lower()
+    # the job's logs, read back from the cluster
+    job_id = next(line.split("'")[1] for line in output.splitlines() if "submitted successfully" in line)
+    logs = subprocess.run([str(BIN / "ray"), "job", "logs", job_id, "--address", address], env=env,
+                          capture_output=True, text=True, timeout=120).stdout
+    assert "step:1 - " in logs and "actor/augtree/logical_tokens" in logs
+    (metrics,) = [json.loads(line)["data"] for line in log.read_text().splitlines()]
+    assert metrics["training/global_step"] == 1 and "timing_s/update_actor" in metrics

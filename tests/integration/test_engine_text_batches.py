@@ -1,0 +1,47 @@
+"""Batches as verl's agent loop writes them: every sample carries ``multi_modal_inputs``, an empty dict for text."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from augtree_verl.testing import harness as H
+from verl.utils import tensordict_utils as tu  # noqa: I001  (after the harness: it selects the CPU platform)
+from tests.parity import RTOL, rel_err
+
+pytestmark = pytest.mark.slow  # spawns process groups, Ray, verl engines or subprocesses
+
+GROUPS = [(7, [3, 5, 2]), (4, [6, 1, 2])]  # 6 rows: micro-batches of 2
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory, single_process_group):
+    engine, _ = H.build_engine("augtree", H.save_tiny_qwen2(str(tmp_path_factory.mktemp("tiny-qwen2"))))
+    return engine
+
+
+def _logps(engine, batch):
+    with engine.eval_mode():
+        return H.response_logps(engine.infer_batch(batch, loss_function=None), batch)
+
+
+def test_empty_multi_modal_inputs_are_a_text_batch(engine):
+    rows = H.group_rows(GROUPS)
+    # What AgentLoopWorkerTQ stores per text sample (agent_loop_tq.py: field["multi_modal_inputs"] = {}).
+    agent_loop = H.rows_to_batch(rows, extra={"multi_modal_inputs": [{} for _ in rows]})
+    want = _logps(engine, H.rows_to_batch(rows))
+    got = _logps(engine, agent_loop)
+    assert len(got) == len(rows)
+    for row, (g, w) in enumerate(zip(got, want)):
+        assert rel_err(g, w) <= RTOL, f"row {row}"
+
+
+def test_real_multimodal_input_is_refused_naming_the_sample(engine):
+    rows = H.group_rows(GROUPS)
+    inputs = [{} for _ in rows]
+    inputs[3] = {"pixel_values": torch.zeros(4, 8), "image_grid_thw": torch.tensor([[1, 2, 2]])}
+    batch = H.rows_to_batch(rows, extra={"multi_modal_inputs": inputs})
+    assert tu.get(batch, "uid")[3] == "group-1"
+    with pytest.raises(ValueError, match=r"row 3 \(uid 'group-1'\) has multi_modal_inputs \['image_grid_thw', "
+                                         r"'pixel_values'\]"):
+        _logps(engine, batch)
