@@ -140,4 +140,12 @@ def register_rollout_adapter(rollout_package_base, name: str, adapter_fqdn: str,
     rollout_package_base._ROLLOUT_REGISTRY.setdefault((name, mode), adapter_fqdn)
 
 
+def set_replica_server(replica, server, address: str) -> None:
+    """verl/workers/rollout/replica.py RolloutReplica: ``launch_servers`` must set ``servers`` and the private
+    ``_server_handle`` / ``_server_address`` (the router keys servers by address) of a one-server replica."""
+    replica.servers = [server]
+    replica._server_handle = server
+    replica._server_address = address
+
+
 check_verl_version()

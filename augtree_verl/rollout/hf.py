@@ -26,6 +26,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from verl.workers.rollout.base import BaseRollout
 from verl.workers.rollout.replica import RolloutReplica
 
+from augtree_verl.integration import verl_compat
 from augtree_verl.rollout.hf_server import HFRolloutServer
 
 NAME = "hf"
@@ -54,10 +55,8 @@ class HFReplica(RolloutReplica):
         server = ray.remote(HFRolloutServer).options(**options).remote(
             config=self.config, model_config=self.model_config, replica_rank=self.replica_rank)
         await server.wake_up.remote()  # returns once the model is loaded
-        self.servers = [server]
-        self._server_handle = server
         # The router keys servers by address; there is no HTTP endpoint, so the address is the actor's name.
-        self._server_address = options["name"]
+        verl_compat.set_replica_server(self, server, address=options["name"])
 
 
 class HFServerAdapter(BaseRollout):
@@ -72,7 +71,7 @@ class HFServerAdapter(BaseRollout):
         self.is_leader_rank = rank % replica_world_size == 0
         self._server = None
 
-    def _server_handle(self):
+    def _server_actor(self):
         if self._server is None:
             self._server = ray.get_actor(server_name(self.replica_rank))
         return self._server
@@ -96,4 +95,4 @@ class HFServerAdapter(BaseRollout):
             if self.is_leader_rank:
                 state_dict[name] = tensor.detach().to("cpu", copy=True)
         if self.is_leader_rank:
-            await self._server_handle().load_weights.remote(state_dict, global_steps)
+            await self._server_actor().load_weights.remote(state_dict, global_steps)

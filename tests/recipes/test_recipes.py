@@ -78,6 +78,7 @@ def _without_engine_keys(cfg) -> dict:
         for knob in AUGTREE_KNOBS:
             fsdp.pop(knob, None)
     out["actor_rollout_ref"]["actor"].pop("engine", None)
+    out["actor_rollout_ref"]["rollout"]["agent"].pop("agent_loop_manager_class", None)  # the planner feed
     out["trainer"]["v1"].pop("trainer_mode")
     return out
 
