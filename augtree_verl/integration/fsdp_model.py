@@ -118,3 +118,40 @@ def reduce_held_gradients(root) -> None:
     token = torch.zeros(1, 1, dtype=torch.long, device=device)
     logits = root(input_ids=token, position_ids=token, use_cache=False).logits
     logits.backward(torch.zeros_like(logits))
+
+
+class UnshardedGroups:
+    """How many FSDP2 parameter groups of ``root`` are unsharded at once (a ZeRO-3 memory check).
+
+    ``with UnshardedGroups(root) as seen: ...`` samples the count whenever a leaf module of ``root`` starts
+    a forward (recomputes included) and whenever a backward reads a saved tensor, i.e. while some layer
+    computes, with any prefetched group gathered too; ``seen.max`` is the most seen at once.
+    """
+
+    def __init__(self, root: torch.nn.Module):
+        from torch.distributed.fsdp import FSDPModule
+
+        self._groups = [g for m in root.modules() if isinstance(m, FSDPModule)
+                        for g in [m._get_fsdp_state()._fsdp_param_group] if g is not None]
+        self._leaves = [m for m in root.modules() if not list(m.children())]
+        self._handles: list = []
+        self._saved = torch.autograd.graph.saved_tensors_hooks(lambda x: x, self._unpack)
+        self.max = 0
+
+    def _sample(self, *unused) -> None:
+        self.max = max(self.max, sum(g.is_unsharded for g in self._groups))
+
+    def _unpack(self, x: torch.Tensor) -> torch.Tensor:
+        self._sample()
+        return x
+
+    def __enter__(self) -> "UnshardedGroups":
+        self._handles = [m.register_forward_pre_hook(self._sample) for m in self._leaves]
+        self._saved.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._saved.__exit__(*exc)
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
