@@ -1,7 +1,8 @@
 """``replay``: the grouped replay schedule on one device (DESIGN.md §2).
 
 Per tree:
-  A. prefill: the prompt runs once; each layer's K/V and the last hidden state are detached into leaves.
+  A. prefill: the prompt runs once; each layer's K/V and the last hidden state are detached into float32
+     leaves (training), so their gradient sums over many micro-batches are float32 whatever the model's dtype.
   B. replay: responses run in padded micro-batches against the prompt K/V leaves; each backward
      accumulates dK/dV (and d last hidden) into the leaves.
   C. delayed prompt backward: one ``torch.autograd.backward`` of the live prompt tensors with the
@@ -13,6 +14,7 @@ first token is scored from the prompt's last hidden state.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import operator
 import time
@@ -95,7 +97,8 @@ def replay(
     logps: list[list[torch.Tensor]] = [[] for _ in trees]
     use_augtree_attention(model)
     run = _TreeRun(model, temperature, stats, on_logits, micro_batch_loss)
-    with torch.set_grad_enabled(micro_batch_loss is not None or keep_graph):
+    with torch.set_grad_enabled(micro_batch_loss is not None or keep_graph), \
+            _fp32_grad_sums(model if micro_batch_loss is not None else None):
         for slot in tree_schedule(trees, micro_batch_tokens, group=lockstep_group, device=device):
             if slot.tree is None:
                 run(_dummy_tree(device), slot, tree_index=None)
@@ -104,6 +107,33 @@ def replay(
             stats.plans[plan.primitive if plan else "single"] += 1
             logps[slot.tree] = run(trees[slot.tree], slot, tree_index=slot.tree)
     return logps
+
+
+@contextlib.contextmanager
+def _fp32_grad_sums(model):
+    """Sum the gradients of ``model``'s bf16/fp16 parameters over the replay's many backwards in float32.
+
+    Each backward's gradient moves into a float32 sum as soon as autograd has accumulated it
+    (``register_post_accumulate_grad_hook``) and is written back, rounded once, at the end. Models without
+    plain parameters (verl's FSDP2 view, whose sharded gradients FSDP reduce-scatters per backward into
+    its float32 accumulators) and ``model`` None (forward only, or the caller's backward) are left alone.
+    """
+    params = [p for p in (model.parameters() if hasattr(model, "parameters") else ())
+              if p.requires_grad and p.dtype in (torch.bfloat16, torch.float16)]
+    sums = {p: (p.grad.float() if p.grad is not None else torch.zeros_like(p, dtype=torch.float32)) for p in params}
+
+    def move(p):
+        sums[p] += p.grad
+        p.grad = None
+
+    handles = [p.register_post_accumulate_grad_hook(move) for p in params]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+        for p in params:
+            p.grad = sums[p].to(p.dtype)
 
 
 def _sum_of_response_losses(loss_fn: LossFn, t: int, rows: list[int], logps: list[torch.Tensor]):
@@ -152,10 +182,10 @@ class _TreeRun:
         live_kv = [prefill.kv[layer] for layer in range(len(prefill.kv))]
         live_last = hidden[0, -1]
         del hidden
-        if train:
+        if train:  # float32 leaves: dK/dV of many response micro-batches sum in float32
             _check_prompt_graph(live_kv)
-            leaf_kv = [(k.detach().requires_grad_(), v.detach().requires_grad_()) for k, v in live_kv]
-            leaf_last = live_last.detach().requires_grad_()
+            leaf_kv = [(_fp32_leaf(k), _fp32_leaf(v)) for k, v in live_kv]
+            leaf_last = _fp32_leaf(live_last)
         else:
             leaf_kv, leaf_last = live_kv, live_last
         stats.prefill_s += time.perf_counter() - start
@@ -188,8 +218,8 @@ class _TreeRun:
             start = time.perf_counter()
             roots = [x for kv in live_kv for x in kv] + [live_last]
             leaves = [x for kv in leaf_kv for x in kv] + [leaf_last]
-            torch.autograd.backward(roots, [leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
-                                            for leaf in leaves])
+            torch.autograd.backward(roots, [leaf.grad.to(root.dtype) if leaf.grad is not None else torch.zeros_like(root)
+                                            for root, leaf in zip(roots, leaves)])
             stats.prompt_backward_s += time.perf_counter() - start
         return out
 
@@ -204,13 +234,18 @@ class _TreeRun:
         positions = torch.arange(p, p + rq, device=ids.device)[None].expand(len(rows), -1)
         hid = self.base(input_ids=ids, position_ids=positions, attention_mask=NO_MASKS, use_cache=False,
                         augtree_ctx=ResponseContext(leaf_kv)).last_hidden_state
-        states = torch.cat([torch.cat([leaf_last[None], hid[b, : n - 1]]) for b, n in enumerate(lengths)])
+        last = leaf_last.to(hid.dtype)[None]
+        states = torch.cat([torch.cat([last, hid[b, : n - 1]]) for b, n in enumerate(lengths)])
         logits = self.lm_head(states).split(lengths)
         self.stats.executed_tokens += len(rows) * rq
         on_logits = self.on_logits if hooks else None
         return [logps_from_logits(logits[b], tree.responses[i], self.temperature,
                                   on_logits=None if on_logits is None else functools.partial(on_logits, t, i))
                 for b, i in enumerate(rows)]
+
+
+def _fp32_leaf(x: torch.Tensor) -> torch.Tensor:
+    return x.detach().float().requires_grad_()  # a copy for lower-precision models, a view for float32
 
 
 def _check_prompt_graph(live_kv) -> None:
