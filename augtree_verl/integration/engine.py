@@ -3,24 +3,28 @@
 Everything but ``forward_backward_batch`` is verl's ``FSDPEngineWithLMHead`` (FSDP2 sharding, optimizer,
 checkpoints, offload). ``forward_backward_batch`` keeps verl's contract:
 
-- verl's micro-batches are built exactly as verl builds them, and verl's ``loss_function`` is called once
-  per micro-batch on them, unchanged, so every loss mode and every metric comes out as with the stock engine;
+- verl's micro-batches are built exactly as verl builds them; verl's ``loss_function``, unchanged, reports
+  the loss and metrics of each of them, so every metric comes out as with the stock engine, and gives the
+  gradient (on the engine's own micro-batches without CP, see below);
 - ``model_output["log_probs"]`` (and ``["entropy"]`` when asked) are nested over each full sequence, position
   k scoring token k + 1. Only the response part (positions P-1 .. P+R-2) is computed; other positions are 0.
 
-Training is one pass. The micro-batches are grouped into replay units (``replay_units``: micro-batches that
-share trees, within the stock engine's memory bound); per unit, one ``replay(keep_graph=True)`` of the unit's
-trees gives log-probs (and entropies) attached to one graph in which each prompt appears once, verl's loss
-runs on each of the unit's micro-batches, and one backward of their sum puts exactly verl's gradient into
-the parameters. Forward-only replays every tree of the step at once, without a graph.
-Parameters stay gathered over the step and gradient sync is held back until one reduction after the last
-backward (``gathered_for_replay``): ranks hold different trees, so per-call FSDP collectives could not line up.
+Without context parallelism each rank streams its trees (``_stream``, ``replay``'s schedule): per tree the
+prompt runs once (its K/V kept as float32 leaves), the tree's responses run as the engine's own
+micro-batches under the largest verl micro-batch's tokens, each with verl's ``loss_function`` on its rows
+(verl's batch-level normalisers make these losses add up to verl's) and its backward, then one delayed
+prompt backward. So each prompt runs once per step and rank whatever verl's micro-batch size. The ranks
+make the same sequence of model calls (padding with dummy calls), so FSDP2 gathers parameters per layer
+and reduce-scatters gradients per backward, as the stock engine does (ZeRO-3). Reported losses and
+metrics are verl's, per verl micro-batch, evaluated on the detached outputs.
 
 Context parallelism (``cp_degrees`` above 1): ranks form CP groups of C = max(cp_degrees) (``cp_mesh``);
 the engine reports data-parallel rank and size = world / C to verl, so every rank of a CP group gets the
 same samples, and the group replays each tree once: plans of degree d > 1 context-parallel on d of its
 ranks, the other trees spread over its ranks (``group_replay``). Every rank of the group computes verl's
 loss on the whole micro-batch; its gradients add up over the group.
+CP groups still replay in units of verl's micro-batches (``replay_units``) with one backward per unit,
+under ``gathered_for_replay`` (every parameter gathered for the step): their ranks do not run in lock-step.
 """
 
 from __future__ import annotations

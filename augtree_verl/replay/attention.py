@@ -41,8 +41,7 @@ class PrefillContext:
 class ResponseContext:
     """Phase B: response queries attend to [prompt K/V ; own K/V] (see ``prefix_attention``).
 
-    ``prompt_kv[layer] = (k, v)``, each [1, H_kv, P, D]: the leaves that collect dK/dV (float32 leaves of a
-    lower-precision model are cast per call, so their gradients still sum in float32).
+    ``prompt_kv[layer] = (k, v)``, each [1, H_kv, P, D]: the leaves that collect dK/dV.
     """
 
     def __init__(self, prompt_kv: list[tuple[torch.Tensor, torch.Tensor]]):
@@ -50,7 +49,7 @@ class ResponseContext:
 
     def attend(self, layer: int, q, k, v, scaling: float) -> torch.Tensor:
         pk, pv = self.prompt_kv[layer]
-        return prefix_causal_attention(q, k, v, pk.to(q.dtype), pv.to(q.dtype), scaling)  # fp32 leaves
+        return prefix_causal_attention(q, k, v, pk, pv, scaling)
 
 
 def augtree_attention_forward(module, query, key, value, attention_mask, scaling=None, augtree_ctx=None, **kwargs):

@@ -1,8 +1,8 @@
 """``replay``: the grouped replay schedule on one device (DESIGN.md §2).
 
 Per tree:
-  A. prefill: the prompt runs once; each layer's K/V and the last hidden state are detached into float32
-     leaves (training), so their gradient sums over many micro-batches are float32 whatever the model's dtype.
+  A. prefill: the prompt runs once; each layer's K/V and the last hidden state are detached into leaves
+     (training: their gradient sums over many micro-batches are float32 whatever the model's dtype).
   B. replay: responses run in padded micro-batches against the prompt K/V leaves; each backward
      accumulates dK/dV (and d last hidden) into the leaves.
   C. delayed prompt backward: one ``torch.autograd.backward`` of the live prompt tensors with the
@@ -182,10 +182,10 @@ class _TreeRun:
         live_kv = [prefill.kv[layer] for layer in range(len(prefill.kv))]
         live_last = hidden[0, -1]
         del hidden
-        if train:  # float32 leaves: dK/dV of many response micro-batches sum in float32
+        if train:  # dK/dV of many response micro-batches sum in float32 (``_summing_leaf``)
             _check_prompt_graph(live_kv)
-            leaf_kv = [(_fp32_leaf(k), _fp32_leaf(v)) for k, v in live_kv]
-            leaf_last = _fp32_leaf(live_last)
+            leaf_kv = [(_summing_leaf(k), _summing_leaf(v)) for k, v in live_kv]
+            leaf_last = _summing_leaf(live_last)
         else:
             leaf_kv, leaf_last = live_kv, live_last
         stats.prefill_s += time.perf_counter() - start
@@ -218,8 +218,8 @@ class _TreeRun:
             start = time.perf_counter()
             roots = [x for kv in live_kv for x in kv] + [live_last]
             leaves = [x for kv in leaf_kv for x in kv] + [leaf_last]
-            torch.autograd.backward(roots, [leaf.grad.to(root.dtype) if leaf.grad is not None else torch.zeros_like(root)
-                                            for root, leaf in zip(roots, leaves)])
+            torch.autograd.backward(roots, [leaf.grad_sum.to(root.dtype) if leaf.grad_sum is not None
+                                            else torch.zeros_like(root) for root, leaf in zip(roots, leaves)])
             stats.prompt_backward_s += time.perf_counter() - start
         return out
 
@@ -234,8 +234,7 @@ class _TreeRun:
         positions = torch.arange(p, p + rq, device=ids.device)[None].expand(len(rows), -1)
         hid = self.base(input_ids=ids, position_ids=positions, attention_mask=NO_MASKS, use_cache=False,
                         augtree_ctx=ResponseContext(leaf_kv)).last_hidden_state
-        last = leaf_last.to(hid.dtype)[None]
-        states = torch.cat([torch.cat([last, hid[b, : n - 1]]) for b, n in enumerate(lengths)])
+        states = torch.cat([torch.cat([leaf_last[None], hid[b, : n - 1]]) for b, n in enumerate(lengths)])
         logits = self.lm_head(states).split(lengths)
         self.stats.executed_tokens += len(rows) * rq
         on_logits = self.on_logits if hooks else None
@@ -244,8 +243,18 @@ class _TreeRun:
                 for b, i in enumerate(rows)]
 
 
-def _fp32_leaf(x: torch.Tensor) -> torch.Tensor:
-    return x.detach().float().requires_grad_()  # a copy for lower-precision models, a view for float32
+def _summing_leaf(x: torch.Tensor) -> torch.Tensor:
+    """A leaf sharing ``x``'s storage whose gradients, one per backward, are summed in float32 into
+    ``leaf.grad_sum`` (None until the first): autograd's own ``.grad`` would sum them in ``x``'s dtype."""
+    leaf = x.detach().requires_grad_()
+    leaf.grad_sum = None
+
+    def move(t: torch.Tensor) -> None:
+        t.grad_sum = t.grad.float() if t.grad_sum is None else t.grad_sum.add_(t.grad)
+        t.grad = None
+
+    leaf.register_post_accumulate_grad_hook(move)
+    return leaf
 
 
 def _check_prompt_graph(live_kv) -> None:

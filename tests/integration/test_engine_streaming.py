@@ -47,8 +47,8 @@ def _steps(stock, stock_loss, ours, our_loss, stock_rows, our_rows, setting, whe
     from verl.utils import tensordict_utils as tu
 
     from augtree_verl.integration.fsdp_model import UnshardedGroups
-    from tests.integration.test_engine_parity import _assert_close, _assert_params_match, _infer, _train
-    from tests.integration.test_engine_cp import _gather_rows
+    from tests.integration.test_engine_cp import infer_both_and_set_old
+    from tests.integration.test_engine_parity import _assert_close, _assert_params_match, _train
 
     seen = {"stock": 0, "ours": 0}
     for step in range(STEPS):
@@ -57,16 +57,8 @@ def _steps(stock, stock_loss, ours, our_loss, stock_rows, our_rows, setting, whe
         stock_batch = _batch([rows[k] for k in stock_rows], setting)
         for b in (batch, stock_batch):
             tu.assign_non_tensor(b, global_batch_size=len(rows))
-        want, got = _infer(stock, stock_batch, entropy=True), _infer(ours, batch, entropy=True)
-        for key in ("log_probs", "entropy"):
-            wanted = _gather_rows(stock_rows, H.response_logps(want, stock_batch, key))
-            for k, value in zip(our_rows, H.response_logps(got, batch, key)):
-                _assert_close(f"{where} step {step} {key} row {k}", value, wanted[k])
-        current = _gather_rows(stock_rows, H.response_logps(want, stock_batch))
-        g = torch.Generator().manual_seed(step)
-        old = [current[k] + H.OLD_LOGP_NOISE * torch.randn(current[k].shape, generator=g) for k in range(len(rows))]
-        for b, idx in ((batch, our_rows), (stock_batch, stock_rows)):
-            b["old_log_probs"] = torch.nested.as_nested_tensor([old[k] for k in idx], layout=torch.jagged)
+        infer_both_and_set_old(stock, ours, stock_batch, batch, stock_rows, our_rows, len(rows), where, step)
+        for b in (batch, stock_batch):
             tu.assign_non_tensor(b, calculate_entropy=entropy_coeff != 0)
         with UnshardedGroups(stock.module) as stock_seen:
             out_stock = _train(stock, stock_loss, stock_batch)
