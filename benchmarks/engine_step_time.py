@@ -1,6 +1,6 @@
 """Update-stage time on CPU: verl's stock fsdp2 engine vs the augtree engine, side by side in one run.
 
-    python benchmarks/engine_step_time.py [--repeats 3] [--model qwen2-small] [--micro-batch-size 2]
+    python benchmarks/engine_step_time.py [--repeats 3] [--model qwen2-small] [--setting rows-1 ...]
 
 Both engines are verl's real engines (``augtree_verl.testing.harness``: our CPU platform, gloo, world
 size 1, fp32) on one random-weight built-in model (``augtree_verl.models``). Two GRPO batches, each group's
@@ -9,6 +9,8 @@ samples contiguous as the ``augtree_sync`` trainer delivers them:
 - prompt-heavy: 2 groups, prompt 1024, 8 responses of 64;
 - response-heavy: 2 groups, prompt 64, 8 responses of 1024.
 
+Per verl micro-batch setting (the same for both engines): ``rows-1`` and ``rows-2`` (``micro_batch_size_per_gpu``
+1 and 2) and ``dynamic`` (dynamic batch size with ``max_token_len_per_gpu`` = one sequence's tokens, P + R).
 Per batch: ``train_batch`` (verl's update step: zero grads, ``forward_backward_batch``, optimizer step) and
 ``infer_batch`` (old log-probs, with entropy), the two engines alternating within each repetition; the
 median of ``--repeats`` after one warm-up call each. This machine is shared: the ratios are the result, and
@@ -17,7 +19,10 @@ their slowest thread and times swing by several x).
 
 On CPU the stock engine runs each packed (remove-padding) micro-batch through SDPA, which has no varlen kernel:
 its attention spans the whole packed micro-batch under a mask rather than each sequence, so stock loses more
-to attention here than with flash varlen kernels on a GPU (benchmarks/gpu_check.py times replay vs flattened there).
+to attention here than with flash varlen kernels on a GPU (benchmarks/gpu_check.py times replay vs flattened there);
+with one row per micro-batch (``rows-1``, ``dynamic``) there is nothing to span, each engine at its best.
+The last lines give, per batch, the train ratio at one row per micro-batch over the ratio at two rows: the
+augtree engine prefills each prompt once per step whatever the micro-batch size, so this stays near 1.
 """
 
 from __future__ import annotations
@@ -32,9 +37,18 @@ from verl.utils import tensordict_utils as tu
 
 from augtree_verl.models import BUILTIN_MODELS, DEFAULT_MODEL, load_model
 from augtree_verl.testing import harness as H
+from augtree_verl.testing import verl_batch
 
 # name: (prompt length, response length, responses per group, groups)
 BATCHES = {"prompt-heavy": (1024, 64, 8, 2), "response-heavy": (64, 1024, 8, 2)}
+SETTINGS = ("rows-1", "rows-2", "dynamic")
+
+
+def verl_settings(setting: str, sequence_tokens: int) -> dict:
+    """verl's micro-batch knobs for ``setting`` (see the module docstring)."""
+    if setting == "dynamic":
+        return dict(use_dynamic_bsz=True, max_token_len_per_gpu=sequence_tokens)
+    return dict(use_dynamic_bsz=False, micro_batch_size_per_gpu=int(setting.split("-")[1]))
 
 
 def timed(fn) -> float:
@@ -59,13 +73,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3, help="timed calls per engine and pass, after one warm-up")
     parser.add_argument("--model", choices=sorted(BUILTIN_MODELS), default=DEFAULT_MODEL)
-    parser.add_argument("--micro-batch-size", type=int, default=2, help="verl's micro_batch_size_per_gpu (rows)")
+    parser.add_argument("--setting", choices=SETTINGS, action="append", help="run only these micro-batch settings")
     parser.add_argument("--batch", choices=sorted(BATCHES), action="append", help="run only these batches")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     args = parser.parse_args()
-    for name, (p, r, g, groups) in BATCHES.items():
-        if (g * groups) % args.micro_batch_size:
-            raise ValueError(f"--micro-batch-size {args.micro_batch_size} must divide the {g * groups} rows of {name}")
     if args.repeats < 1 or args.threads < 1:
         raise ValueError(f"--repeats and --threads must be >= 1, got {args.repeats} and {args.threads}")
     torch.set_num_threads(args.threads)
@@ -76,25 +87,31 @@ def main() -> None:
     load_model(args.model).save_pretrained(model_path)
     engines = {strategy: H.build_engine(strategy, model_path) for strategy in ("fsdp2", "augtree")}
     import augtree_verl.integration.engine as ours
-    print(f"model {args.model}, verl micro-batch {args.micro_batch_size} rows, {args.threads} torch thread(s), "
-          f"augtree engine from {ours.__file__}")
-    print(f"{'batch':16}{'pass':7}{'stock s':>9}{'augtree s':>11}{'stock/augtree':>15}")
+    print(f"model {args.model}, {args.threads} torch thread(s), augtree engine from {ours.__file__}")
+    print(f"{'batch':16}{'setting':9}{'pass':7}{'stock s':>9}{'augtree s':>11}{'stock/augtree':>15}")
+    ratios = {}
     for name, (p, r, g, groups) in BATCHES.items():
         if args.batch and name not in args.batch:
             continue
-        batch = H.rows_to_batch(H.group_rows([(p, [r] * g)] * groups), micro_batch_size=args.micro_batch_size)
-        H.set_old_log_probs(batch, H.response_logps(infer(engines["fsdp2"][0], batch), batch))
-        passes = {"train": lambda e: train_step(e[0], e[1], batch), "infer": lambda e: infer(e[0], batch)}
-        for pass_name, run in passes.items():
-            times = {strategy: [] for strategy in engines}
-            for strategy, engine in engines.items():
-                run(engine)  # warm-up
-            for _ in range(args.repeats):
+        rows = H.group_rows([(p, [r] * g)] * groups)
+        for setting in args.setting or SETTINGS:
+            batch = verl_batch.rows_to_batch(rows, **verl_settings(setting, p + r))
+            H.set_old_log_probs(batch, H.response_logps(infer(engines["fsdp2"][0], batch), batch))
+            passes = {"train": lambda e: train_step(e[0], e[1], batch), "infer": lambda e: infer(e[0], batch)}
+            for pass_name, run in passes.items():
+                times = {strategy: [] for strategy in engines}
                 for strategy, engine in engines.items():
-                    times[strategy].append(timed(lambda: run(engine)))
-            stock, augtree = (statistics.median(times[s]) for s in ("fsdp2", "augtree"))
-            print(f"{name:16}{pass_name:7}{stock:>9.3f}{augtree:>11.3f}{stock / augtree:>14.2f}x", flush=True)
-
+                    run(engine)  # warm-up
+                for _ in range(args.repeats):
+                    for strategy, engine in engines.items():
+                        times[strategy].append(timed(lambda: run(engine)))
+                stock, augtree = (statistics.median(times[s]) for s in ("fsdp2", "augtree"))
+                ratios[(name, setting, pass_name)] = stock / augtree
+                print(f"{name:16}{setting:9}{pass_name:7}{stock:>9.3f}{augtree:>11.3f}{stock / augtree:>14.2f}x",
+                      flush=True)
+        if ("rows-1" in (args.setting or SETTINGS)) and ("rows-2" in (args.setting or SETTINGS)):
+            print(f"{name}: train ratio at 1 row / at 2 rows = "
+                  f"{ratios[(name, 'rows-1', 'train')] / ratios[(name, 'rows-2', 'train')]:.2f}")
 
 if __name__ == "__main__":
     main()

@@ -3,24 +3,28 @@
 Everything but ``forward_backward_batch`` is verl's ``FSDPEngineWithLMHead`` (FSDP2 sharding, optimizer,
 checkpoints, offload). ``forward_backward_batch`` keeps verl's contract:
 
-- verl's micro-batches are built exactly as verl builds them, and verl's ``loss_function`` is called once
-  per micro-batch on them, unchanged, so every loss mode and every metric comes out as with the stock engine;
+- verl's micro-batches are built exactly as verl builds them; verl's ``loss_function``, unchanged, reports
+  the loss and metrics of each of them, so every metric comes out as with the stock engine, and gives the
+  gradient (on the engine's own micro-batches without CP, see below);
 - ``model_output["log_probs"]`` (and ``["entropy"]`` when asked) are nested over each full sequence, position
   k scoring token k + 1. Only the response part (positions P-1 .. P+R-2) is computed; other positions are 0.
 
-Training is one pass. The micro-batches are grouped into replay units (``replay_units``: micro-batches that
-share trees, within the stock engine's memory bound); per unit, one ``replay(keep_graph=True)`` of the unit's
-trees gives log-probs (and entropies) attached to one graph in which each prompt appears once, verl's loss
-runs on each of the unit's micro-batches, and one backward of their sum puts exactly verl's gradient into
-the parameters. Forward-only replays every tree of the step at once, without a graph.
-Parameters stay gathered over the step and gradient sync is held back until one reduction after the last
-backward (``gathered_for_replay``): ranks hold different trees, so per-call FSDP collectives could not line up.
+Without context parallelism each rank streams its trees (``_stream``, ``replay``'s schedule): per tree the
+prompt runs once (its K/V kept as float32 leaves), the tree's responses run as the engine's own
+micro-batches under the largest verl micro-batch's tokens, each with verl's ``loss_function`` on its rows
+(verl's batch-level normalisers make these losses add up to verl's) and its backward, then one delayed
+prompt backward. So each prompt runs once per step and rank whatever verl's micro-batch size. The ranks
+make the same sequence of model calls (padding with dummy calls), so FSDP2 gathers parameters per layer
+and reduce-scatters gradients per backward, as the stock engine does (ZeRO-3). Reported losses and
+metrics are verl's, per verl micro-batch, evaluated on the detached outputs.
 
 Context parallelism (``cp_degrees`` above 1): ranks form CP groups of C = max(cp_degrees) (``cp_mesh``);
 the engine reports data-parallel rank and size = world / C to verl, so every rank of a CP group gets the
 same samples, and the group replays each tree once: plans of degree d > 1 context-parallel on d of its
 ranks, the other trees spread over its ranks (``group_replay``). Every rank of the group computes verl's
 loss on the whole micro-batch; its gradients add up over the group.
+CP groups still replay in units of verl's micro-batches (``replay_units``) with one backward per unit,
+under ``gathered_for_replay`` (every parameter gathered for the step): their ranks do not run in lock-step.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 from verl.workers.engine.utils import postprocess_batch_func, prepare_micro_batches
 
 from augtree_verl.integration import verl_compat
-from augtree_verl.integration.batch_trees import build_trees, sequence_lengths
+from augtree_verl.integration.batch_trees import BatchTrees, build_trees, sequence_lengths
 from augtree_verl.integration.config import FSDP_STRATEGY, AugTreeEngineConfig
 from augtree_verl.integration.cp_mesh import CPMesh, schedule_trees
 from augtree_verl.integration.fsdp_model import FSDPReplayModel, gathered_for_replay
@@ -47,7 +51,7 @@ from augtree_verl.integration.metrics import group_totals, step_metrics
 from augtree_verl.integration.plans import plans_for_trees
 from augtree_verl.integration.replay_units import replay_units
 from augtree_verl.plan import Plan
-from augtree_verl.replay import ReplayStats
+from augtree_verl.replay import ReplayStats, replay
 
 UNSUPPORTED_FLAGS = ("calculate_sum_pi_squared", "distillation_use_topk", "distillation_only")
 
@@ -108,12 +112,88 @@ class AugTreeEngine(FSDPEngineWithLMHead):
         tu.assign_non_tensor(data, batch_num_tokens=batch_num_tokens.item(), dp_size=self.get_data_parallel_size())
         micro_batches, indices = prepare_micro_batches(data=data, dp_group=dp_group, same_micro_num_in_dp=True)
         micro_batches = [mb.to(get_device_id()) for mb in micro_batches]
+        want_entropy = tu.get_non_tensor_data(data=data, key="calculate_entropy", default=False)
+        step = _Step(temperature=_temperature(data), want_entropy=want_entropy)
+        if self.cp_mesh.cp_size > 1:
+            output_lst = self._replay_units(step, micro_batches, loss_function, forward_only, return_model_output)
+        else:
+            output_lst = self._stream(step, micro_batches, loss_function, forward_only, return_model_output)
+        stats, backward_s = step.stats, step.backward_s
+        if self.cp_mesh.cp_size > 1:
+            stats, backward_s = group_totals(stats, backward_s, self.cp_mesh.cp_group, batch_num_tokens.device)
+        output_lst[0]["metrics"] = {**output_lst[0]["metrics"],
+                                    **step_metrics(stats, step.plans, backward_s=backward_s,
+                                                   plan_fallbacks=step.plan_fallbacks)}
+        return postprocess_batch_func(output_lst=output_lst, indices=indices, data=data)
 
+    def _stream(self, step: "_Step", micro_batches: list[TensorDict], loss_function, forward_only: bool,
+                return_model_output: bool) -> list[dict]:
+        """One rank's step without CP (``replay``'s streamed schedule): each tree's prompt runs once, its
+        responses run as the engine's own micro-batches under the largest verl micro-batch's tokens, each
+        with verl's ``loss_function`` on those rows and its backward; then one delayed prompt backward.
+
+        verl's loss is a sum of per-row terms normalised by batch-level constants (``batch_num_tokens``,
+        ``global_batch_size``, ``dp_size``), so these losses add up to verl's, whatever the grouping. The
+        reported losses and metrics are verl's, per verl micro-batch, evaluated on the detached outputs.
+        With several ranks every rank makes the same sequence of model calls (``lockstep_group``), so FSDP2
+        gathers parameters per layer and reduce-scatters gradients per backward, as the stock engine does.
+        """
+        train = not forward_only
+        dp_group = self.get_data_parallel_group()
+        grouped = build_trees(micro_batches)
+        plans, fallbacks = (plans_for_trees(micro_batches, grouped, self.cp_mesh.degrees,
+                                            min_cp_tokens=self.engine_config.fallback_threshold_tokens)
+                            if self.engine_config.use_planner else ([None] * len(grouped.trees), 0))
+        step.plans += plans
+        step.plan_fallbacks += fallbacks
+        flat_rows = {row: r for r, row in enumerate((m, k) for m, mb in enumerate(micro_batches) for k in range(len(mb)))}
+        flat = tu.concat_tensordict(micro_batches) if train else None
+        entropies: dict[tuple[int, int], torch.Tensor] = {}
+
+        def on_logits(t, i, logits):
+            entropies[(t, i)] = self._entropy(logits)
+
+        def micro_batch_loss(t, rows, logps):
+            rows_data = tu.index_select_tensor_dict(flat, [flat_rows[grouped.rows[t][i]] for i in rows])
+            ents = [entropies[(t, i)] for i in rows] if step.want_entropy else None
+            loss, _ = loss_function(model_output=_model_output(rows_data, logps, ents), data=rows_data,
+                                    dp_group=dp_group)
+            for i in rows:  # keep only the detached values for the outputs
+                if step.want_entropy:
+                    entropies[(t, i)] = entropies[(t, i)].detach()
+            return self.scaler.scale(loss) if self.scaler is not None else loss
+
+        world = torch.distributed.get_world_size()
+        logps = replay(FSDPReplayModel(self.module), grouped.trees, plans=plans, temperature=step.temperature,
+                       micro_batch_tokens=min(self.engine_config.micro_batch_tokens, _largest_micro_batch(grouped)),
+                       stats=step.stats, on_logits=on_logits if step.want_entropy else None,
+                       micro_batch_loss=micro_batch_loss if train else None,
+                       lockstep_group=torch.distributed.group.WORLD if world > 1 else None)
+        step.backward_s = step.stats.prompt_backward_s  # response backwards are in replay_s
+
+        output_lst = []
+        for m, mb in enumerate(micro_batches):
+            slots = [grouped.slot[(m, k)] for k in range(len(mb))]
+            output = _model_output(mb, [logps[t][i] for t, i in slots],
+                                   [entropies[slot] for slot in slots] if step.want_entropy else None)
+            if loss_function is None:
+                loss, metrics = torch.tensor(1.0), {}
+            else:
+                with torch.no_grad():
+                    loss, metrics = loss_function(model_output=output, data=mb, dp_group=dp_group)
+            output_lst.append({"loss": loss.detach().item(), "metrics": metrics})
+            if forward_only or return_model_output:
+                output_lst[m]["model_output"] = output
+        return output_lst
+
+    def _replay_units(self, step: "_Step", micro_batches: list[TensorDict], loss_function, forward_only: bool,
+                      return_model_output: bool) -> list[dict]:
+        """A CP group's step: replay units of verl's micro-batches (``replay_units``), each replayed by the
+        group (``group_replay``) with its graph kept, verl's loss per micro-batch, one backward per unit."""
+        dp_group = self.get_data_parallel_group()
         train = not forward_only
         units = (replay_units(build_trees(micro_batches), len(micro_batches)) if train
                  else [list(range(len(micro_batches)))])
-        want_entropy = tu.get_non_tensor_data(data=data, key="calculate_entropy", default=False)
-        step = _Step(temperature=_temperature(data), want_entropy=want_entropy)
         output_lst: list[dict | None] = [None] * len(micro_batches)
         with gathered_for_replay(self.module, reshard_after_forward=self.engine_config.reshard_after_forward,
                                  hold_gradient_sync=train):
@@ -139,13 +219,7 @@ class AugTreeEngine(FSDPEngineWithLMHead):
                         (self.scaler.scale(unit_loss) if self.scaler is not None else unit_loss).backward()
                     finish()
                     step.backward_s += time.perf_counter() - start
-        stats, backward_s = step.stats, step.backward_s
-        if self.cp_mesh.cp_size > 1:
-            stats, backward_s = group_totals(stats, backward_s, self.cp_mesh.cp_group, batch_num_tokens.device)
-        output_lst[0]["metrics"] = {**output_lst[0]["metrics"],
-                                    **step_metrics(stats, step.plans, backward_s=backward_s,
-                                                   plan_fallbacks=step.plan_fallbacks)}
-        return postprocess_batch_func(output_lst=output_lst, indices=indices, data=data)
+        return output_lst
 
     def _replay(self, step: "_Step", micro_batches: list[TensorDict], *, keep_graph: bool):
         """(verl's model outputs for ``micro_batches``, whose rows are replayed together as one set of trees,
@@ -170,12 +244,8 @@ class AugTreeEngine(FSDPEngineWithLMHead):
         outputs = []
         for m, mb in enumerate(micro_batches):
             row_scores = [scores[grouped.slot[(m, k)]] for k in range(len(mb))]
-            prompt_lens, _ = sequence_lengths(mb)
-            offsets = mb["input_ids"].offsets()
-            output = {"log_probs": _full_sequence([logp for logp, _ in row_scores], prompt_lens, offsets)}
-            if step.want_entropy:
-                output["entropy"] = _full_sequence([entropy for _, entropy in row_scores], prompt_lens, offsets)
-            outputs.append(output)
+            outputs.append(_model_output(mb, [logp for logp, _ in row_scores],
+                                         [entropy for _, entropy in row_scores] if step.want_entropy else None))
         return outputs, finish
 
     def _entropy(self, logits: torch.Tensor) -> torch.Tensor:
@@ -223,6 +293,26 @@ def _temperature(data: TensorDict) -> float:
             raise ValueError(f"the augtree engine needs one temperature per batch, got {values.tolist()}")
         return float(values[0])
     return float(temperature)
+
+
+def _model_output(rows: TensorDict, logps: list[torch.Tensor], entropies: list[torch.Tensor] | None) -> dict:
+    """verl's model output for the batch ``rows``: per row k its log-probs (and entropies) [R_k]."""
+    prompt_lens, _ = sequence_lengths(rows)
+    offsets = rows["input_ids"].offsets()
+    output = {"log_probs": _full_sequence(logps, prompt_lens, offsets)}
+    if entropies is not None:
+        output["entropy"] = _full_sequence(entropies, prompt_lens, offsets)
+    return output
+
+
+def _largest_micro_batch(grouped: BatchTrees) -> int:
+    """Tokens (prompt + response per row) of the largest of verl's micro-batches: the stock engine's
+    activation bound, which bounds each response micro-batch."""
+    tokens: dict[int, int] = {}
+    for tree, rows in zip(grouped.trees, grouped.rows):
+        for (m, _), r in zip(rows, tree.response_lens):
+            tokens[m] = tokens.get(m, 0) + tree.prompt_len + r
+    return max(tokens.values())
 
 
 def _full_sequence(responses: list[torch.Tensor], prompt_lens: list[int], offsets: torch.Tensor) -> torch.Tensor:

@@ -56,13 +56,30 @@ def _gather_rows(indices: list[int], values: list[torch.Tensor]) -> dict[int, to
     return {k: v for pairs in everyone for k, v in pairs}
 
 
+def infer_both_and_set_old(stock, ours, stock_batch, batch, stock_idx, ours_idx, num_rows, where, step):
+    """Both engines' log-probs and entropies agree on every global row (``*_idx``: each batch's global row
+    indices); then both batches get the same old log-probs (the current ones plus noise)."""
+    from tests.integration.test_engine_parity import _assert_close, _infer
+
+    want, got = _infer(stock, stock_batch, entropy=True), _infer(ours, batch, entropy=True)
+    for key in ("log_probs", "entropy"):
+        wanted = _gather_rows(stock_idx, H.response_logps(want, stock_batch, key))
+        for k, value in zip(ours_idx, H.response_logps(got, batch, key)):
+            _assert_close(f"{where} step {step} {key} row {k}", value, wanted[k])
+    current = _gather_rows(stock_idx, H.response_logps(want, stock_batch))
+    g = torch.Generator().manual_seed(step)
+    old = [current[k] + H.OLD_LOGP_NOISE * torch.randn(current[k].shape, generator=g) for k in range(num_rows)]
+    for b, idx in ((batch, ours_idx), (stock_batch, stock_idx)):
+        b["old_log_probs"] = torch.nested.as_nested_tensor([old[k] for k in idx], layout=torch.jagged)
+
+
 def _rank_main(rank: int, world: int, port: int, model_path: str, cp_degrees: list[int], specs: list,
                cp_max: int, loss_agg_mode: str, entropy_coeff: float) -> None:
     """``cp_max``: the largest degree expected to run."""
     H.use_cpu_platform()  # a spawned process: select verl's CPU platform before building engines
     from verl.utils import tensordict_utils as tu
 
-    from tests.integration.test_engine_parity import _assert_close, _assert_params_match, _infer, _train
+    from tests.integration.test_engine_parity import _assert_close, _assert_params_match, _train
 
     H.init_process_group(rank=rank, world_size=world, port=port)
     common = dict(loss_agg_mode=loss_agg_mode, entropy_coeff=entropy_coeff)
@@ -85,16 +102,7 @@ def _rank_main(rank: int, world: int, port: int, model_path: str, cp_degrees: li
         stock_batch = H.rows_to_batch([rows[k] for k in stock_idx])
         for b in (batch, stock_batch):
             tu.assign_non_tensor(b, global_batch_size=len(rows))
-        want, got = _infer(stock, stock_batch, entropy=True), _infer(ours, batch, entropy=True)
-        for key in ("log_probs", "entropy"):
-            wanted = _gather_rows(stock_idx, H.response_logps(want, stock_batch, key))
-            for k, value in zip(ours_idx, H.response_logps(got, batch, key)):
-                _assert_close(f"rank {rank} step {step} {key} row {k}", value, wanted[k])
-        current = _gather_rows(ours_idx, H.response_logps(got, batch))
-        g = torch.Generator().manual_seed(step)
-        old = [current[k] + H.OLD_LOGP_NOISE * torch.randn(current[k].shape, generator=g) for k in range(len(rows))]
-        batch["old_log_probs"] = torch.nested.as_nested_tensor([old[k] for k in ours_idx], layout=torch.jagged)
-        stock_batch["old_log_probs"] = torch.nested.as_nested_tensor([old[k] for k in stock_idx], layout=torch.jagged)
+        infer_both_and_set_old(stock, ours, stock_batch, batch, stock_idx, ours_idx, len(rows), f"rank {rank}", step)
         for b in (batch, stock_batch):
             tu.assign_non_tensor(b, calculate_entropy=entropy_coeff != 0)
         out_stock, out_ours = _train(stock, stock_loss, stock_batch), _train(ours, our_loss, batch)

@@ -46,5 +46,5 @@ def test_keep_graph_matches_flattened(checkpointing):
 
 def test_keep_graph_and_loss_fn_are_exclusive():
     model = tiny_model()
-    with pytest.raises(ValueError, match="not both"):
+    with pytest.raises(ValueError, match="not more than one"):
         replay(model, random_trees([3], [[2]]), lambda t, i, lp: lp.sum(), keep_graph=True)

@@ -1,0 +1,117 @@
+"""The streamed schedule against verl's stock engine: any verl micro-batch setting, and ZeRO-3 lock-step calls.
+
+World 1 (in-process): micro-batches of 1 and 2 rows and dynamic batch size (one sequence's tokens), with
+and without gradient checkpointing. Worlds 2 and 4 (spawned gloo ranks): our ranks hold very different
+work (one tree vs six; one response micro-batch vs many), so the lock-step padding (dummy trees, dummy
+micro-batches) runs; verl's stock engine gets the same global batch dealt evenly (the gradient of verl's
+globally normalised loss does not depend on how rows are dealt). Log-probs, entropies, grad norms and
+weights must agree after every step, and our engine must hold at most one FSDP parameter group more
+unsharded at once than the stock engine (no whole-model gather).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from augtree_verl.testing import harness as H
+from augtree_verl.testing import verl_batch
+
+pytestmark = pytest.mark.slow  # spawns process groups, Ray, verl engines or subprocesses
+
+STEPS = 3
+GROUPS = [(9, [3, 5, 4, 2]), (4, [6, 2, 3, 1, 5, 2]), (6, [4]), (1, [2, 1, 3])]
+# The stock engine's micro-batches: (name, verl settings); dynamic: one sequence's tokens per micro-batch.
+SETTINGS = {
+    "rows-1": dict(use_dynamic_bsz=False, micro_batch_size_per_gpu=1),
+    "rows-2": dict(use_dynamic_bsz=False, micro_batch_size_per_gpu=2),
+    "dynamic": dict(use_dynamic_bsz=True, max_token_len_per_gpu=16),
+}
+# Skewed worlds: rank -> its groups (ours; an even number of rows each). 32 rows: the stock engine's even deal.
+# Group 0 is one response micro-batch (MICRO_BATCH_TOKENS), the others several each.
+SKEWED_GROUPS = [(20, [2, 2, 2, 1]), (4, [6, 2, 3, 1, 5, 2]), (6, [4, 3, 2, 1]), (3, [2, 1, 3, 2]),
+                 (5, [5, 4, 3, 2]), (7, [2, 2, 2, 2, 2]), (2, [3, 6, 4, 2, 5])]
+SKEW = {2: [[0], [1, 2, 3, 4, 5, 6]], 4: [[0], [1, 2, 3], [4], [5, 6]]}
+MICRO_BATCH_TOKENS = 8
+# The stock engine holds one layer plus the root (and a prefetched neighbour) at once; we may hold the
+# prompt's layer of a delayed backward as well.
+EXTRA_UNSHARDED = 1
+
+
+def _batch(rows, setting: str, **extra):
+    return verl_batch.rows_to_batch(rows, **SETTINGS[setting], **extra)
+
+
+def _steps(stock, stock_loss, ours, our_loss, stock_rows, our_rows, setting, where, global_rows, entropy_coeff):
+    """STEPS steps of both engines; rows are global row indices into ``H.group_rows(..., seed=step)``."""
+    from verl.utils import tensordict_utils as tu
+
+    from augtree_verl.integration.fsdp_model import UnshardedGroups
+    from tests.integration.test_engine_cp import infer_both_and_set_old
+    from tests.integration.test_engine_parity import _assert_close, _assert_params_match, _train
+
+    seen = {"stock": 0, "ours": 0}
+    for step in range(STEPS):
+        rows = H.group_rows(global_rows, seed=step)
+        batch = _batch([rows[k] for k in our_rows], setting)
+        stock_batch = _batch([rows[k] for k in stock_rows], setting)
+        for b in (batch, stock_batch):
+            tu.assign_non_tensor(b, global_batch_size=len(rows))
+        infer_both_and_set_old(stock, ours, stock_batch, batch, stock_rows, our_rows, len(rows), where, step)
+        for b in (batch, stock_batch):
+            tu.assign_non_tensor(b, calculate_entropy=entropy_coeff != 0)
+        with UnshardedGroups(stock.module) as stock_seen:
+            out_stock = _train(stock, stock_loss, stock_batch)
+        with UnshardedGroups(ours.module) as our_seen:
+            out_ours = _train(ours, our_loss, batch)
+        seen["stock"], seen["ours"] = max(seen["stock"], stock_seen.max), max(seen["ours"], our_seen.max)
+        losses = torch.tensor([sum(out_ours["loss"]), sum(out_stock["loss"])], dtype=torch.float64)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(losses)  # each rank's losses are its rows' share of the global loss
+        _assert_close(f"{where} step {step} loss", losses[0], losses[1])
+        if "grad_norm" in out_stock["metrics"]:
+            _assert_close(f"{where} step {step} grad norm", torch.tensor(out_ours["metrics"]["grad_norm"]),
+                          torch.tensor(out_stock["metrics"]["grad_norm"]))
+        _assert_params_match(ours, stock, step)
+    assert 0 < seen["ours"] <= seen["stock"] + EXTRA_UNSHARDED, f"{where}: unsharded groups at once {seen}"
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory, single_process_group):
+    return H.save_tiny_qwen2(str(tmp_path_factory.mktemp("tiny-qwen2")))
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("setting,checkpointing", [("rows-1", False), ("rows-2", True), ("dynamic", False),
+                                                   ("dynamic", True)])
+def test_every_micro_batch_setting_matches_stock_engine(model_path, setting, checkpointing):
+    common = dict(loss_agg_mode="seq-mean-token-mean", entropy_coeff=0.01, gradient_checkpointing=checkpointing)
+    stock, stock_loss = H.build_engine("fsdp2", model_path, **common)
+    ours, our_loss = H.build_engine("augtree", model_path, **common)
+    rows = list(range(sum(len(rs) for _, rs in GROUPS)))
+    _steps(stock, stock_loss, ours, our_loss, rows, rows, setting, setting, GROUPS, 0.01)
+
+
+def _skewed_main(rank: int, world: int, port: int, model_path: str, setting: str, checkpointing: bool) -> None:
+    H.use_cpu_platform()  # a spawned process: select verl's CPU platform before building engines
+    H.init_process_group(rank=rank, world_size=world, port=port)
+    common = dict(loss_agg_mode="token-mean", gradient_checkpointing=checkpointing)
+    stock, stock_loss = H.build_engine("fsdp2", model_path, **common)
+    ours, our_loss = H.build_engine("augtree", model_path, **common, engine_knobs={"micro_batch_tokens": MICRO_BATCH_TOKENS})
+    rows = H.group_rows(SKEWED_GROUPS)
+    group_of = [int(row["uid"].split("-")[1]) for row in rows]
+    our_rows = [k for k, g in enumerate(group_of) if g in SKEW[world][rank]]
+    stock_rows = list(range(rank, len(rows), world))
+    _steps(stock, stock_loss, ours, our_loss, stock_rows, our_rows, setting, f"rank {rank}", SKEWED_GROUPS, 0.0)
+    dist.destroy_process_group()
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("world,setting,checkpointing", [(2, "rows-1", False), (2, "rows-2", True),
+                                                         (4, "rows-2", False), (4, "rows-1", True)])
+def test_ranks_with_very_different_work_match_stock_engine(tmp_path, world, setting, checkpointing):
+    model_path = H.save_tiny_qwen2(str(tmp_path / "tiny-qwen2"))
+    mp.start_processes(_skewed_main, args=(world, H.free_port(), model_path, setting, checkpointing),
+                       nprocs=world, join=True, start_method="spawn")
