@@ -106,6 +106,8 @@ def run_benchmark(cfg: BenchConfig, rank: int = 0, world: int = 1, device: str =
         results += _run_workload(model, workload, methods, cfg.repeats, cfg.seed, rank, world, profile, bar,
                                  FLOAT32_GRAD_RTOL if dtype == torch.float32 else BF16_GRAD_RTOL, verl)
     bar.close()
+    if verl is not None:
+        verl.close()
     return results
 
 

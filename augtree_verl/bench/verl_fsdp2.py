@@ -69,8 +69,8 @@ class VerlStep:
 class VerlFsdp2:
     """verl's fsdp2 engine, built once per bench run on every rank (inside the bench's process group)."""
 
-    def __init__(self, engine, loss_fn):
-        self.engine, self.loss_fn = engine, loss_fn
+    def __init__(self, engine, loss_fn, owns_group: bool):
+        self.engine, self.loss_fn, self.owns_group = engine, loss_fn, owns_group
 
     @classmethod
     def build(cls, model) -> "VerlFsdp2":
@@ -81,11 +81,17 @@ class VerlFsdp2:
         from augtree_verl.testing import harness
 
         harness.use_cpu_platform()
+        owns_group = not dist.is_initialized()
         harness.init_process_group()
         with tempfile.TemporaryDirectory(prefix="augtree-bench-verl-") as path:
             model.save_pretrained(path)
             engine, loss_fn = harness.build_engine("fsdp2", path)
-        return cls(engine, loss_fn)
+        return cls(engine, loss_fn, owns_group)
+
+    def close(self) -> None:
+        """Destroy the world-size-1 process group ``build`` made, if it made one."""
+        if self.owns_group:
+            dist.destroy_process_group()
 
     def prepare(self, model, trees: Sequence[ReplayTree], seed: int, rank: int, world: int) -> VerlStep:
         """This rank's batch with old log-probs from verl's own forward, checked against the flattened baseline."""
