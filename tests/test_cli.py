@@ -30,7 +30,9 @@ def test_quick_smoke_run_writes_json_and_plot(tmp_path):
     assert "augtree bench" in proc.stderr  # the progress bar
     rows = json.loads(out.read_text())["results"]
     # The default CP degree is 2: every method runs, on two gloo ranks.
-    assert [r["method"] for r in rows] == ["MegaN", "MegaR", "AugTree", "AugTree[tree_move_kv]", "AugTree[move_q]"]
+    assert [r["method"] for r in rows] == ["MegaN", "MegaR", "AugTree", "AugTree[tree_move_kv]", "AugTree[move_q]",
+                                           "verl-fsdp2"]
+    assert rows[-1]["plan"] == "fsdp2(dp=2,mb=1)" and rows[-1]["max_logp_rel_err"] <= 1e-5
     assert all(r["status"] == "ok" and r["max_grad_rel_err"] <= 1e-5 for r in rows)
     assert rows[0]["plan"] == "ring(d=2)" and rows[0]["comm_bytes"] > 0
     assert png.read_bytes()[:4] == b"\x89PNG"

@@ -9,6 +9,8 @@
   Needs d > 1; on one device it is exactly AugTree.
 - AugTree: the grouped replay; with d > 1 the planner picks primitive, grid and placement per tree.
 - AugTree[<primitive>]: the planner restricted to one split primitive (forced "ring" is MegaN itself).
+- verl-fsdp2 (CPU): verl's stock FSDP2 engine as users run it today, one sequence per verl micro-batch, data
+  parallel over the step's responses at d ranks (``verl_fsdp2.py``).
 """
 
 from __future__ import annotations
@@ -29,10 +31,11 @@ class Method:
     flattened: bool = False         # run the flattened baseline instead of ``replay``
     fixed: str | None = None        # "ring" or "megar": a plan built here, not by the planner
     force: str | None = None        # planner restricted to this primitive
+    verl: bool = False              # verl's stock fsdp2 engine (verl_fsdp2.py) instead of ``replay``
 
     def plans(self, trees: Sequence[ReplayTree], degree: int, profile=None) -> list[Plan] | None:
         """One plan per tree for CP degree ``degree`` (None: single device, no plan)."""
-        if degree == 1 or self.flattened:
+        if degree == 1 or self.flattened or self.verl:
             return None
         if self.fixed == "ring":
             return [Plan(degree=degree, primitive="ring") for _ in trees]
@@ -46,7 +49,7 @@ class Method:
     @property
     def planned(self) -> bool:
         """AugTree methods: their plans come from the planner, so the planner predicts their step time."""
-        return not self.flattened and self.fixed is None
+        return not self.flattened and self.fixed is None and not self.verl
 
     def predicted_s(self, trees: Sequence[ReplayTree], plans: list[Plan] | None, profile) -> float | None:
         """The planner's predicted update-step time: its estimate summed over the trees (they run one after
@@ -57,16 +60,24 @@ class Method:
         return sum(p.est_time_s for p in plans)
 
 
-def methods_for(cp: int) -> list[Method]:
-    """MegaN first (the reference every other method is compared with)."""
+VERL_FSDP2 = Method("verl-fsdp2", verl=True)
+
+
+def methods_for(cp: int, device: str = "cpu") -> list[Method]:
+    """MegaN first (the reference every other method is compared with); verl-fsdp2 last, on CPU only (verl's
+    engine runs here on our CPU platform; on CUDA it is not wired up yet)."""
+    verl = [VERL_FSDP2] if device == "cpu" else []
     if cp == 1:
-        return [Method("MegaN", flattened=True), Method("AugTree")]
+        return [Method("MegaN", flattened=True), Method("AugTree")] + verl
     return ([Method("MegaN", fixed="ring"), Method("MegaR", fixed="megar"), Method("AugTree")]
-            + [Method(f"AugTree[{p}]", force=p) for p in SPLIT_PRIMITIVES])
+            + [Method(f"AugTree[{p}]", force=p) for p in SPLIT_PRIMITIVES] + verl)
 
 
-def describe_plans(plans: Sequence[Plan] | None, flattened: bool) -> str:
-    """Short text for the table: "flattened", "single", or each distinct plan as primitive(d,b,s)."""
+def describe_plans(plans: Sequence[Plan] | None, flattened: bool, verl_world: int | None = None) -> str:
+    """Short text for the table: "flattened", "single", each distinct plan as primitive(d,b,s), or for
+    verl-fsdp2 (``verl_world`` its data-parallel size) "fsdp2(dp=d,mb=1)"."""
+    if verl_world is not None:
+        return f"fsdp2(dp={verl_world},mb=1)"
     if flattened:
         return "flattened"
     if plans is None:

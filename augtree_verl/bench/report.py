@@ -19,12 +19,19 @@ def format_table(results: Sequence[MethodResult]) -> str:
     rows = [header]
     for r in results:
         rows.append((r.workload, r.method, f"{r.step_time_s:.3f}", f"{r.speedup_vs_megan:.2f}x",
-                     f"{r.executed_tokens:,}/{r.logical_tokens:,}", _bytes(r.comm_bytes), r.plan,
-                     f"{r.max_grad_rel_err:.1e}", "WRONG" if r.wrong else "ok"))
+                     f"{r.executed_tokens:,}/{r.logical_tokens:,}",
+                     _bytes(r.comm_bytes) if r.comm_counted else "not counted", r.plan, _errors(r),
+                     "WRONG" if r.wrong else "ok"))
     widths = [max(len(row[c]) for row in rows) for c in range(len(header))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths).rstrip())
     return "\n".join(lines)
+
+
+def _errors(r: MethodResult) -> str:
+    """The gradient error, and for verl-fsdp2 its log-prob error too (both against the flattened baseline)."""
+    text = f"{r.max_grad_rel_err:.1e}"
+    return text if r.max_logp_rel_err is None else f"{text} (logp {r.max_logp_rel_err:.1e})"
 
 
 def format_ideal(results: Sequence[MethodResult]) -> str:

@@ -7,7 +7,8 @@ ratios between methods (``paired_ratio``) are medians of the per-round ratios, s
 rounds cancels out. After
 every step the method's parameter gradients (summed over CP ranks) are compared with the reference: the
 flattened baseline's gradients (MegaN's own first step on one device; with CP, the flattened baseline run
-untimed with the responses split over the ranks and the gradients summed).
+untimed with the responses split over the ranks and the gradients summed). verl-fsdp2 (verl_fsdp2.py) is
+checked the same way, and its log-probs against the flattened baseline's too.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from tqdm import tqdm
 
 from augtree_verl.bench.config import BenchConfig
 from augtree_verl.bench.loss import grpo_loss
-from augtree_verl.bench.methods import Method, describe_plans, methods_for
+from augtree_verl.bench.methods import VERL_FSDP2, Method, describe_plans, methods_for
 from augtree_verl.bench.workloads import Workload, build_workload
 from augtree_verl.models import load_model, vocab_size
 from augtree_verl.planner import ClusterProfile
@@ -36,6 +37,7 @@ from augtree_verl.replay.flops import step_flops
 FLOAT32_GRAD_RTOL = 1e-5
 # bf16 (the CUDA path): epsilon 2^-8, so rounding of long sums in another order reaches ~1e-2.
 BF16_GRAD_RTOL = 1e-2
+VERL_NAME = VERL_FSDP2.name
 
 
 @dataclass
@@ -53,6 +55,9 @@ class MethodResult:
     speedup_vs_megan: float | None = None
     # The planner's predicted step time (AugTree methods; None for the baselines), beside the measured one.
     predicted_s: float | None = None
+    # verl-fsdp2 only: its log-probs against the flattened baseline's, max|Δ| / max|ref| (None: not checked).
+    max_logp_rel_err: float | None = None
+    comm_counted: bool = True  # False for verl-fsdp2: FSDP2's all-gathers and reduce-scatters are not counted
     groups: list[dict] = field(default_factory=list)
 
     @property
@@ -68,7 +73,8 @@ class MethodResult:
 
     @property
     def wrong(self) -> bool:
-        return not self.max_grad_rel_err <= self.tolerance  # NaN is wrong too
+        logp_ok = self.max_logp_rel_err is None or self.max_logp_rel_err <= self.tolerance
+        return not (self.max_grad_rel_err <= self.tolerance and logp_ok)  # NaN is wrong too
 
     def to_dict(self) -> dict:
         return {**asdict(self), "step_time_s": self.step_time_s, "prediction_error": self.prediction_error,
@@ -84,26 +90,38 @@ def run_benchmark(cfg: BenchConfig, rank: int = 0, world: int = 1, device: str =
     """Run every workload and method; with ``world`` > 1 all ranks call this inside one process group."""
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     model = load_model(cfg.model, device=device, dtype=dtype, seed=cfg.seed)
-    methods = methods_for(world)
+    methods = methods_for(world, device)
     # The planner's cost model, measured on this machine and process group (collective: every rank calls it);
     # on one device it only predicts the AugTree step times (``predicted_s``).
     profile = replace(ClusterProfile.default().with_model(model.config), activation_checkpointing=False,
                       dtype_bytes=dtype.itemsize).calibrate(device=device, model=model)
     bar = tqdm(total=len(cfg.workloads) * (cfg.repeats * len(methods) + (world > 1)), disable=rank != 0,
                desc="augtree bench", unit="step", dynamic_ncols=True)
-    _warm_up(model, methods, world, profile, device)
+    verl = _build_verl(model, methods)
+    _warm_up(model, methods, rank, world, profile, device, verl)
     results = []
     for name in cfg.workloads:
         workload = build_workload(name, cfg.budget_tokens, cfg.group_size, cfg.num_groups,
                                   vocab_size=vocab_size(model), seed=cfg.seed)
         results += _run_workload(model, workload, methods, cfg.repeats, cfg.seed, rank, world, profile, bar,
-                                 FLOAT32_GRAD_RTOL if dtype == torch.float32 else BF16_GRAD_RTOL)
+                                 FLOAT32_GRAD_RTOL if dtype == torch.float32 else BF16_GRAD_RTOL, verl)
     bar.close()
+    if verl is not None:
+        verl.close()
     return results
 
 
+def _build_verl(model, methods: list[Method]):
+    """verl's engine for the verl-fsdp2 method (imported only when that method runs), else None."""
+    if not any(m.verl for m in methods):
+        return None
+    from augtree_verl.bench.verl_fsdp2 import VerlFsdp2
+
+    return VerlFsdp2.build(model)
+
+
 def _run_workload(model, workload: Workload, methods: list[Method], repeats: int, seed: int, rank: int,
-                  world: int, profile, bar, tolerance: float) -> list[MethodResult]:
+                  world: int, profile, bar, tolerance: float, verl=None) -> list[MethodResult]:
     device = model.get_input_embeddings().weight.device
     trees = [ReplayTree(t.prompt.to(device), [r.to(device) for r in t.responses]) for t in workload.trees]
     loss_fn = grpo_loss(trees, seed)
@@ -116,22 +134,27 @@ def _run_workload(model, workload: Workload, methods: list[Method], repeats: int
     results = {m.name: MethodResult(
         workload=workload.name, method=m.name, step_times_s=[], executed_tokens=0,
         logical_tokens=workload.logical_tokens, comm_bytes=0, max_grad_rel_err=0.0,
-        plan=describe_plans(plans[m.name], m.flattened), ideal_speedup=ideal_speedup(model.config, workload.groups),
+        plan=describe_plans(plans[m.name], m.flattened, world if m.verl else None), ideal_speedup=ideal_speedup(model.config, workload.groups),
         tolerance=tolerance, predicted_s=m.predicted_s(trees, plans[m.name], profile),
         groups=[{"id": g.id, "prompt_len": g.prompt_len, "response_lens": list(g.response_lens)}
                 for g in workload.groups],
     ) for m in methods}
+    verl_step = verl.prepare(model, trees, seed, rank, world) if verl is not None else None
+    if verl_step is not None:
+        results[VERL_NAME].max_logp_rel_err = verl_step.max_logp_rel_err
+        results[VERL_NAME].comm_counted = False
     for _ in range(repeats):
         for m in methods:
             bar.set_postfix_str(f"{workload.name}: {m.name}")
             res = results[m.name]
-            seconds, stats = _timed_step(model, trees, loss_fn, m, plans[m.name], world)
-            grads = _summed_grads(model, world)
+            seconds, stats = _timed_step(model, trees, loss_fn, m, plans[m.name], world, verl, verl_step)
+            grads = verl.full_grads() if m.verl else _summed_grads(model, world)
             if reference is None:  # one device: MegaN's first step is the flattened reference
                 reference = grads
             res.step_times_s.append(seconds)
             res.max_grad_rel_err = _worse(res.max_grad_rel_err, max_rel_err(grads, reference))
-            res.executed_tokens, res.comm_bytes = _totals(stats, workload.logical_tokens, world, device)
+            res.executed_tokens, res.comm_bytes = (verl_step.executed_tokens, 0) if m.verl else \
+                _totals(stats, workload.logical_tokens, world, device)
             bar.update()
     megan = results[methods[0].name]
     for res in results.values():
@@ -144,23 +167,27 @@ def paired_ratio(a: MethodResult, b: MethodResult) -> float:
     return statistics.median(x / y for x, y in zip(a.step_times_s, b.step_times_s))
 
 
-def _warm_up(model, methods: list[Method], world: int, profile, device) -> None:
+def _warm_up(model, methods: list[Method], rank: int, world: int, profile, device, verl=None) -> None:
     """One untimed step per method on a small tree: first-call allocations, kernel choice, comm setup."""
     gen = torch.Generator().manual_seed(0)
     ids = lambda n: torch.randint(0, vocab_size(model), (n,), generator=gen).to(device)
     trees = [ReplayTree(ids(64), [ids(16), ids(24)])]
     loss_fn = grpo_loss(trees, 0)
+    verl_step = verl.prepare(model, trees, 0, rank, world) if verl is not None else None
     for m in methods:
-        _timed_step(model, trees, loss_fn, m, m.plans(trees, world, profile), world)
+        _timed_step(model, trees, loss_fn, m, m.plans(trees, world, profile), world, verl, verl_step)
     model.zero_grad(set_to_none=True)
 
 
-def _timed_step(model, trees, loss_fn, method: Method, plans, world: int) -> tuple[float, ReplayStats | None]:
+def _timed_step(model, trees, loss_fn, method: Method, plans, world: int, verl=None,
+                verl_step=None) -> tuple[float, ReplayStats | None]:
     model.zero_grad(set_to_none=True)
     _sync(model, world)
     start = time.perf_counter()
     stats = None
-    if method.flattened:
+    if method.verl:
+        verl.step(verl_step)
+    elif method.flattened:
         flattened_replay(model, trees, loss_fn)
     else:
         stats = ReplayStats()

@@ -14,11 +14,15 @@ def test_cp2_runs_every_method_exactly():
     cfg = BenchConfig(workloads=("rag", "reasoning"), budget_tokens=3000, group_size=3, cp=2,
                       model="qwen2-tiny", repeats=1)
     results = run(cfg)
-    methods = ["MegaN", "MegaR", "AugTree", "AugTree[tree_move_kv]", "AugTree[move_q]"]
+    methods = ["MegaN", "MegaR", "AugTree", "AugTree[tree_move_kv]", "AugTree[move_q]", "verl-fsdp2"]
     assert [(r.workload, r.method) for r in results] == [(w, m) for w in cfg.workloads for m in methods]
     for r in results:
         assert r.max_grad_rel_err <= FLOAT32_GRAD_RTOL, (r.workload, r.method, r.max_grad_rel_err)
         assert r.step_time_s > 0
+    # verl-fsdp2 at d = 2: data parallel over the 3 responses, one rank padded with a masked row.
+    verl = {(r.workload, r.method): r for r in results}["rag", "verl-fsdp2"]
+    assert verl.plan == "fsdp2(dp=2,mb=1)" and verl.max_logp_rel_err <= FLOAT32_GRAD_RTOL
+    assert verl.executed_tokens > verl.logical_tokens
     by = {(r.workload, r.method): r for r in results}
     assert by["rag", "MegaN"].plan == "ring(d=2)"
     assert by["rag", "MegaR"].plan == "tree_move_kv(d=2,b=3,s=1)"

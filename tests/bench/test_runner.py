@@ -15,7 +15,7 @@ import torch
 @pytest.mark.slow
 def test_every_method_runs_every_workload_and_matches_the_baseline(results):
     assert [(r.workload, r.method) for r in results] == [
-        ("rag", "MegaN"), ("rag", "AugTree"), ("chat", "MegaN"), ("chat", "AugTree")]
+        (w, m) for w in ("rag", "chat") for m in ("MegaN", "AugTree", "verl-fsdp2")]
     for r in results:
         assert len(r.step_times_s) == 2 and r.step_time_s > 0
         assert r.max_grad_rel_err <= FLOAT32_GRAD_RTOL and not r.wrong
@@ -35,7 +35,7 @@ def test_json_has_the_documented_keys(results, tmp_path):
     write_json(results, path, config={"model": "qwen2-tiny"})
     data = json.loads(path.read_text())
     assert data["config"] == {"model": "qwen2-tiny"}
-    assert len(data["results"]) == 4
+    assert len(data["results"]) == 6
     for row, r in zip(data["results"], results):
         assert list(row)[: len(JSON_KEYS)] == list(JSON_KEYS)
         assert (row["workload"], row["method"], row["plan"]) == (r.workload, r.method, r.plan)
@@ -52,7 +52,7 @@ def test_plot_is_a_png(results, tmp_path):
 @pytest.mark.slow
 def test_table_and_ideal_lines(results):
     table = format_table(results)
-    assert table.count("\n") == 5 and "flattened" in table and "WRONG" not in table
+    assert table.count("\n") == 7 and "flattened" in table and "WRONG" not in table
     assert format_ideal(results).splitlines()[0].startswith("rag: ideal FLOP-count speedup")
 
 
@@ -81,13 +81,15 @@ def test_cp_plans_of_the_fixed_methods():
 
     trees = [ReplayTree(torch.arange(5), [torch.arange(3), torch.arange(2)])]
     by = {m.name: m for m in methods_for(4)}
-    assert list(by) == ["MegaN", "MegaR", "AugTree", "AugTree[tree_move_kv]", "AugTree[move_q]"]
+    assert list(by) == ["MegaN", "MegaR", "AugTree", "AugTree[tree_move_kv]", "AugTree[move_q]", "verl-fsdp2"]
+    assert by["verl-fsdp2"].plans(trees, 4) is None and not by["verl-fsdp2"].planned
+    assert "verl-fsdp2" not in [m.name for m in methods_for(4, device="cuda")]
     (ring,), (megar,) = by["MegaN"].plans(trees, 4), by["MegaR"].plans(trees, 4)
     assert (ring.primitive, ring.degree) == ("ring", 4)
     assert (megar.primitive, megar.lanes, megar.rounds, megar.placement) == ("tree_move_kv", 1, 2, ((0, 0), (1, 0)))
     (forced,) = by["AugTree[move_q]"].plans(trees, 4)
     assert forced.primitive == "move_q" and forced.degree == 4
-    assert [m.name for m in methods_for(1)] == ["MegaN", "AugTree"] and by["MegaN"].plans(trees, 1) is None
+    assert [m.name for m in methods_for(1)] == ["MegaN", "AugTree", "verl-fsdp2"] and by["MegaN"].plans(trees, 1) is None
 
 
 def _timed(method, times, plan="p"):
@@ -117,7 +119,7 @@ def test_planner_choice_is_compared_with_the_best_forced_primitive():
 def test_augtree_rows_carry_the_planners_prediction(results, tmp_path):
     """Only AugTree methods are planned: their rows carry predicted_s and its error against the clock."""
     for r in results:
-        if r.method == "MegaN":
+        if r.method in ("MegaN", "verl-fsdp2"):
             assert r.predicted_s is None and r.prediction_error is None
         else:
             assert r.predicted_s > 0
@@ -128,3 +130,19 @@ def test_augtree_rows_carry_the_planners_prediction(results, tmp_path):
     assert [row["predicted_s"] for row in rows] == [r.predicted_s for r in results]
     lines = format_prediction(results).splitlines()
     assert [line.split(":")[0] for line in lines] == ["rag", "chat"] and "median over 1 AugTree method" in lines[0]
+
+
+def test_verl_fsdp2_runs_verls_engine_checked_on_gradients_and_log_probs(results):
+    """verl's real engine ran (one sequence per micro-batch) and matched the flattened baseline."""
+    for r in (r for r in results if r.method == "verl-fsdp2"):
+        assert r.plan == "fsdp2(dp=1,mb=1)" and not r.comm_counted and r.step_time_s > 0
+        assert r.executed_tokens == r.logical_tokens
+        assert 0 <= r.max_logp_rel_err <= FLOAT32_GRAD_RTOL and r.max_grad_rel_err <= FLOAT32_GRAD_RTOL
+        assert not r.wrong and "(logp " in format_table([r])
+
+
+def test_a_wrong_log_prob_is_wrong():
+    r = MethodResult(workload="rag", method="verl-fsdp2", step_times_s=[1.0], executed_tokens=1, logical_tokens=1,
+                     comm_bytes=0, max_grad_rel_err=0.0, plan="fsdp2(dp=1,mb=1)", ideal_speedup=1.0,
+                     tolerance=FLOAT32_GRAD_RTOL, speedup_vs_megan=1.0, max_logp_rel_err=2 * FLOAT32_GRAD_RTOL)
+    assert r.wrong and "WRONG" in format_table([r])
