@@ -34,7 +34,6 @@ import argparse
 import copy
 import datetime
 import json
-import os
 import socket
 import statistics
 import sys

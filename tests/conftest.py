@@ -1,4 +1,3 @@
-import socket
 import sys
 
 import pytest
@@ -9,12 +8,6 @@ from augtree_verl.testing import harness
 # verl resolves its device once per process, when something first imports verl.workers.engine; the suite runs
 # verl's engines and trainers on our CPU platform, so it is selected before any test module is collected.
 harness.use_cpu_platform()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def pytest_terminal_summary(terminalreporter, config):
@@ -32,7 +25,7 @@ def single_process_group():
     """A gloo process group of this one process (world size 1) for a module's tests, destroyed after them."""
     if dist.is_initialized():
         raise RuntimeError("a process group is already initialised here: an earlier test module leaked it")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{harness.free_port()}", rank=0, world_size=1)
     yield
     dist.destroy_process_group()
 

@@ -9,7 +9,6 @@ import torch
 from augtree_verl.integration.cp_mesh import CPMesh, place_trees, schedule_trees
 from augtree_verl.plan import Plan
 from augtree_verl.replay import ReplayTree
-from augtree_verl.testing import harness as H
 
 
 def test_heaviest_first_onto_the_least_loaded_subgroup():
