@@ -1,7 +1,7 @@
 """Grouped replay: prompt prefilled once per tree, responses replayed against its K/V, one delayed prompt backward."""
 
-from augtree_verl.replay.engine import replay
+from augtree_verl.replay.engine import held_prompt_tensors, replay
 from augtree_verl.replay.stats import ReplayStats
 from augtree_verl.replay.tree import ReplayTree
 
-__all__ = ["ReplayStats", "ReplayTree", "replay"]
+__all__ = ["ReplayStats", "ReplayTree", "held_prompt_tensors", "replay"]

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import operator
+import weakref
 from typing import Callable, Sequence
 
 import torch
@@ -242,11 +243,28 @@ class _TreeRun:
                 for b, i in enumerate(rows)]
 
 
+_HELD_LEAVES: "weakref.WeakSet[torch.Tensor]" = weakref.WeakSet()  # the prompt leaves alive now
+
+
+def held_prompt_tensors() -> list[torch.Tensor]:
+    """The device tensors in-flight prompts hold between their prefill and their delayed backward: each
+    prompt leaf (K/V, last hidden state) and its float32 gradient sum. For memory meters (``UnshardedGroups``);
+    tensors may share storage with each other or with saved activations."""
+    held = []
+    for leaf in list(_HELD_LEAVES):
+        held.append(leaf)
+        if leaf.grad_sum is not None:
+            held.append(leaf.grad_sum)
+    return held
+
+
 def _summing_leaf(x: torch.Tensor) -> torch.Tensor:
     """A leaf sharing ``x``'s storage whose gradients, one per backward, are summed in float32 into
-    ``leaf.grad_sum`` (None until the first): autograd's own ``.grad`` would sum them in ``x``'s dtype."""
+    ``leaf.grad_sum`` (None until the first): autograd's own ``.grad`` would sum them in ``x``'s dtype.
+    Registered in ``held_prompt_tensors`` while alive."""
     leaf = x.detach().requires_grad_()
     leaf.grad_sum = None
+    _HELD_LEAVES.add(leaf)
 
     def move(t: torch.Tensor) -> None:
         t.grad_sum = t.grad.float() if t.grad_sum is None else t.grad_sum.add_(t.grad)
