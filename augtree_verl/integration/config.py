@@ -17,6 +17,7 @@ from verl.workers.config import FSDPEngineConfig
 from augtree_verl.integration import verl_compat
 from augtree_verl.integration.registration import STRATEGY
 from augtree_verl.plan import PRIMITIVES
+from augtree_verl.planner.service import DEFAULT_MAX_ENTRIES, DEFAULT_TTL_S
 from augtree_verl.replay.engine import DEFAULT_MICRO_BATCH_TOKENS
 
 # The FSDP sharding the "augtree" strategy builds on. "fsdp"/"fsdp2" are accepted as the strategy too: verl's
@@ -38,6 +39,9 @@ class AugTreeEngineConfig(FSDPEngineConfig):
     fallback_threshold_tokens: a group whose prompt + longest response is shorter than this runs without CP.
     planner_name: name of the planner service (a named Ray actor) the trainer hook sends group lengths to.
     planner_timeout_s: how long to wait for a plan before falling back to no CP (counted as a fallback).
+    planner_ttl_s: how long the planner service keeps a reported group's plan that no step has used (an
+        async trainer uses a group a few steps after its rollout; DAPO drops some groups for good).
+    planner_max_entries: the most unused plans the service keeps; the oldest leave first (counted as evicted).
     """
 
     strategy: str = STRATEGY
@@ -48,6 +52,8 @@ class AugTreeEngineConfig(FSDPEngineConfig):
     fallback_threshold_tokens: int = 0
     planner_name: str = "augtree_planner"
     planner_timeout_s: float = 5.0
+    planner_ttl_s: float = DEFAULT_TTL_S
+    planner_max_entries: int = DEFAULT_MAX_ENTRIES
 
     def __post_init__(self):
         # FSDPEngineConfig.__post_init__ only adds a strategy assertion that rejects "augtree".
@@ -56,6 +62,7 @@ class AugTreeEngineConfig(FSDPEngineConfig):
             raise ValueError(f"AugTreeEngineConfig.strategy must be one of {ACCEPTED_STRATEGIES}, got {self.strategy!r}")
         _check_int("micro_batch_tokens", self.micro_batch_tokens, minimum=1)
         _check_int("fallback_threshold_tokens", self.fallback_threshold_tokens, minimum=0)
+        _check_int("planner_max_entries", self.planner_max_entries, minimum=1)
         degrees = list(self.cp_degrees) if not isinstance(self.cp_degrees, (str, bytes)) else None
         if not degrees:
             raise ValueError(f"AugTreeEngineConfig.cp_degrees must be a non-empty list of ints, got {self.cp_degrees!r}")
@@ -74,6 +81,9 @@ class AugTreeEngineConfig(FSDPEngineConfig):
         if isinstance(self.planner_timeout_s, bool) or not isinstance(self.planner_timeout_s, (int, float)) \
                 or not self.planner_timeout_s > 0:
             raise ValueError(f"AugTreeEngineConfig.planner_timeout_s must be a number > 0, got {self.planner_timeout_s!r}")
+        if isinstance(self.planner_ttl_s, bool) or not isinstance(self.planner_ttl_s, (int, float)) \
+                or not self.planner_ttl_s > 0:
+            raise ValueError(f"AugTreeEngineConfig.planner_ttl_s must be a number > 0, got {self.planner_ttl_s!r}")
 
 
 def _check_int(name: str, value, *, minimum: int) -> None:

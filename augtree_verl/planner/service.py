@@ -72,7 +72,8 @@ class PlannerService:
         self.last_planned_s = None             # time.monotonic() when the latest report's plan was done
 
     async def config(self) -> dict:
-        return {"degrees": list(self.degrees), "profile": self.profile.to_dict()}
+        return {"degrees": list(self.degrees), "profile": self.profile.to_dict(), "ttl_s": self.ttl_s,
+                "max_entries": self.max_entries}
 
     async def report(self, uid: str, prompt_len, response_lens) -> None:
         """A finished group's lengths, responses in (session, index) order; planned now, kept until taken."""

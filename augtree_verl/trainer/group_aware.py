@@ -84,7 +84,9 @@ class AugTreeTrainerMixin:
             return None
         degrees = tuple(engine_config.cp_degrees)
         # Keep the handle: Ray destroys a non-detached named actor once its creator's handles are gone.
-        self.planner_actor = start_planner_service(engine_config.planner_name, degrees=degrees)
+        self.planner_actor = start_planner_service(engine_config.planner_name, degrees=degrees,
+                                                   ttl_s=engine_config.planner_ttl_s,
+                                                   max_entries=engine_config.planner_max_entries)
         return PlannerClient(engine_config.planner_name, degrees=degrees,
                              timeout_s=engine_config.planner_timeout_s)
 

@@ -137,11 +137,14 @@ def test_groups_stay_whole_per_rank_and_mini_batch_with_verls_padding(ray_tq):
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("mode", list(MODES))
 def test_plans_made_during_the_rollout_reach_every_worker_and_survive_a_dead_planner(ray_tq, mode):
-    trainer = make_trainer("actor_rollout_ref.actor.fsdp_config.planner_timeout_s=30.0", mode=mode)
+    trainer = make_trainer("actor_rollout_ref.actor.fsdp_config.planner_timeout_s=30.0",
+                           "actor_rollout_ref.actor.fsdp_config.planner_ttl_s=1800.0",
+                           "actor_rollout_ref.actor.fsdp_config.planner_max_entries=4096", mode=mode)
     trainer.planner = trainer._start_planner()
     assert isinstance(trainer.planner, PlannerClient)
     # init() starts the planner long before the first step; here, wait until its actor is up.
-    ray.get(ray.get_actor(trainer.planner.name).config.remote(), timeout=240)
+    config = ray.get(ray.get_actor(trainer.planner.name).config.remote(), timeout=240)
+    assert (config["ttl_s"], config["max_entries"]) == (1800.0, 4096)  # the engine config's bounds reach it
     feed = PlannerFeed(trainer.planner.name)
     groups = {**GROUPS, "rag": (9100, [120, 64, 900, 33])}
     for step in range(2):
