@@ -61,13 +61,14 @@ def free_port() -> int:
 def spawn(fn, args: tuple, nprocs: int, timeout_s: float) -> None:
     """Run ``fn(rank, *args)`` in ``nprocs`` spawned processes (one gloo rank each) and wait for all of them.
 
-    The first failing rank's error is raised here (torch terminates the others). After ``timeout_s`` seconds
-    (e.g. ranks deadlocked in mismatched collectives) every rank is killed and TimeoutError raised. No
-    process outlives the call.
+    Each rank runs one intra-op thread (the ranks share the machine's cores; more threads each only make
+    them wait for one another). The first failing rank's error is raised here (torch terminates the others).
+    After ``timeout_s`` seconds (e.g. ranks deadlocked in mismatched collectives) every rank is killed and
+    TimeoutError raised. No process outlives the call.
     """
     import torch.multiprocessing as mp
 
-    context = mp.start_processes(fn, args=args, nprocs=nprocs, join=False, start_method="spawn")
+    context = mp.start_processes(_one_thread_rank, args=(fn, args), nprocs=nprocs, join=False, start_method="spawn")
     deadline = time.monotonic() + timeout_s
     try:
         while not context.join(timeout=max(deadline - time.monotonic(), 0.0)):
@@ -79,6 +80,11 @@ def spawn(fn, args: tuple, nprocs: int, timeout_s: float) -> None:
             if process.is_alive():
                 process.kill()
             process.join()
+
+
+def _one_thread_rank(rank: int, fn, args: tuple) -> None:
+    torch.set_num_threads(1)
+    fn(rank, *args)
 
 
 def init_process_group(rank: int = 0, world_size: int = 1, port: int | None = None) -> None:

@@ -26,6 +26,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from augtree_verl.plan import Plan
 from augtree_verl.testing import harness as H
 from augtree_verl.testing import verl_batch
 from tests.integration.test_engine_cp import GROUPS, ONE_LANE, PLANS_DEGREE_2
@@ -55,13 +56,13 @@ def _layout(groups, specs, dealt):
     return dict(groups=groups, specs=specs, dealt=dealt)
 
 
-# World 4: CP group 0 replays one tree (10 responses), CP group 1 six (22 responses). verl's micro-batches of
+# World 4: CP group 0 replays one tree (6 responses), CP group 1 six (10 responses). verl's micro-batches of
 # 2 rows need an even number of rows on every rank; under dynamic batch size both CP groups make as many
 # micro-batches as the busier one needs, so the single tree has enough responses to fill them.
+TWO_ROUNDS = Plan(degree=2, primitive="tree_move_kv", rounds=2, lanes=1, placement=((0, 0), (1, 0)))  # one lane
 WORLD_4 = _layout(
-    groups=[(18, [2, 3, 2, 4, 1, 2, 3, 2, 1, 2]), (16, [3, 5, 4, 2, 1]), (12, [6, 2, 3, 1, 5]), (4, [9, 7, 12, 6]),
-            (6, [4]), (3, [2, 1, 3, 2]), (8, [5, 6, 3])],
-    specs=[("move_q", 2), ("move_q", 2), ONE_LANE, ("ring", 2), (None, 1), (None, 1), (None, 1)],
+    groups=[(18, [2, 3, 2, 4, 1, 2]), (16, [3, 5]), (12, [6, 2]), (4, [9, 7]), (6, [4]), (3, [2, 1]), (8, [5])],
+    specs=[("move_q", 2), ("move_q", 2), TWO_ROUNDS, ("ring", 2), (None, 1), (None, 1), (None, 1)],
     dealt=[[0], [1, 2, 3, 4, 5, 6]])
 # World 2: the degree-1 trees are placed heaviest first (``cp_mesh.place_trees``; ONE_LANE carries no planner
 # estimates, so by ``tree_workload``): group 0 (one response) outweighs groups 1 and 2 together, so one rank
@@ -139,12 +140,12 @@ def _spawn(tmp_path, world, layout, cases):
 
 @pytest.mark.timeout(SPAWN_TIMEOUT_S[4] + 60)
 def test_one_tree_against_six_on_two_cp_groups_matches_stock(tmp_path):
-    _spawn(tmp_path, 4, WORLD_4, [(False, "token-mean", 0.0)])
+    _spawn(tmp_path, 4, WORLD_4, [(True, "token-mean", 0.0), (False, "seq-mean-token-mean", 0.01)])
 
 
 @pytest.mark.timeout(SPAWN_TIMEOUT_S[2] + 60)
 def test_one_micro_batch_against_many_in_a_cp_group_matches_stock(tmp_path):
-    _spawn(tmp_path, 2, WORLD_2, [(True, "seq-mean-token-mean", 0.01)])
+    _spawn(tmp_path, 2, WORLD_2, [(True, "seq-mean-token-mean", 0.01), (False, "seq-mean-token-sum", 0.0)])
 
 
 # A model deep enough that gathering every layer is far from the stock engine's one layer (plus neighbours).
