@@ -155,8 +155,6 @@ MEMORY_LAYERS = 6
 def _memory_main(rank: int, world: int, port: int, model_path: str, out_dir: str) -> None:
     """One training step of each engine under ``UnshardedGroups``; writes this rank's numbers to ``out_dir``."""
     H.use_cpu_platform()
-    from verl.utils import tensordict_utils as tu
-
     from augtree_verl.integration.fsdp_model import UnshardedGroups
     from tests.integration.test_engine_cp import infer_both_and_set_old
     from tests.integration.test_engine_parity import _train
@@ -190,6 +188,5 @@ def test_cp_step_unshards_at_most_one_group_more_than_stock(tmp_path):
     for rank in range(2):
         with open(tmp_path / f"rank{rank}.json") as f:
             seen = json.load(f)
-        print(f"rank {rank}: {seen}")  # shown with -rx / on failure: ours vs stock
         assert seen["ours"]["max_unsharded_groups"] <= seen["stock"]["max_unsharded_groups"] + EXTRA_UNSHARDED, \
             f"rank {rank}: FSDP groups unsharded at once, ours vs stock: {seen}"
