@@ -10,6 +10,7 @@ import functools
 import os
 import socket
 import tempfile
+import time
 
 import torch
 import torch.distributed as dist
@@ -57,6 +58,35 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def spawn(fn, args: tuple, nprocs: int, timeout_s: float) -> None:
+    """Run ``fn(rank, *args)`` in ``nprocs`` spawned processes (one gloo rank each) and wait for all of them.
+
+    Each rank runs one intra-op thread (the ranks share the machine's cores; more threads each only make
+    them wait for one another). The first failing rank's error is raised here (torch terminates the others).
+    After ``timeout_s`` seconds (e.g. ranks deadlocked in mismatched collectives) every rank is killed and
+    TimeoutError raised. No process outlives the call.
+    """
+    import torch.multiprocessing as mp
+
+    context = mp.start_processes(_one_thread_rank, args=(fn, args), nprocs=nprocs, join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout_s
+    try:
+        while not context.join(timeout=max(deadline - time.monotonic(), 0.0)):
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"{fn.__name__}: {nprocs} ranks still running after {timeout_s:.0f} s "
+                                   "(deadlocked collectives?)")
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+            process.join()
+
+
+def _one_thread_rank(rank: int, fn, args: tuple) -> None:
+    torch.set_num_threads(1)
+    fn(rank, *args)
+
+
 def init_process_group(rank: int = 0, world_size: int = 1, port: int | None = None) -> None:
     """A gloo group (world size 1 in-process by default); a no-op if this process already has one."""
     if dist.is_initialized():
@@ -65,10 +95,10 @@ def init_process_group(rank: int = 0, world_size: int = 1, port: int | None = No
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
 
 
-def save_tiny_qwen2(directory: str, seed: int = 0) -> str:
+def save_tiny_qwen2(directory: str, seed: int = 0, num_hidden_layers: int = MODEL_SHAPE["num_hidden_layers"]) -> str:
     """A random-weight tiny Qwen2 (GQA) saved as a Hugging Face checkpoint; returns its path."""
     torch.manual_seed(seed)
-    Qwen2ForCausalLM(Qwen2Config(**MODEL_SHAPE)).save_pretrained(directory)
+    Qwen2ForCausalLM(Qwen2Config(**{**MODEL_SHAPE, "num_hidden_layers": num_hidden_layers})).save_pretrained(directory)
     return directory
 
 

@@ -61,3 +61,29 @@ def test_use_cpu_platform_refuses_after_verl_fixed_another_device():
     assert done.returncode != 0
     assert "RuntimeError: verl resolved its device to 'cuda' before use_cpu_platform()" in done.stderr, \
         done.stderr[-3000:]
+
+
+def _sleepy_rank(rank: int, pid_dir: str, fail: bool) -> None:
+    """Rank 0 raises (``fail``) or hangs; rank 1 hangs, as ranks stuck in mismatched collectives would."""
+    import time
+
+    (Path(pid_dir) / f"rank{rank}").write_text(str(os.getpid()))
+    if rank == 0 and fail:
+        raise ValueError("rank 0 failed")
+    time.sleep(600)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("fail", [False, True])
+def test_spawn_kills_every_rank_after_a_hang_or_an_error(tmp_path, fail):
+    import torch.multiprocessing as mp
+
+    from augtree_verl.testing import harness
+
+    with pytest.raises(mp.ProcessRaisedException if fail else TimeoutError,
+                       match="rank 0 failed" if fail else "still running after"):
+        harness.spawn(_sleepy_rank, (str(tmp_path), fail), nprocs=2, timeout_s=60 if fail else 15)
+    for rank in range(2):
+        pid = int((tmp_path / f"rank{rank}").read_text())
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
