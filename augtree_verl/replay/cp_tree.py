@@ -88,49 +88,49 @@ class CPTreeRun:
     def _step(self, t: int, tree: ReplayTree, step: CPStep, rank: int, prompt: PromptKV, meter: Meter,
               prompt_layout) -> list[torch.Tensor]:
         """One step (see the module docstring); returns the full scores of ``step.responses``."""
-        calls, p = self.calls, tree.prompt_len
         parts = []  # (response, token indices [k], states [k, H], targets [k]) this rank scores
-        if step.kind != "ring" and prompt.last is not None:
+        if step.kind != "ring" and prompt.last is not None:  # first tokens, from the prompt's last state
             for i in step.responses:
                 parts.append((i, torch.zeros(1, dtype=torch.long, device=tree.prompt.device), prompt.last[None],
                               tree.responses[i][:1]))
-        first_token_rows = len(parts)  # the rest come from this step's decoder output
-        if step.layout is None:  # my ring feeds nothing: a local dummy decoder call
-            hidden = self._shard(tree.prompt[:0], tree.prompt[:0], PrefillContext())
-        else:
-            index = step.members.index(rank)
-            ring = Ring(self.group, step.members, index)
-            pos = step.layout.positions(index, device=tree.prompt.device)
-            if step.kind == "ring":
-                seq = torch.cat([tree.prompt, tree.responses[step.fed]])
-                hidden = self._shard(seq[pos], pos, RingContext(ring, step.layout, meter))
-                scored = (pos >= p - 1).nonzero().squeeze(1)
-                if scored.numel():
-                    parts.append((step.fed, pos[scored] - (p - 1), hidden[scored], seq[pos[scored] + 1]))
-            else:
-                if step.kind == "lane":
-                    ctx = LaneReplayContext(ring, step.layout, step.prefix, prompt.kv, meter)
-                else:
-                    ctx = MoveQReplayContext(self.group, rank, prompt_layout, step.query_counts,
-                                             ring, step.layout, prompt.kv, meter)
-                resp = tree.responses[step.fed] if step.fed is not None else tree.prompt[:0]
-                hidden = self._shard(resp[pos], pos + step.offset, ctx)
-                if pos.numel():
-                    parts.append((step.fed, pos + 1, hidden[: pos.numel()], resp[pos + 1]))
+        hidden, decoded = self._decode(tree, step, rank, prompt, meter, prompt_layout)
+        parts += decoded
         # Keep-alive: where no scored row comes from this call's decoder output, a dummy row of it (zero
         # gradient) takes part in the LM-head call, so that the backward runs this rank's decoder (and the
         # communication inside it) as on every other member.
-        keepalive = len(parts) == first_token_rows
+        keepalive = not decoded
         rows = parts + ([(None, None, hidden[:1], tree.prompt[:1])] if keepalive else [])
-        scores = calls.scores(torch.cat([s for _, _, s, _ in rows]), torch.cat([x for _, _, _, x in rows]))
+        scores = self.calls.scores(torch.cat([s for _, _, s, _ in rows]), torch.cat([x for _, _, _, x in rows]))
         owned, offset = [], 0
         for i, idx, s, _ in parts:
             owned.append((i, idx, scores[offset: offset + s.shape[0]]))
             offset += s.shape[0]
         full = self._exchange(tree, list(step.responses), owned, step.exchange)
-        if calls.train:
+        if self.calls.train:
             self._backward(t, list(step.responses), full, owned, scores[offset:] if keepalive else None)
         return full
+
+    def _decode(self, tree: ReplayTree, step: CPStep, rank: int, prompt: PromptKV, meter: Meter, prompt_layout):
+        """The step's decoder call on this rank -> (hidden [max(n, 1), H], the scored parts it yields)."""
+        if step.layout is None:  # my ring feeds nothing: a local dummy decoder call
+            return self._shard(tree.prompt[:0], tree.prompt[:0], PrefillContext()), []
+        p, index = tree.prompt_len, step.members.index(rank)
+        ring = Ring(self.group, step.members, index)
+        pos = step.layout.positions(index, device=tree.prompt.device)
+        if step.kind == "ring":  # [prompt || response[:-1]]: positions >= P - 1 score response tokens
+            seq = torch.cat([tree.prompt, tree.responses[step.fed]])
+            hidden = self._shard(seq[pos], pos, RingContext(ring, step.layout, meter))
+            scored = (pos >= p - 1).nonzero().squeeze(1)
+            return hidden, ([(step.fed, pos[scored] - (p - 1), hidden[scored], seq[pos[scored] + 1])]
+                            if scored.numel() else [])
+        if step.kind == "lane":
+            ctx = LaneReplayContext(ring, step.layout, step.prefix, prompt.kv, meter)
+        else:
+            ctx = MoveQReplayContext(self.group, rank, prompt_layout, step.query_counts, ring, step.layout,
+                                     prompt.kv, meter)
+        resp = tree.responses[step.fed] if step.fed is not None else tree.prompt[:0]  # None: my lane idles
+        hidden = self._shard(resp[pos], pos + step.offset, ctx)  # fed token j scores response token j + 1
+        return hidden, ([(step.fed, pos + 1, hidden[: pos.numel()], resp[pos + 1])] if pos.numel() else [])
 
     def _exchange(self, tree: ReplayTree, responses: list[int], owned: list, members) -> list[torch.Tensor]:
         """Full scores of ``responses`` (float32, detached, identical on every member) from the tokens each
