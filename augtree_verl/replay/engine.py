@@ -143,11 +143,6 @@ def _fp32_grad_sums(model):
             p.grad = sums[p].to(p.dtype)
 
 
-def _sum_of_response_losses(loss_fn: LossFn, t: int, rows: list[int], logps: list[torch.Tensor]):
-    terms = [loss_fn(t, i, logp) for i, logp in zip(rows, logps)]
-    return functools.reduce(operator.add, terms)
-
-
 def _sum_of_response_losses(loss_fn: LossFn, t: int, rows: list[int], scores: list[torch.Tensor]):
     terms = [loss_fn(t, i, s) for i, s in zip(rows, scores)]
     return functools.reduce(operator.add, terms)
