@@ -2,7 +2,7 @@
 
     python benchmarks/cp_comm.py [--degree 4] [--quick] [--out cp_comm.json]
 
-Runs the real ``replay_cp`` engine (forward + loss + backward + delayed prompt backward) on ``--degree``
+Runs the real ``replay`` engine with CP plans (forward + loss + backward + delayed prompt backward) on ``--degree``
 spawned gloo processes, one GRPO group per run, for RingCP and TreeMoveKV / MoveQ at several lane counts
 (placement: response i -> (round i // s, lane i % s)). The model is a Qwen2-shaped one-layer model with
 realistic attention heads (8 query / 2 K/V heads of 64, GQA 4:1 like Llama-3-8B) and a small MLP, so that
@@ -28,9 +28,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from augtree_verl import Plan, ReplayStats, ReplayTree
+from augtree_verl import Plan, ReplayStats, ReplayTree, replay
 from augtree_verl.cp.cost import AttentionShape, analytic_bytes
-from augtree_verl.cp.engine import LOGP_EXCHANGE, replay_cp
+from augtree_verl.replay.cp_tree import LOGP_EXCHANGE
 
 CONFIG = dict(vocab_size=4096, hidden_size=512, intermediate_size=512, num_hidden_layers=1,
               num_attention_heads=8, num_key_value_heads=2, head_dim=64, max_position_embeddings=32768,
@@ -67,7 +67,7 @@ def _rank_main(rank, world, port, groups, queue):
             model.zero_grad(set_to_none=True)
             dist.barrier()
             start = time.perf_counter()
-            replay_cp(model, [tree], loss_fn, [plan], stats=stats)
+            replay(model, [tree], loss_fn, plans=[plan], stats=stats)
             elapsed = time.perf_counter() - start
             want = analytic_bytes(plan, p, tree.response_lens, rank, shape)
             got = {k: stats.comm_bytes.get(f"{plan.primitive}/{k}", 0) for k in ("fwd", "bwd")}

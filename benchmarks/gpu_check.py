@@ -18,7 +18,8 @@ Checks (sizes on a GPU; ``--cpu-smoke`` shrinks every one):
  3. ``replay()`` on a 2-layer Qwen2.5-7B-shaped model (hidden 3584, 28/4 heads of 128, vocab 152,064; 1.5B
     parameters) in bf16 vs the float32 flattened baseline: log-probs and the gradient, next to the bf16
     flattened baseline's error against the same reference (ours may be at most ``SLACK`` times worse).
- 4. ``replay_cp`` at world size 1 (NCCL) for ring, tree_move_kv and move_q: the same comparison.
+ 4. ``replay`` with degree-1 ring, tree_move_kv and move_q plans at world size 1 (NCCL): the same comparison
+    (a degree-1 plan runs on one device: the CP tree run needs a subgroup of two or more ranks).
  5. peak memory of a 32,000-token bf16 prefill (forward only): must stay far below one layer's score
     matrix (28 x 32k^2 bf16 = 56 GiB), i.e. the flash kernel ran, not the quadratic one.
  6. host syncs (``torch.cuda.set_sync_debug_mode``): a forward-only replay syncs once per tree (the token-id
@@ -46,7 +47,6 @@ import torch.distributed as dist
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from augtree_verl import Plan, ReplayTree, replay
-from augtree_verl.cp.engine import replay_cp
 from augtree_verl.ops.attention import attention_backward, attention_forward, cuda_backend_name
 from augtree_verl.ops.merge import empty_state, merge_into
 from augtree_verl.replay.baseline import flattened_replay
@@ -55,7 +55,7 @@ from augtree_verl.replay.prefix_attention import prefix_causal_attention
 # bf16 kernel vs float32 reference, max |got - ref| / max |ref| per tensor: bf16 keeps 8 mantissa bits
 # (2^-8 = 3.9e-3 per rounding) and flash kernels also round P to bf16 before P V, so a few ulps.
 OPS_RTOL = 2e-2
-# replay / replay_cp in bf16 may be at most this many times further from the float32 reference than the
+# replay in bf16 may be at most this many times further from the float32 reference than the
 # bf16 flattened baseline is (both round the same GEMMs to bf16, in another grouping), and errors below
 # ERR_FLOOR pass regardless (they are at float32 noise level, where a ratio means nothing).
 SLACK = 2.0
@@ -229,7 +229,7 @@ def check_prefix_attention(report, sizes, device):
                  fmt(errs) + f" (tol {OPS_RTOL})")
 
 
-# ---- 3-4. replay / replay_cp vs the float32 flattened baseline -------------------------------------------
+# ---- 3-4. replay vs the float32 flattened baseline -------------------------------------------
 
 def build_model(sizes, device, layers=None):
     config = Qwen2Config(**sizes.model, num_hidden_layers=layers or sizes.layers, attn_implementation="sdpa")
@@ -285,9 +285,9 @@ def check_replay(report, sizes, device):
     try:
         for primitive in ("ring", "tree_move_kv", "move_q"):
             plans = [one_rank_plan(primitive, len(t.responses)) for t in trees]
-            cp = lambda m, ts, loss_fn, plans=plans: replay_cp(m, ts, loss_fn, plans)
-            judge(report, f"replay_cp world 1 {primitive} bf16 vs fp32", errors(run_step(low, cp, trees, adv),
-                                                                                reference), baseline)
+            planned = lambda m, ts, loss_fn, plans=plans: replay(m, ts, loss_fn, plans=plans)
+            judge(report, f"replay world 1 {primitive} plan bf16 vs fp32",
+                  errors(run_step(low, planned, trees, adv), reference), baseline)
     finally:
         dist.destroy_process_group()
     return low

@@ -20,17 +20,16 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from augtree_verl.replay.stats import ReplayStats
-
 # P2P tags: a ring step may have a K/V buffer and a gradient buffer in flight between the same two ranks.
 TAG_KV, TAG_GRAD, TAG_GATHER = 0, 1, 2
 
 
 @dataclass
 class Meter:
-    """Adds bytes sent by this rank to ``stats.comm_bytes["<primitive>/<fwd|bwd>"]``."""
+    """Adds bytes sent by this rank to ``stats.comm_bytes["<primitive>/<fwd|bwd>"]`` (``stats``: anything
+    with ``add_bytes(primitive, direction, nbytes)``, e.g. ``replay.ReplayStats``)."""
 
-    stats: ReplayStats
+    stats: object
     primitive: str
 
     def add(self, direction: str, nbytes: int) -> None:

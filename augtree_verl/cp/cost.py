@@ -1,9 +1,9 @@
 """The analytic count of what each CP primitive must move: bytes one rank sends for one replay tree.
 
 Composed from the per-layer formulas stated next to each primitive (``ring.ring_bytes``,
-``tree_move_kv.tree_move_kv_bytes``, ``move_q.move_q_bytes``) over the schedule of ``engine.replay_cp``,
-times the number of layers; forward and backward ("bwd" is 0 for a forward-only replay). Used by the tests
-(measured == analytic) and by ``benchmarks/cp_comm.py``.
+``tree_move_kv.tree_move_kv_bytes``, ``move_q.move_q_bytes``) over the steps of ``schedule.cp_tree_schedule``
+(exactly the steps the CP tree run executes), times the number of layers; forward and backward ("bwd" is 0
+for a forward-only replay). Used by the tests (measured == analytic) and by ``benchmarks/cp_comm.py``.
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from augtree_verl.cp.comm import Ring
-from augtree_verl.cp.layout import ZigzagLayout, lane_members
 from augtree_verl.cp.move_q import MoveQSpec, move_q_bytes
 from augtree_verl.cp.ring import RingSpec, ring_bytes
+from augtree_verl.cp.schedule import cp_tree_schedule
 from augtree_verl.plan import Plan
 
 
@@ -35,42 +35,28 @@ class AttentionShape:
 
 def analytic_bytes(plan: Plan, prompt_len: int, response_lens: list[int], rank: int, shape: AttentionShape,
                    train: bool = True) -> dict[str, int]:
-    d, total = plan.degree, {"fwd": 0, "bwd": 0}
+    """Bytes subgroup rank ``rank`` sends for one tree: the per-primitive formulas summed over the steps of
+    ``schedule.cp_tree_schedule`` (the prefill ring, then each step's ring or MoveQ exchange)."""
+    schedule, total = cp_tree_schedule(plan, prompt_len, response_lens, rank), {"fwd": 0, "bwd": 0}
+    kv = (shape.kv_heads, shape.head_dim, shape.element_size)
 
     def add(per_layer: dict[str, int]) -> None:
         total["fwd"] += shape.layers * per_layer["fwd"]
         total["bwd"] += shape.layers * per_layer["bwd"] if train else 0
 
-    def ring(members, length, prefix_len=0) -> RingSpec:
-        prefix = ZigzagLayout(prefix_len, len(members)) if prefix_len else None
-        return RingSpec(Ring(None, members, members.index(rank)), ZigzagLayout(length, len(members)), prefix, 1.0)
+    def ring(members, layout, prefix=None) -> RingSpec:
+        return RingSpec(Ring(None, members, members.index(rank)), layout, prefix, 1.0)
 
-    kv = (shape.kv_heads, shape.head_dim, shape.element_size)
-    everyone = tuple(range(d))
-    if plan.primitive == "ring":
-        for r in response_lens:  # [prompt || response[:-1]] over all d ranks, once per response
-            add(ring_bytes(ring(everyone, prompt_len + r - 1), *kv))
-        return total
-    lanes = [lane_members(d, plan.lanes, lane) for lane in range(plan.lanes)]
-    my_lane = next(lane for lane, m in enumerate(lanes) if rank in m)
-    if plan.primitive == "tree_move_kv":
-        add(ring_bytes(ring(lanes[my_lane], prompt_len), *kv))  # lane prefill
-        for i, (_, lane) in enumerate(plan.placement):
-            if lane == my_lane and response_lens[i] > 1:
-                add(ring_bytes(ring(lanes[my_lane], response_lens[i] - 1, prompt_len), *kv))
-        return total
-    add(ring_bytes(ring(everyone, prompt_len), *kv))  # move_q: one prefill over all d ranks
-    prompt = ZigzagLayout(prompt_len, d)
-    for rnd in range(plan.rounds):
-        cells = [[i for i, c in enumerate(plan.placement) if c == (rnd, lane)] for lane in range(plan.lanes)]
-        for step in range(max(len(c) for c in cells)):
-            fed = [response_lens[c[step]] - 1 if step < len(c) else 0 for c in cells]
-            if not any(fed):
-                continue
-            layouts = [ZigzagLayout(n, len(m)) for n, m in zip(fed, lanes)]
-            counts = tuple(layouts[lane].size(j) for lane, m in enumerate(lanes) for j in range(len(m)))
-            lane_ring = RingSpec(Ring(None, lanes[my_lane], lanes[my_lane].index(rank)), layouts[my_lane], None, 1.0)
-            spec = MoveQSpec(None, rank, prompt, counts, lane_ring, 1.0)
+    if schedule.prefill is not None:
+        add(ring_bytes(ring(schedule.prefill.members, schedule.prefill.layout), *kv))
+    for step in schedule.steps:
+        if step.layout is None:  # nothing fed by my ring: a local dummy call
+            continue
+        if step.kind == "move_q":
+            spec = MoveQSpec(None, rank, schedule.prefill.layout, step.query_counts, ring(step.members, step.layout),
+                             1.0)
             add(move_q_bytes(spec, shape.heads, shape.kv_heads, shape.head_dim, shape.element_size,
                              shape.lse_element_size))
+        else:
+            add(ring_bytes(ring(step.members, step.layout, step.prefix), *kv))
     return total

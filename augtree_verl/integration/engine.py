@@ -9,28 +9,27 @@ checkpoints, offload). ``forward_backward_batch`` keeps verl's contract:
 - ``model_output["log_probs"]`` (and ``["entropy"]`` when asked) are nested over each full sequence, position
   k scoring token k + 1. Only the response part (positions P-1 .. P+R-2) is computed; other positions are 0.
 
-Without context parallelism each rank streams its trees (``_stream``, ``replay``'s schedule): per tree the
-prompt runs once (its K/V kept as float32 leaves), the tree's responses run as the engine's own
-micro-batches under the largest verl micro-batch's tokens, each with verl's ``loss_function`` on its rows
-(verl's batch-level normalisers make these losses add up to verl's) and its backward, then one delayed
-prompt backward. So each prompt runs once per step and rank whatever verl's micro-batch size. The ranks
-make the same sequence of model calls (padding with dummy calls), so FSDP2 gathers parameters per layer
-and reduce-scatters gradients per backward, as the stock engine does (ZeRO-3). Reported losses and
+Each rank streams its trees through ``replay`` (one path with and without CP): per tree the prompt runs
+once (its K/V kept as float32 leaves, ``replay.prompt_kv``), the tree's responses run as the engine's own
+micro-batches (one device: under the largest verl micro-batch's tokens; context-parallel: one CP step of
+the plan each), each with verl's ``loss_function`` on its rows (verl's batch-level normalisers make these
+losses add up to verl's) and its backward, then one delayed prompt backward. So each prompt runs once per
+step and rank whatever verl's micro-batch size. Every rank of the world makes the same sequence of model
+calls (``replay.schedule``: phases by CP degree, padding with dummy calls), so FSDP2 gathers parameters per
+layer and reduce-scatters gradients per backward, as the stock engine does (ZeRO-3). Reported losses and
 metrics are verl's, per verl micro-batch, evaluated on the detached outputs.
 
-Context parallelism (``cp_degrees`` above 1): ranks form CP groups of C = max(cp_degrees) (``cp_mesh``);
+Context parallelism (``cp_degrees`` above 1): ranks form CP groups of C = max(cp_degrees) (``cp.mesh``);
 the engine reports data-parallel rank and size = world / C to verl, so every rank of a CP group gets the
 same samples, and the group replays each tree once: plans of degree d > 1 context-parallel on d of its
-ranks, the other trees spread over its ranks (``group_replay``). Every rank of the group computes verl's
-loss on the whole micro-batch; its gradients add up over the group.
-CP groups still replay in units of verl's micro-batches (``replay_units``) with one backward per unit,
-under ``gathered_for_replay`` (every parameter gathered for the step): their ranks do not run in lock-step.
+ranks (after ``schedule_trees``' demotions), the other trees spread over its ranks. ``replay`` returns
+every response's scores on every rank of the group; gradients add up over the group, and every loss is
+scaled by C (FSDP averages over the world, and a CP group is one data-parallel rank).
 """
 
 from __future__ import annotations
 
 import functools
-import time
 from typing import Callable
 
 import torch
@@ -44,12 +43,10 @@ from verl.workers.engine.utils import postprocess_batch_func, prepare_micro_batc
 from augtree_verl.integration import verl_compat
 from augtree_verl.integration.batch_trees import BatchTrees, build_trees, sequence_lengths
 from augtree_verl.integration.config import FSDP_STRATEGY, AugTreeEngineConfig
-from augtree_verl.integration.cp_mesh import CPMesh, schedule_trees
-from augtree_verl.integration.fsdp_model import FSDPReplayModel, gathered_for_replay
-from augtree_verl.integration.group_replay import replay_in_group
+from augtree_verl.cp.mesh import CPMesh, schedule_trees
+from augtree_verl.integration.fsdp_model import FSDPReplayModel
 from augtree_verl.integration.metrics import group_totals, step_metrics
 from augtree_verl.integration.plans import plans_for_trees
-from augtree_verl.integration.replay_units import replay_units
 from augtree_verl.plan import Plan
 from augtree_verl.replay import ReplayStats, replay
 
@@ -114,10 +111,7 @@ class AugTreeEngine(FSDPEngineWithLMHead):
         micro_batches = [mb.to(get_device_id()) for mb in micro_batches]
         want_entropy = tu.get_non_tensor_data(data=data, key="calculate_entropy", default=False)
         step = _Step(temperature=_temperature(data), want_entropy=want_entropy)
-        if self.cp_mesh.cp_size > 1:
-            output_lst = self._replay_units(step, micro_batches, loss_function, forward_only, return_model_output)
-        else:
-            output_lst = self._stream(step, micro_batches, loss_function, forward_only, return_model_output)
+        output_lst = self._stream(step, micro_batches, loss_function, forward_only, return_model_output)
         stats, backward_s = step.stats, step.backward_s
         if self.cp_mesh.cp_size > 1:
             stats, backward_s = group_totals(stats, backward_s, self.cp_mesh.cp_group, batch_num_tokens.device)
@@ -128,54 +122,45 @@ class AugTreeEngine(FSDPEngineWithLMHead):
 
     def _stream(self, step: "_Step", micro_batches: list[TensorDict], loss_function, forward_only: bool,
                 return_model_output: bool) -> list[dict]:
-        """One rank's step without CP (``replay``'s streamed schedule): each tree's prompt runs once, its
-        responses run as the engine's own micro-batches under the largest verl micro-batch's tokens, each
-        with verl's ``loss_function`` on those rows and its backward; then one delayed prompt backward.
-
-        verl's loss is a sum of per-row terms normalised by batch-level constants (``batch_num_tokens``,
-        ``global_batch_size``, ``dp_size``), so these losses add up to verl's, whatever the grouping. The
-        reported losses and metrics are verl's, per verl micro-batch, evaluated on the detached outputs.
-        With several ranks every rank makes the same sequence of model calls (``lockstep_group``), so FSDP2
-        gathers parameters per layer and reduce-scatters gradients per backward, as the stock engine does.
-        """
+        """One step (``replay``'s streamed schedule, see the module docstring), then verl's reported losses
+        and metrics per verl micro-batch on the detached outputs."""
         train = not forward_only
         dp_group = self.get_data_parallel_group()
         grouped = build_trees(micro_batches)
         plans, fallbacks = (plans_for_trees(micro_batches, grouped, self.cp_mesh.degrees,
                                             min_cp_tokens=self.engine_config.fallback_threshold_tokens)
                             if self.engine_config.use_planner else ([None] * len(grouped.trees), 0))
+        mesh, placement = None, None
+        if self.cp_mesh.cp_size > 1:
+            mesh = self.cp_mesh
+            degrees, placement = schedule_trees(grouped.trees, plans, mesh.cp_size)
+            # A tree the schedule moved to one rank runs there with the one-device plan.
+            plans = [plan if plan is None or plan.degree == d else Plan(est_time_s=plan.est_single_s)
+                     for plan, d in zip(plans, degrees)]
         step.plans += plans
         step.plan_fallbacks += fallbacks
         flat_rows = {row: r for r, row in enumerate((m, k) for m, mb in enumerate(micro_batches) for k in range(len(mb)))}
         flat = tu.concat_tensordict(micro_batches) if train else None
-        entropies: dict[tuple[int, int], torch.Tensor] = {}
 
-        def on_logits(t, i, logits):
-            entropies[(t, i)] = self._entropy(logits)
-
-        def micro_batch_loss(t, rows, logps):
+        def micro_batch_loss(t, rows, scores):
             rows_data = tu.index_select_tensor_dict(flat, [flat_rows[grouped.rows[t][i]] for i in rows])
-            ents = [entropies[(t, i)] for i in rows] if step.want_entropy else None
-            loss, _ = loss_function(model_output=_model_output(rows_data, logps, ents), data=rows_data,
-                                    dp_group=dp_group)
-            for i in rows:  # keep only the detached values for the outputs
-                if step.want_entropy:
-                    entropies[(t, i)] = entropies[(t, i)].detach()
+            loss, _ = loss_function(model_output=_model_output(rows_data, *_split(scores, step.want_entropy)),
+                                    data=rows_data, dp_group=dp_group)
+            loss = loss * self.cp_mesh.cp_size
             return self.scaler.scale(loss) if self.scaler is not None else loss
 
         world = torch.distributed.get_world_size()
-        logps = replay(FSDPReplayModel(self.module), grouped.trees, plans=plans, temperature=step.temperature,
-                       micro_batch_tokens=min(self.engine_config.micro_batch_tokens, _largest_micro_batch(grouped)),
-                       stats=step.stats, on_logits=on_logits if step.want_entropy else None,
-                       micro_batch_loss=micro_batch_loss if train else None,
-                       lockstep_group=torch.distributed.group.WORLD if world > 1 else None)
+        scores = replay(FSDPReplayModel(self.module), grouped.trees, plans=plans, temperature=step.temperature,
+                        micro_batch_tokens=min(self.engine_config.micro_batch_tokens, _largest_micro_batch(grouped)),
+                        stats=step.stats, entropy_fn=self._entropy if step.want_entropy else None,
+                        micro_batch_loss=micro_batch_loss if train else None, mesh=mesh, placement=placement,
+                        lockstep_group=torch.distributed.group.WORLD if world > 1 else None)
         step.backward_s = step.stats.prompt_backward_s  # response backwards are in replay_s
 
         output_lst = []
         for m, mb in enumerate(micro_batches):
-            slots = [grouped.slot[(m, k)] for k in range(len(mb))]
-            output = _model_output(mb, [logps[t][i] for t, i in slots],
-                                   [entropies[slot] for slot in slots] if step.want_entropy else None)
+            row_scores = [scores[t][i] for t, i in (grouped.slot[(m, k)] for k in range(len(mb)))]
+            output = _model_output(mb, *_split(row_scores, step.want_entropy))
             if loss_function is None:
                 loss, metrics = torch.tensor(1.0), {}
             else:
@@ -185,68 +170,6 @@ class AugTreeEngine(FSDPEngineWithLMHead):
             if forward_only or return_model_output:
                 output_lst[m]["model_output"] = output
         return output_lst
-
-    def _replay_units(self, step: "_Step", micro_batches: list[TensorDict], loss_function, forward_only: bool,
-                      return_model_output: bool) -> list[dict]:
-        """A CP group's step: replay units of verl's micro-batches (``replay_units``), each replayed by the
-        group (``group_replay``) with its graph kept, verl's loss per micro-batch, one backward per unit."""
-        dp_group = self.get_data_parallel_group()
-        train = not forward_only
-        units = (replay_units(build_trees(micro_batches), len(micro_batches)) if train
-                 else [list(range(len(micro_batches)))])
-        output_lst: list[dict | None] = [None] * len(micro_batches)
-        with gathered_for_replay(self.module, reshard_after_forward=self.engine_config.reshard_after_forward,
-                                 hold_gradient_sync=train):
-            for unit in units:
-                model_outputs, finish = self._replay(step, [micro_batches[m] for m in unit], keep_graph=train)
-                unit_loss = None
-                for m, model_output in zip(unit, model_outputs):
-                    if loss_function is None:
-                        loss, metrics = torch.tensor(1.0), {}
-                    else:
-                        loss, metrics = loss_function(model_output=model_output, data=micro_batches[m],
-                                                      dp_group=dp_group)
-                        unit_loss = loss if unit_loss is None else unit_loss + loss
-                    output_lst[m] = {"loss": loss.detach().item(), "metrics": metrics}
-                    if forward_only or return_model_output:
-                        output_lst[m]["model_output"] = {k: v.detach() for k, v in model_output.items()}
-                if train:
-                    # The micro-batch losses' gradients add up: one backward of their sum runs each prompt once.
-                    # Times C: a CP group's C ranks share one data-parallel rank's gradient (group_replay).
-                    start = time.perf_counter()
-                    unit_loss = unit_loss * self.cp_mesh.cp_size
-                    if unit_loss.requires_grad:  # False on a CP rank that replayed none of the unit's trees
-                        (self.scaler.scale(unit_loss) if self.scaler is not None else unit_loss).backward()
-                    finish()
-                    step.backward_s += time.perf_counter() - start
-        return output_lst
-
-    def _replay(self, step: "_Step", micro_batches: list[TensorDict], *, keep_graph: bool):
-        """(verl's model outputs for ``micro_batches``, whose rows are replayed together as one set of trees,
-        and the ``finish`` to call after the backward; see ``group_replay``).
-
-        With ``keep_graph`` the outputs are attached to one graph (each prompt once) for the caller's backward.
-        """
-        grouped = build_trees(micro_batches)
-        plans, fallbacks = (plans_for_trees(micro_batches, grouped, self.cp_mesh.degrees,
-                                            min_cp_tokens=self.engine_config.fallback_threshold_tokens)
-                            if self.engine_config.use_planner else ([None] * len(grouped.trees), 0))
-        degrees, placement = schedule_trees(grouped.trees, plans, self.cp_mesh.cp_size)
-        # A tree the schedule moved to one rank runs there with the one-device plan.
-        plans = [plan if plan is None or plan.degree == d else Plan(est_time_s=plan.est_single_s)
-                 for plan, d in zip(plans, degrees)]
-        step.plans += plans
-        step.plan_fallbacks += fallbacks
-        scores, finish = replay_in_group(
-            FSDPReplayModel(self.module), self.cp_mesh, grouped.trees, plans, placement, temperature=step.temperature,
-            micro_batch_tokens=self.engine_config.micro_batch_tokens, stats=step.stats, train=keep_graph,
-            entropy_fn=self._entropy if step.want_entropy else None)
-        outputs = []
-        for m, mb in enumerate(micro_batches):
-            row_scores = [scores[grouped.slot[(m, k)]] for k in range(len(mb))]
-            outputs.append(_model_output(mb, [logp for logp, _ in row_scores],
-                                         [entropy for _, entropy in row_scores] if step.want_entropy else None))
-        return outputs, finish
 
     def _entropy(self, logits: torch.Tensor) -> torch.Tensor:
         """Entropy [N] of tempered logits [N, V], computed as verl's stock engine computes it (same knobs)."""
@@ -259,7 +182,7 @@ class AugTreeEngine(FSDPEngineWithLMHead):
 
 
 class _Step:
-    """What one ``forward_backward_batch`` accumulates over its replay units (for the step's metrics)."""
+    """What one ``forward_backward_batch`` accumulates (for the step's metrics)."""
 
     def __init__(self, *, temperature: float, want_entropy: bool):
         self.temperature, self.want_entropy = temperature, want_entropy
@@ -293,6 +216,13 @@ def _temperature(data: TensorDict) -> float:
             raise ValueError(f"the augtree engine needs one temperature per batch, got {values.tolist()}")
         return float(values[0])
     return float(temperature)
+
+
+def _split(scores: list[torch.Tensor], want_entropy: bool) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+    """``replay``'s per-row scores ([R] log-probs, or [R, 2] with entropies) -> (log-probs, entropies or None)."""
+    if not want_entropy:
+        return scores, None
+    return [s[:, 0] for s in scores], [s[:, 1] for s in scores]
 
 
 def _model_output(rows: TensorDict, logps: list[torch.Tensor], entropies: list[torch.Tensor] | None) -> dict:

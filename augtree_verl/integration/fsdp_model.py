@@ -71,56 +71,6 @@ class FSDPReplayModel:
         return _ThroughRoot(self._root, self._root.get_output_embeddings())
 
 
-@contextlib.contextmanager
-def gathered_for_replay(root, *, reshard_after_forward: bool, hold_gradient_sync: bool):
-    """Keep every FSDP unit's parameters gathered, and (training) gradients unreduced, for a whole step.
-
-    FSDP gathers a unit's parameters with a collective in each call; replay's calls per rank depend on the
-    rank's own trees (one prefill per tree, one call per response micro-batch), so ranks would issue
-    different collective sequences and deadlock. Instead all units are gathered once, in the same order on
-    every rank, and nothing reshards or reduces until the step's last backward has run. With
-    ``hold_gradient_sync`` the gradients are then reduced by one backward through every unit
-    (``reduce_held_gradients``). During the step each rank holds the full parameters and (training) the
-    full unreduced gradients, as DDP does; the optimizer state stays sharded.
-    ``reshard_after_forward``: the engine's FSDP setting, restored afterwards on every unit but the root
-    (FSDP never reshards the root after forward).
-    """
-    from torch.distributed.fsdp import FSDPModule
-
-    units = [m for m in root.modules() if isinstance(m, FSDPModule)]
-    for unit in units:
-        unit.set_reshard_after_forward(False, recurse=False)
-    root.set_reshard_after_backward(False)
-    if hold_gradient_sync:
-        root.set_requires_gradient_sync(False)
-    try:
-        for unit in units:
-            unit.unshard()
-        yield
-    finally:
-        for unit in units:
-            unit.set_reshard_after_forward(reshard_after_forward and unit is not root, recurse=False)
-        root.set_reshard_after_backward(True)
-        if hold_gradient_sync:
-            root.set_requires_gradient_sync(True)
-    if hold_gradient_sync:
-        reduce_held_gradients(root)
-    for unit in units:
-        unit.reshard()
-
-
-def reduce_held_gradients(root) -> None:
-    """Reduce the gradients FSDP held back: a 1-token forward whose backward adds exact zeros.
-
-    FSDP2 reduces a unit's accumulated gradients in its post-backward hook, so one backward through every
-    unit with sync on is the public way to run that reduction, on every rank in the same order.
-    """
-    device = root.get_input_embeddings().weight.device
-    token = torch.zeros(1, 1, dtype=torch.long, device=device)
-    logits = root(input_ids=token, position_ids=token, use_cache=False).logits
-    logits.backward(torch.zeros_like(logits))
-
-
 class UnshardedGroups:
     """What a ZeRO-3 step holds at once on this rank, for a check or a benchmark.
 

@@ -43,7 +43,7 @@ def group_totals(stats: ReplayStats, backward_s: float, group, device) -> tuple[
 
 def step_metrics(stats: ReplayStats, plans: list[Plan | None], *, backward_s: float, plan_fallbacks: int) -> dict:
     """``stats`` of the step's replays (forward: prefill and response micro-batches); ``backward_s``: the
-    delayed backward, one per replay unit (responses and prompts together), 0 when forward-only."""
+    delayed prompt backwards (response backwards are in ``replay_s``), 0 when forward-only."""
     measured = stats.prefill_s + stats.replay_s + backward_s
     predicted = sum(p.est_time_s for p in plans if p is not None and p.est_time_s is not None)
     degrees = [p.degree if p is not None else 1 for p in plans] or [1]

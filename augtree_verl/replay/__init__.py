@@ -1,6 +1,7 @@
 """Grouped replay: prompt prefilled once per tree, responses replayed against its K/V, one delayed prompt backward."""
 
-from augtree_verl.replay.engine import held_prompt_tensors, replay
+from augtree_verl.replay.engine import replay
+from augtree_verl.replay.prompt_kv import held_prompt_tensors
 from augtree_verl.replay.stats import ReplayStats
 from augtree_verl.replay.tree import ReplayTree
 

@@ -103,9 +103,8 @@ FALLBACK_ATTR = "augtree_fallback_attn_implementation"
 def use_augtree_attention(model) -> None:
     """Route ``model``'s attention through "augtree" (idempotent, and left in place).
 
-    It stays in place because a checkpointed layer may be recomputed in a backward that runs after
-    ``replay`` returns (``keep_graph``), and the recompute must dispatch like the original forward.
-    Calls without a replay context run the model's original implementation ("eager" runs as SDPA).
+    It stays in place (no swap back and forth per call), so a checkpointed layer recomputed in any later
+    backward dispatches like its original forward. Calls without a replay context run the model's original implementation ("eager" runs as SDPA).
     """
     if model.config._attn_implementation != ATTN_NAME:
         setattr(model.config, FALLBACK_ATTR, model.config._attn_implementation)

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
-from augtree_verl.replay.engine import LogitsHook, LossFn
+from augtree_verl.replay.engine import LossFn
 from augtree_verl.replay.scoring import logps_from_logits
 from augtree_verl.replay.tree import ReplayTree
+
+LogitsHook = Callable[[int, int, torch.Tensor], None]  # on_logits(t, i, tempered float32 logits [R_i, V])
 
 
 def flattened_replay(model, trees: Sequence[ReplayTree], loss_fn: LossFn | None = None, *,

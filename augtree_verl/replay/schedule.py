@@ -1,13 +1,19 @@
 """The replay schedule of one step on one rank, and its lock-step shape over an FSDP group.
 
-Per tree: one prompt forward, the tree's response micro-batches (forward, and in training a backward
-each), and in training one delayed prompt backward. FSDP2 (ZeRO-3) all-gathers a layer's parameters in
-every model call and reduce-scatters its gradient in every backward, with collectives of the same size for
-every layer: if two ranks issue different call sequences, layer i on one rank is paired with layer j on
-another (silently wrong weights, not a hang). So the ranks of a group agree on one shape: slot j holds
-the j-th largest tree of each rank (by micro-batch count) and ``shape[j]`` micro-batches, the largest
-count any rank has there; a rank short of work pads with dummy calls (``Slot.tree is None``: a one-token
-prompt; micro-batches beyond its own: one one-token row with a zero loss).
+A slot is one tree's three parts: one prompt forward, ``calls`` response calls (one decoder call and one
+LM-head call each, and in training a backward each), and in training one delayed prompt backward. FSDP2
+(ZeRO-3) all-gathers a layer's parameters in every model call and reduce-scatters its gradient in every
+backward, with collectives of the same size for every layer: if two ranks issue different call sequences,
+layer i on one rank is paired with layer j on another (silently wrong weights, not a hang). So the ranks
+of a group agree on one shape and pad with one-token dummy calls.
+
+Phases by CP degree, largest first (C, ..., 2, then 1). Phase d > 1 holds the context-parallel trees of
+degree d: slot j of phase d holds, on every member of a d-subgroup, that subgroup's j-th tree (ordered by
+(most steps over its members, index), which every member computes identically from the shared trees and
+plans); its calls are the tree's CP steps (``cp.schedule``). Phase 1 holds each rank's own trees, the
+largest (by micro-batch count) first; its calls are the tree's response micro-batches. Per phase the
+number of slots is the most any rank has, and ``calls`` per slot the most any rank has there (two small
+all-reduces); a rank short of work pads with dummy slots (``Slot.tree is None``) and dummy calls.
 """
 
 from __future__ import annotations
@@ -16,39 +22,72 @@ from dataclasses import dataclass
 
 import torch
 
+from augtree_verl.cp.schedule import CPTreeSchedule, cp_tree_schedule
 from augtree_verl.replay.microbatch import split_micro_batches
 from augtree_verl.replay.tree import ReplayTree
 
 
 @dataclass
 class Slot:
-    """One tree's place in the schedule: ``tree`` (an index, None for a dummy tree), its response
-    micro-batches (lists of response indices), and ``calls`` >= len(micro_batches): how many response
-    micro-batch calls the slot makes (the rest are dummies)."""
+    """One tree's place in the schedule: ``tree`` (an index, None for a dummy slot), ``degree`` (its
+    phase), its work (one device: ``micro_batches``, lists of response indices; CP: ``cp``, this rank's
+    schedule of the tree) and ``calls`` >= that work's call count (the rest are dummy calls)."""
 
     tree: int | None
-    micro_batches: list[list[int]]
+    degree: int
     calls: int
+    micro_batches: list[list[int]]
+    cp: CPTreeSchedule | None = None
+
+    @property
+    def own_calls(self) -> int:
+        return len(self.cp.steps) if self.cp is not None else len(self.micro_batches)
 
 
-def tree_schedule(trees: list[ReplayTree], budget_tokens: int, *, group=None,
-                  device: torch.device | None = None) -> list[Slot]:
-    """The slots of ``trees`` (responses split under ``budget_tokens``, see ``split_micro_batches``).
+def tree_schedule(trees: list[ReplayTree], plans: list, budget_tokens: int, *, mesh=None, placement=None,
+                  group=None, device: torch.device | None = None) -> list[Slot]:
+    """This rank's slots, in execution order (see the module docstring).
 
-    With ``group`` (a process group), every rank of it gets the same number of slots and the same
-    ``calls`` per slot (two small all-reduces of int64 tensors on ``device``, the model's); without, one
-    slot per tree, in order.
+    ``plans[t]``: a ``Plan`` or None; ``mesh`` (``cp.mesh.CPMesh``) and ``placement[t]`` (the subgroup
+    index of tree t, a CP rank for degree 1; see ``cp.mesh.schedule_trees``) when any tree runs
+    context-parallel, else every tree is this rank's and runs on one device. With ``group`` (a process
+    group) the shape is agreed over it (int64 all-reduces on ``device``, the model's); without, no padding.
     """
-    batches = [split_micro_batches(tree.response_lens, budget_tokens) for tree in trees]
+    degrees = [plan.degree if plan is not None else 1 for plan in plans]
+    phases: list[tuple[int, list[Slot]]] = []
+    for d in sorted(mesh.degrees if mesh is not None else (1,), reverse=True):
+        if d == 1:
+            mine = [t for t in range(len(trees)) if degrees[t] == 1 and (mesh is None or placement[t] == mesh.cp_rank)]
+            slots = [Slot(t, 1, 0, split_micro_batches(trees[t].response_lens, budget_tokens)) for t in mine]
+            key = {s.tree: len(s.micro_batches) for s in slots}
+        else:
+            mine = [t for t in range(len(trees)) if degrees[t] == d and placement[t] == mesh.subgroup_index(d)]
+            slots = [Slot(t, d, 0, [], cp_tree_schedule(plans[t], trees[t].prompt_len, trees[t].response_lens,
+                                                        mesh.subgroup_rank(d))) for t in mine]
+            key = {t: max(len(cp_tree_schedule(plans[t], trees[t].prompt_len, trees[t].response_lens, r).steps)
+                          for r in range(d)) for t in mine}
+        slots.sort(key=lambda s: (-key[s.tree], s.tree))
+        phases.append((d, slots))
     if group is None:
-        return [Slot(t, mbs, len(mbs)) for t, mbs in enumerate(batches)]
-    order = sorted(range(len(trees)), key=lambda t: (-len(batches[t]), t))
-    count = torch.tensor([len(trees)], dtype=torch.int64, device=device)
-    torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MAX, group=group)
-    shape = torch.zeros(int(count), dtype=torch.int64, device=device)
-    shape[: len(order)] = torch.tensor([len(batches[t]) for t in order], dtype=torch.int64)
+        for _, slots in phases:
+            for s in slots:
+                s.calls = s.own_calls
+        return [s for _, slots in phases for s in slots]
+    counts = torch.tensor([len(slots) for _, slots in phases], dtype=torch.int64, device=device)
+    torch.distributed.all_reduce(counts, op=torch.distributed.ReduceOp.MAX, group=group)
+    counts = counts.tolist()
+    shape = torch.zeros(sum(counts), dtype=torch.int64, device=device)
+    start = 0
+    for (_, slots), n in zip(phases, counts):
+        shape[start: start + len(slots)] = torch.tensor([s.own_calls for s in slots], dtype=torch.int64)
+        start += n
     torch.distributed.all_reduce(shape, op=torch.distributed.ReduceOp.MAX, group=group)
     shape = shape.tolist()
-    return [Slot(order[j], batches[order[j]], shape[j]) if j < len(order) else Slot(None, [], shape[j])
-            for j in range(len(shape))]
-
+    out, start = [], 0
+    for (d, slots), n in zip(phases, counts):
+        for j in range(n):
+            slot = slots[j] if j < len(slots) else Slot(None, d, 0, [])
+            slot.calls = shape[start + j]
+            out.append(slot)
+        start += n
+    return out

@@ -23,3 +23,17 @@ def token_logps(lm_head: torch.nn.Module, hidden: torch.Tensor, targets: torch.T
                 on_logits: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
     """hidden [N, H] (the state before each target), targets [N] -> float32 log-probs [N]."""
     return logps_from_logits(lm_head(hidden), targets, temperature, on_logits)
+
+
+EntropyFn = Callable[[torch.Tensor], torch.Tensor]  # tempered float32 logits [N, V] -> entropy [N]
+
+
+def token_scores(lm_head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: float,
+                 entropy_fn: EntropyFn | None = None) -> torch.Tensor:
+    """The replay's per-token scores, one LM-head call: hidden [N, H], targets [N] -> float32 log-probs [N],
+    or [N, 2] (log-prob, entropy) with ``entropy_fn``. Every engine path returns and takes this shape."""
+    if entropy_fn is None:
+        return token_logps(lm_head, hidden, targets, temperature)
+    entropy = []
+    logp = token_logps(lm_head, hidden, targets, temperature, on_logits=lambda x: entropy.append(entropy_fn(x)))
+    return torch.stack([logp, entropy[0].float()], dim=-1)

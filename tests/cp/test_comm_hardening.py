@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from augtree_verl.cp.comm import Meter, Ring, all_gather_sum, finish
-from augtree_verl.integration.cp_mesh import CPMesh
+from augtree_verl.cp.mesh import CPMesh
 from augtree_verl.replay.stats import ReplayStats
 from tests.cp.distributed import run_distributed
 

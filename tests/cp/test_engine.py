@@ -1,8 +1,9 @@
-"""The CP replay engine vs the flattened single-process baseline, on real gloo process groups.
+"""``replay`` with context-parallel plans vs the flattened single-process baseline, on real gloo process groups.
 
 Contract checked on every rank: returned log-probs equal the baseline's; the SUM over ranks of every
 parameter's .grad equals the baseline's .grad (float32, 1e-5 relative); bytes each rank sent per
-primitive equal the analytic count (``cp.cost``); the prompt runs once per lane / group."""
+primitive equal the analytic count (``cp.cost``, summed over the same ``cp.schedule`` steps the run
+executes); the prompt runs once per lane / group."""
 
 import pytest
 import torch
@@ -10,8 +11,8 @@ import torch.distributed as dist
 
 from augtree_verl import Plan, ReplayStats, replay
 from augtree_verl.cp.cost import AttentionShape, analytic_bytes
-from augtree_verl.cp.engine import PendingBackward, replay_cp
 from augtree_verl.cp.layout import ZigzagLayout
+from augtree_verl.replay import held_prompt_tensors
 from augtree_verl.planner import plan_tree
 from augtree_verl.replay.baseline import flattened_replay
 from tests.cp.distributed import run_distributed
@@ -45,17 +46,14 @@ def summed_grads(model) -> dict[str, torch.Tensor]:
     return summed
 
 
-def check_call(model, trees, plans, *, use_replay=False, temperature=1.0, train=True, seed=0, forward_runs=1):
+def check_call(model, trees, plans, *, temperature=1.0, train=True, seed=0, forward_runs=1):
     """One CP call vs the baseline on the same weights; returns (stats, grads summed over ranks).
     ``forward_runs``: 2 with activation checkpointing (each layer's forward, and its communication, re-runs
     once in the backward)."""
     loss_fn = grpo_like_loss(trees, seed) if train else None
     model.zero_grad(set_to_none=True)
     stats = ReplayStats()
-    if use_replay:
-        got = replay(model, trees, loss_fn, plans=plans, temperature=temperature, stats=stats)
-    else:
-        got = replay_cp(model, trees, loss_fn, plans, temperature=temperature, stats=stats)
+    got = replay(model, trees, loss_fn, plans=plans, temperature=temperature, stats=stats)
     summed = summed_grads(model) if train else {}
     model.zero_grad(set_to_none=True)
     want = flattened_replay(model, trees, loss_fn, temperature=temperature)
@@ -101,8 +99,9 @@ def _world2(rank, world):
     trees = random_trees([13, 30, 2], [[4, 9], [5, 1, 7, 3], [6, 2, 1]], seed=5)
     plans = [ring_plan(2), split_plan("move_q", 2, 2, ((0, 0), (1, 1), (0, 1), (1, 0))),
              split_plan("tree_move_kv", 2, 2, ((0, 1), (0, 0), (1, 0)))]
-    stats, _ = check_call(model, trees, plans, use_replay=True, temperature=0.7)
-    assert dict(stats.plans) == {"ring": 1, "move_q": 1, "tree_move_kv": 1}
+    stats, _ = check_call(model, trees, plans, temperature=0.7)
+    # each tree is counted once in the group: by its subgroup's first member
+    assert dict(stats.plans) == ({"ring": 1, "move_q": 1, "tree_move_kv": 1} if rank == 0 else {})
     # forward only
     check_call(model, trees, plans, train=False)
     # activation checkpointing (non-reentrant) on a Qwen3 model
@@ -143,9 +142,24 @@ def entropy(logits):
     return torch.logsumexp(logits, -1) - (logits.softmax(-1) * logits).sum(-1)
 
 
-def _deferred_with_entropy(rank, world):
-    """``pending`` + ``entropy_fn`` (what the verl engine uses): scores [R, 2] on every rank, the queued
-    backward of a loss over log-probs and entropies run after the whole forward, over three steps."""
+def assert_scores_match_flattened(model, trees, loss_fn, temperature, got, summed) -> None:
+    """``got[t][i]`` ([R, 2]: log-prob, entropy) and the gradients ``summed`` over ranks of
+    sum_{t,i} loss_fn(t, i, scores_ti) equal the flattened baseline's (which this leaves in ``.grad``)."""
+    model.zero_grad(set_to_none=True)
+    entropies = {}
+    want = flattened_replay(model, trees, keep_graph=True, temperature=temperature,
+                            on_logits=lambda t, i, logits: entropies.__setitem__((t, i), entropy(logits)))
+    sum(loss_fn(t, i, torch.stack([want[t][i], entropies[(t, i)]], dim=-1))
+        for t in range(len(trees)) for i in range(len(trees[t].responses))).backward()
+    assert_logps_match([[s[:, 0] for s in row] for row in got], want)
+    assert_logps_match([[s[:, 1] for s in row] for row in got],
+                       [[entropies[(t, i)] for i in range(len(tree.responses))] for t, tree in enumerate(trees)])
+    assert_grads_match(summed, grads(model))
+
+
+def _micro_batch_loss_with_entropy(rank, world):
+    """``micro_batch_loss`` + ``entropy_fn`` (what the verl engine uses): scores [R, 2] on every rank, a
+    loss over log-probs and entropies of each step's responses, over three optimizer steps."""
     model = tiny_model("qwen2-gqa", seed=6)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     trees = random_trees([21, 4], [[5, 2, 8], [9, 1, 3, 6]], seed=11)
@@ -157,24 +171,20 @@ def _deferred_with_entropy(rank, world):
         def loss_fn(t, i, scores):
             return pg(t, i, scores[:, 0]) + 0.1 * scores[:, 1].sum()
 
+        held = []
+
+        def micro_batch_loss(t, rows, scores):
+            held.append(len(held_prompt_tensors()))  # this tree's prompt leaves (and sums) are alive
+            return sum(loss_fn(t, i, s) for i, s in zip(rows, scores))
+
         model.zero_grad(set_to_none=True)
-        pending = PendingBackward()
-        got = replay_cp(model, trees, None, plans if step != 1 else [ring_plan(world)] * 2, temperature=0.8,
-                        entropy_fn=entropy, pending=pending)
+        got = replay(model, trees, plans=plans if step != 1 else [ring_plan(world)] * 2, temperature=0.8,
+                     entropy_fn=entropy, micro_batch_loss=micro_batch_loss)
         assert all(s.shape == (n, 2) and not s.requires_grad for tree, row in zip(trees, got)
                    for s, n in zip(row, tree.response_lens))
-        pending.run(loss_fn)
+        assert held and min(held) > 0 and not held_prompt_tensors()
         summed = summed_grads(model)
-        model.zero_grad(set_to_none=True)
-        entropies = {}
-        want = flattened_replay(model, trees, keep_graph=True, temperature=0.8,
-                                on_logits=lambda t, i, logits: entropies.__setitem__((t, i), entropy(logits)))
-        sum(pg(t, i, want[t][i]) + 0.1 * entropies[(t, i)].sum()
-            for t in range(len(trees)) for i in range(len(trees[t].responses))).backward()
-        assert_logps_match([[s[:, 0] for s in row] for row in got], want)
-        assert_logps_match([[s[:, 1] for s in row] for row in got],
-                           [[entropies[(t, i)] for i in range(len(tree.responses))] for t, tree in enumerate(trees)])
-        assert_grads_match(summed, grads(model))
+        assert_scores_match_flattened(model, trees, loss_fn, 0.8, got, summed)
         for n, p in model.named_parameters():
             p.grad = summed[n]
         opt.step()
@@ -205,8 +215,8 @@ def test_parity_after_each_of_several_steps():
 
 
 @pytest.mark.timeout(300)
-def test_deferred_backward_with_entropy_scores():
-    run_distributed(_deferred_with_entropy, 2)
+def test_micro_batch_loss_with_entropy_scores():
+    run_distributed(_micro_batch_loss_with_entropy, 2)
 
 
 @pytest.mark.timeout(200)
@@ -217,12 +227,12 @@ def test_degree_one():
 def _bad_plans(rank, world):
     model = tiny_model("qwen2-gqa")
     trees = random_trees([5], [[3, 2]], seed=1)
-    with pytest.raises(ValueError, match="differs from the CP group size"):
-        replay_cp(model, trees, None, [ring_plan(4)])
-    with pytest.raises(ValueError, match="tree 0 has no plan"):
-        replay_cp(model, trees, None, [None])
+    with pytest.raises(ValueError, match="tree 0: plan degree 4 differs from the CP group size 2"):
+        replay(model, trees, plans=[ring_plan(4)])
     with pytest.raises(ValueError, match="tree 0 has 1 cells"):
-        replay_cp(model, trees, None, [split_plan("move_q", 2, 1, ((0, 0),))])
+        replay(model, trees, plans=[split_plan("move_q", 2, 1, ((0, 0),))])
+    with pytest.raises(ValueError, match="tree 0: placement 1 outside the 1 subgroups of degree 2"):
+        replay(model, trees, plans=[ring_plan(2)], placement=[1])
 
 
 @pytest.mark.timeout(200)

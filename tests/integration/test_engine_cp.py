@@ -96,7 +96,7 @@ def _rank_main(rank: int, world: int, port: int, model_path: str, cp_degrees: li
         ours_idx = [k for k, row in enumerate(rows) if int(row["uid"].split("-")[1]) % dp_size == dp_rank]
         stock_idx = list(range(rank, len(rows), world))
         our_rows = [rows[k] for k in ours_idx]
-        # A rank's whole share in one micro-batch: split plans need the whole tree in one replay unit.
+        # A rank's whole share in one verl micro-batch.
         batch = H.rows_to_batch(our_rows, micro_batch_size=len(our_rows),
                                 extra={"augtree_plan": _plan_entries(our_rows, specs)})
         stock_batch = H.rows_to_batch([rows[k] for k in stock_idx])

@@ -178,9 +178,6 @@ def _memory_main(rank: int, world: int, port: int, model_path: str, out_dir: str
         dist.destroy_process_group()
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="today's CP path gathers every parameter for the whole step (gathered_for_replay); "
-                          "remove this marker when CP trees stream in lock-step with per-layer gathers")
 @pytest.mark.timeout(SPAWN_TIMEOUT_S[2] + 60)
 def test_cp_step_unshards_at_most_one_group_more_than_stock(tmp_path):
     model_path = H.save_tiny_qwen2(str(tmp_path / "tiny-qwen2"), num_hidden_layers=MEMORY_LAYERS)

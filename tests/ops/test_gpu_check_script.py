@@ -31,8 +31,8 @@ class Hide:
 sys.meta_path[:] = [Hide(f) for f in sys.meta_path]
 """
 CHECKS = ["ops h4/kv2 d16 causal", "ops h4/kv2 d16 single-query", "ops merge of 3", "prefix attention",
-          "replay bf16 vs fp32", "replay_cp world 1 ring", "replay_cp world 1 tree_move_kv",
-          "replay_cp world 1 move_q", "prefill peak memory", "host syncs", "speed prompt-heavy",
+          "replay bf16 vs fp32", "replay world 1 ring plan", "replay world 1 tree_move_kv plan",
+          "replay world 1 move_q plan", "prefill peak memory", "host syncs", "speed prompt-heavy",
           "speed response-heavy"]
 
 
@@ -42,7 +42,7 @@ def run_hidden(code: str, timeout: int):
 
 
 def test_package_imports_without_verl_ray_tensordict_flash_attn():
-    code = ("import augtree_verl, augtree_verl.cp.engine, augtree_verl.ops.attention, augtree_verl.replay.baseline\n"
+    code = ("import augtree_verl, augtree_verl.replay.cp_tree, augtree_verl.ops.attention, augtree_verl.replay.baseline\n"
             "import augtree_verl.replay.prefix_attention, augtree_verl.ops.flash_attn\n"
             "assert not [m for m in sys.modules if m.split('.')[0] in ABSENT], sorted(sys.modules)\n")
     done = run_hidden(code, 120)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from augtree_verl.integration.cp_mesh import CPMesh, place_trees, schedule_trees
+from augtree_verl.cp.mesh import CPMesh, place_trees, schedule_trees
 from augtree_verl.plan import Plan
 from augtree_verl.replay import ReplayTree
 

@@ -1,4 +1,5 @@
-"""How the AugTree engine lays its ranks out for context parallelism, and which ranks replay which tree.
+"""The one source of context-parallel group facts (torchtitan ``ParallelDims`` style), and which ranks
+replay which tree.
 
 With C = max(cp_degrees), rank r is CP rank ``r % C`` of data-parallel rank ``r // C`` (a CP group is C
 consecutive ranks, e.g. one node's GPUs). The engine reports the data-parallel rank and size to verl, so
@@ -21,8 +22,6 @@ import torch.distributed as dist
 
 from augtree_verl.cp.comm import warm_up
 from augtree_verl.plan import Plan
-from augtree_verl.replay import ReplayTree
-from augtree_verl.groups import tree_workload
 
 
 class CPMesh:
@@ -54,6 +53,26 @@ class CPMesh:
                     [[first + j for j in range(d)] for first in range(0, world, d)])
                 warm_up(self.subgroups[d])
 
+    @classmethod
+    def whole_world(cls) -> "CPMesh":
+        """The world as one CP group (no new process group: ``subgroups[world]`` is the world's group);
+        what ``replay`` uses for context-parallel plans when it is given no mesh."""
+        mesh = cls.__new__(cls)
+        world, rank = dist.get_world_size(), dist.get_rank()
+        mesh.degrees, mesh.cp_size = (1, world) if world > 1 else (1,), world
+        mesh.dp_size, mesh.dp_rank, mesh.cp_rank = 1, 0, rank
+        mesh.dp_group = dist.group.WORLD
+        mesh.subgroups = {world: dist.group.WORLD} if world > 1 else {}
+        return mesh
+
+    def group_of(self, degree: int):
+        """This rank's subgroup of ``degree`` ranks (None for degree 1)."""
+        return self.subgroups.get(degree) if degree > 1 else None
+
+    def subgroup_rank(self, degree: int) -> int:
+        """This rank's index inside its subgroup of ``degree`` ranks."""
+        return self.cp_rank % degree
+
     @property
     def cp_group(self):
         """The whole CP group of this rank (None without context parallelism)."""
@@ -64,8 +83,9 @@ class CPMesh:
         return self.cp_rank // degree
 
 
-def schedule_trees(trees: Sequence[ReplayTree], plans: Sequence[Plan | None], cp_size: int) -> tuple[list[int], list[int]]:
-    """(degree, subgroup index) per tree, for one CP group of ``cp_size`` ranks that replays ``trees``.
+def schedule_trees(trees: Sequence, plans: Sequence[Plan | None], cp_size: int) -> tuple[list[int], list[int]]:
+    """(degree, subgroup index) per tree, for one CP group of ``cp_size`` ranks that replays ``trees``
+    (anything with ``prompt_len`` and ``response_lens``, e.g. ``replay.ReplayTree``).
 
     The planner plans each tree alone; a CP group holding several trees may finish sooner running some of
     them on one rank each, side by side. When every plan carries the planner's estimates (``est_time_s``,
@@ -76,8 +96,7 @@ def schedule_trees(trees: Sequence[ReplayTree], plans: Sequence[Plan | None], cp
     """
     degrees = [plan.degree if plan is not None else 1 for plan in plans]
     if not all(plan is not None and plan.est_time_s is not None for plan in plans):
-        works = [float(tree_workload(tree.prompt_len, tree.response_lens)) for tree in trees]
-        return degrees, place_trees(works, degrees, cp_size)[0]
+        return degrees, place_by_workload(trees, degrees, cp_size)
     multi = [plan.est_time_s for plan in plans]
     single = [plan.est_time_s if plan.degree == 1 else plan.est_single_s for plan in plans]
     demotable = sorted((t for t in range(len(plans)) if degrees[t] > 1 and single[t] is not None),
@@ -91,6 +110,14 @@ def schedule_trees(trees: Sequence[ReplayTree], plans: Sequence[Plan | None], cp
         if best is None or makespan < best[0]:
             best = (makespan, list(degrees), placement)
     return best[1], best[2]
+
+
+def place_by_workload(trees: Sequence, degrees: Sequence[int], cp_size: int) -> list[int]:
+    """``place_trees`` with each tree's work estimated by ``groups.tree_workload``."""
+    from augtree_verl.groups import tree_workload  # lazy: groups needs verl, the replay engine does not
+
+    works = [float(tree_workload(tree.prompt_len, tree.response_lens)) for tree in trees]
+    return place_trees(works, degrees, cp_size)[0]
 
 
 def place_trees(works: Sequence[float], degrees: Sequence[int], cp_size: int) -> tuple[list[int], float]:

@@ -1,0 +1,76 @@
+"""The model calls both tree runs (one device, CP) are made of, and the one-token dummies that pad them.
+
+Every slot of the lock-step schedule is: one prefill (a decoder call), response calls (a decoder call, an
+LM-head call and, in training, a backward each) and one delayed prompt backward. A dummy prefill runs one
+``PAD_ID`` token with local causal attention; a dummy response call runs one token the same way, scores it
+and backpropagates a zero loss, so it reaches every FSDP unit a real call reaches (and no process group
+but FSDP's).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from augtree_verl.replay.attention import NO_MASKS, PrefillContext
+from augtree_verl.replay.prompt_kv import PromptKV
+from augtree_verl.replay.scoring import EntropyFn, token_scores
+
+PAD_ID = 0  # token of padded positions and of the lock-step dummy calls (any id of the vocabulary)
+
+
+class ModelCalls:
+    """``model``'s decoder and LM head as the tree runs call them; ``micro_batch_loss`` None: forward only."""
+
+    def __init__(self, model, *, temperature: float, stats, entropy_fn: EntropyFn | None, micro_batch_loss,
+                 offload=None):
+        self.base, self.lm_head = model.get_decoder(), model.get_output_embeddings()
+        self.temperature, self.stats, self.entropy_fn = temperature, stats, entropy_fn
+        self.loss, self.train, self.offload = micro_batch_loss, micro_batch_loss is not None, offload
+        self.device = model.get_input_embeddings().weight.device
+
+    def decoder(self, ids: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
+        """ids, positions [B, S] -> final hidden states [B, S, H] (attention through ``ctx``)."""
+        self.stats.executed_tokens += ids.numel()
+        return self.base(input_ids=ids, position_ids=positions, attention_mask=NO_MASKS, use_cache=False,
+                         augtree_ctx=ctx).last_hidden_state
+
+    def scores(self, states: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """states [N, H], targets [N] -> [N] or [N, 2] (``scoring.token_scores``), one LM-head call."""
+        return token_scores(self.lm_head, states, targets, self.temperature, self.entropy_fn)
+
+    def _pad(self) -> torch.Tensor:
+        return torch.full((1, 1), PAD_ID, dtype=torch.long, device=self.device)
+
+    def dummy_prompt(self) -> PromptKV:
+        """A dummy prefill: one local token (no prompt-K/V consumer; its backward sends zeros)."""
+        def prefill():
+            ctx = PrefillContext()
+            hidden = self.decoder(self._pad(), torch.zeros_like(self._pad()), ctx)[0]
+            return [ctx.kv[layer] for layer in range(len(ctx.kv))], hidden, None
+        return PromptKV(prefill, train=self.train, offload=self.offload)
+
+    def pad_call(self) -> None:
+        """A dummy response call (decoder, LM head, and in training a zero backward)."""
+        hidden = self.decoder(self._pad(), torch.zeros_like(self._pad()), PrefillContext())[0]
+        scores = self.scores(hidden, self._pad()[0])
+        if self.train:
+            (scores.sum() * 0.0).backward()
+        self.stats.micro_batches += 1
+
+    def finish_slot(self, prompt: PromptKV, done: int, calls: int, start) -> None:
+        """Close a slot after ``done`` response calls: dummy calls up to ``calls``, the replay timer started
+        at ``start`` (``ReplayStats.start_timer``) stopped, then in training the prompt's delayed backward."""
+        for _ in range(calls - done):
+            self.pad_call()
+        self.stats.stop_timer("replay_s", start)
+        if self.train:
+            start = self.stats.start_timer(self.device)
+            prompt.backward()
+            self.stats.stop_timer("prompt_backward_s", start)
+
+    def backward_zero_or(self, loss, scores: list[torch.Tensor]) -> None:
+        """Backpropagate ``loss``, or a zero loss over ``scores`` where it has no gradient (so that this rank's
+        backwards stay in step with the others')."""
+        if loss is None or not loss.requires_grad:
+            loss = sum(s.sum() for s in scores) * 0.0
+        loss.backward()

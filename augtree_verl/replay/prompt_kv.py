@@ -1,0 +1,91 @@
+"""``PromptKV``: one prompt's K/V between its prefill and its delayed backward, on one device or one CP rank.
+
+    live_kv[layer] = (k, v)   in the prompt graph; one device [1, H_kv, P, D], a CP rank [H_kv, p, D] (its shard)
+    kv[layer]      = (k, v)   leaves sharing their storage (training) or the live tensors (forward only)
+    hidden         [n, H]     live final hidden states the delayed backward starts from (a CP rank: its whole
+                              shard, so that every member reaches every ring step of the prompt graph)
+    last           [H]        leaf of the hidden state at prompt position P - 1 (row ``last_row`` of
+                              ``hidden``), which scores each response's first token; None where another
+                              CP rank owns that position
+Training: each leaf sums the gradients of the many response backwards in float32 (``leaf.grad_sum``)
+whatever the model's dtype; ``backward()`` runs the one delayed prompt backward with those sums (zeros
+where nothing flowed). With an ``offload`` object, the prefill forward runs inside ``offload.saving()``
+and the delayed backward inside ``offload.restoring()``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from typing import Callable
+
+import torch
+
+_HELD_LEAVES: "weakref.WeakSet[torch.Tensor]" = weakref.WeakSet()  # the prompt leaves alive now
+
+# prefill() -> (live_kv per layer, hidden [n, H], last_row or None)
+PrefillFn = Callable[[], "tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor, int | None]"]
+
+
+class PromptKV:
+    """See the module docstring. ``PromptKV(prefill, train=..., offload=...)`` runs ``prefill`` at once."""
+
+    def __init__(self, prefill: PrefillFn, *, train: bool, offload=None):
+        self.train, self.offload = train, offload
+        with offload.saving() if offload is not None else contextlib.nullcontext():
+            self.live_kv, self.hidden, self.last_row = prefill()
+        if train:
+            if not self.live_kv[0][0].requires_grad:
+                raise ValueError(
+                    "the prompt K/V carry no autograd graph: reentrant activation checkpointing "
+                    "(use_reentrant=True) hides them; enable checkpointing with use_reentrant=False "
+                    "(transformers' default)")
+            self.kv = [(_summing_leaf(k), _summing_leaf(v)) for k, v in self.live_kv]
+        else:
+            self.kv = self.live_kv
+        last = self.hidden[self.last_row] if self.last_row is not None else None
+        self.last = _summing_leaf(last) if train and last is not None else last
+
+    def backward(self) -> None:
+        """The delayed prompt backward: every live K/V and the hidden states as roots, with the leaves'
+        float32 sums rounded once to the live dtype (zeros where nothing flowed back)."""
+        roots = [x for kv in self.live_kv for x in kv] + [self.hidden]
+        grads = [_grad(x, leaf) for live, leaves in zip(self.live_kv, self.kv) for x, leaf in zip(live, leaves)]
+        hidden_grad = torch.zeros_like(self.hidden)
+        if self.last is not None and self.last.grad_sum is not None:
+            hidden_grad[self.last_row] = self.last.grad_sum.to(self.hidden.dtype)
+        with self.offload.restoring() if self.offload is not None else contextlib.nullcontext():
+            torch.autograd.backward(roots, grads + [hidden_grad])
+
+
+def _grad(live: torch.Tensor, leaf: torch.Tensor) -> torch.Tensor:
+    return leaf.grad_sum.to(live.dtype) if leaf.grad_sum is not None else torch.zeros_like(live)
+
+
+def held_prompt_tensors() -> list[torch.Tensor]:
+    """The device tensors in-flight prompts hold between their prefill and their delayed backward: each
+    prompt leaf (K/V, last hidden state) and its float32 gradient sum, on the one-device and the CP path.
+    For memory meters (``UnshardedGroups``); tensors may share storage with each other or with saved
+    activations."""
+    held = []
+    for leaf in list(_HELD_LEAVES):
+        held.append(leaf)
+        if leaf.grad_sum is not None:
+            held.append(leaf.grad_sum)
+    return held
+
+
+def _summing_leaf(x: torch.Tensor) -> torch.Tensor:
+    """A leaf sharing ``x``'s storage whose gradients, one per backward, are summed in float32 into
+    ``leaf.grad_sum`` (None until the first): autograd's own ``.grad`` would sum them in ``x``'s dtype.
+    Registered in ``held_prompt_tensors`` while alive."""
+    leaf = x.detach().requires_grad_()
+    leaf.grad_sum = None
+    _HELD_LEAVES.add(leaf)
+
+    def move(t: torch.Tensor) -> None:
+        t.grad_sum = t.grad.float() if t.grad_sum is None else t.grad_sum.add_(t.grad)
+        t.grad = None
+
+    leaf.register_post_accumulate_grad_hook(move)
+    return leaf
