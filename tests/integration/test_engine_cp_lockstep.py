@@ -125,12 +125,24 @@ def _skewed_main(rank: int, world: int, port: int, model_path: str, layout: dict
                 if "grad_norm" in out_ours["metrics"]:  # verl adds it on the ranks whose outputs it collects
                     _assert_close(f"{where} grad norm", torch.tensor(out_ours["metrics"]["grad_norm"]),
                                   torch.tensor(out_stock["metrics"]["grad_norm"]))
-                # The ring plan applies to any part of its tree: its CP group ran it context-parallel.
-                if any(layout["specs"][g] == ("ring", 2) for g in layout["dealt"][rank // CP]):
-                    assert out_ours["metrics"]["augtree/comm_bytes/ring/bwd"].aggregate() > 0, where
+                # Every plan applied, whatever verl's micro-batch size: each CP primitive of this CP group's
+                # trees ran context-parallel (moved bytes both ways), and no plan fell back to one device.
+                metrics = out_ours["metrics"]
+                assert metrics["augtree/plan_fallbacks"].aggregate() == 0, where
+                for primitive in {_primitive(layout["specs"][g]) for g in layout["dealt"][rank // CP]} - {None}:
+                    for direction in ("fwd", "bwd"):
+                        assert metrics[f"augtree/comm_bytes/{primitive}/{direction}"].aggregate() > 0, \
+                            f"{where}: {primitive} {direction}"
                 _assert_params_match(ours, stock, where)
     finally:
         dist.destroy_process_group()
+
+
+def _primitive(spec) -> str | None:
+    """The CP primitive of a group's plan spec (see ``_layout``), None for one device."""
+    if isinstance(spec, Plan):
+        return spec.primitive if spec.degree > 1 else None
+    return spec[0] if spec[1] > 1 else None
 
 
 def _spawn(tmp_path, world, layout, cases):
