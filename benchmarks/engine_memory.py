@@ -38,7 +38,7 @@ def _rank_main(rank: int, port: int, model_path: str, out_path: str) -> None:
     import torch
     from verl.utils import tensordict_utils as tu
 
-    from augtree_verl.integration.fsdp_model import UnshardedGroups
+    from augtree_verl.integration.memory_meter import UnshardedGroups
     from augtree_verl.testing import verl_batch
 
     torch.set_num_threads(1)

@@ -37,6 +37,7 @@ dropout inside attention. ``micro_batch_tokens`` does not apply: a CP replay ste
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -48,6 +49,7 @@ from augtree_verl.cp.context import LaneReplayContext, MoveQReplayContext, RingC
 from augtree_verl.cp.layout import ZigzagLayout, lane_members
 from augtree_verl.plan import Plan
 from augtree_verl.replay.attention import NO_MASKS, use_augtree_attention
+from augtree_verl.replay.offload import Offload
 from augtree_verl.replay.scoring import token_logps
 from augtree_verl.replay.stats import ReplayStats
 from augtree_verl.replay.tree import ReplayTree
@@ -72,12 +74,13 @@ class PendingBackward:
 def replay_cp(model, trees: Sequence[ReplayTree], loss_fn, plans: Sequence[Plan], *, temperature: float = 1.0,
               micro_batch_tokens: int | None = None, stats: ReplayStats | None = None, group=None,
               entropy_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
-              pending: PendingBackward | None = None) -> list[list[torch.Tensor]]:
+              pending: PendingBackward | None = None, offload: Offload | None = None) -> list[list[torch.Tensor]]:
     """Same contract as ``replay`` (logps[t][i] float32 [R_i] on every rank), context-parallel over
     ``group`` (default: the world); see the module docstring for the schedule and the gradient contract.
 
     ``entropy_fn(logits [n, V] float32, tempered) -> [n]``: values become [R_i, 2] (log-prob, entropy).
     ``pending`` (instead of ``loss_fn``): build the graph and queue the backward there.
+    ``offload`` (training): each prompt shard's saved activations wait on the host until its prompt backward.
     """
     del micro_batch_tokens  # one response per lane per step; kept for the ``replay`` signature
     if loss_fn is not None and pending is not None:
@@ -85,7 +88,7 @@ def replay_cp(model, trees: Sequence[ReplayTree], loss_fn, plans: Sequence[Plan]
     trees, plans = list(trees), list(plans)
     size = _check(model, trees, plans, temperature, group)
     stats = stats if stats is not None else ReplayStats()
-    run = _Run(model, loss_fn, temperature, stats, group, dist.get_rank(group), size, entropy_fn, pending)
+    run = _Run(model, loss_fn, temperature, stats, group, dist.get_rank(group), size, entropy_fn, pending, offload)
     schedules = {"ring": run.ring_tree, "tree_move_kv": run.tree_move_kv_tree, "move_q": run.move_q_tree}
     logps = []
     use_augtree_attention(model)
@@ -132,12 +135,13 @@ class _Prefill:
 
 
 class _Run:
-    def __init__(self, model, loss_fn, temperature, stats, group, rank, size, entropy_fn, pending):
+    def __init__(self, model, loss_fn, temperature, stats, group, rank, size, entropy_fn, pending, offload):
         self.base, self.lm_head = model.get_decoder(), model.get_output_embeddings()
         self.loss_fn, self.temperature, self.stats = loss_fn, temperature, stats
         self.group, self.rank, self.size = group, rank, size
         self.entropy_fn, self.pending = entropy_fn, pending
         self.train = loss_fn is not None or pending is not None
+        self.offload = offload if self.train else None
         self.logp_meter = Meter(stats, LOGP_EXCHANGE)
 
     # ---- shared pieces -------------------------------------------------------------------------------
@@ -177,8 +181,9 @@ class _Run:
         layout = ZigzagLayout(prompt.shape[0], len(members))
         pos = layout.positions(index, device=prompt.device)
         capture = {}
-        hidden = self.forward_shard(prompt[pos], pos, RingContext(Ring(self.group, members, index), layout,
-                                                                  meter, capture))
+        with self.offload.saving() if self.offload else contextlib.nullcontext():
+            hidden = self.forward_shard(prompt[pos], pos, RingContext(Ring(self.group, members, index), layout,
+                                                                      meter, capture))
         live_kv = [capture[layer] for layer in range(len(capture))]
         owner, local = layout.owner(prompt.shape[0] - 1)
         last = hidden[local] if owner == index else None
@@ -207,7 +212,8 @@ class _Run:
             hidden_grad[pre.last_local] = pre.last.grad
         roots.append(pre.hidden)
         grads.append(hidden_grad)
-        torch.autograd.backward(roots, grads)
+        with self.offload.restoring() if self.offload else contextlib.nullcontext():
+            torch.autograd.backward(roots, grads)
         self.stats.stop_timer("prompt_backward_s", start)
 
     def first_token_logps(self, pre: _Prefill, tree: ReplayTree, responses) -> list:

@@ -38,6 +38,10 @@ class AugTreeEngineConfig(FSDPEngineConfig):
     fallback_threshold_tokens: a group whose prompt + longest response is shorter than this runs without CP.
     planner_name: name of the planner service (a named Ray actor) the trainer hook sends group lengths to.
     planner_timeout_s: how long to wait for a plan before falling back to no CP (counted as a fallback).
+    offload_prompt_activations: while a tree's responses replay, its prompt's saved activations (the
+        checkpoint boundaries under gradient checkpointing) wait in host memory for the delayed prompt
+        backward (``replay.offload``): pinned buffers and a side stream on CUDA, prefetched a layer ahead.
+        Applies to trees streamed without CP (``cp_degrees`` [1]); CP groups' replay units do not offload yet.
     """
 
     strategy: str = STRATEGY
@@ -48,6 +52,7 @@ class AugTreeEngineConfig(FSDPEngineConfig):
     fallback_threshold_tokens: int = 0
     planner_name: str = "augtree_planner"
     planner_timeout_s: float = 5.0
+    offload_prompt_activations: bool = False
 
     def __post_init__(self):
         # FSDPEngineConfig.__post_init__ only adds a strategy assertion that rejects "augtree".
@@ -67,8 +72,9 @@ class AugTreeEngineConfig(FSDPEngineConfig):
         if self.force_primitive is not None and self.force_primitive not in PRIMITIVES:
             raise ValueError(
                 f"AugTreeEngineConfig.force_primitive must be None or one of {PRIMITIVES}, got {self.force_primitive!r}")
-        if not isinstance(self.use_planner, bool):
-            raise ValueError(f"AugTreeEngineConfig.use_planner must be a bool, got {self.use_planner!r}")
+        for name in ("use_planner", "offload_prompt_activations"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"AugTreeEngineConfig.{name} must be a bool, got {getattr(self, name)!r}")
         if not isinstance(self.planner_name, str) or not self.planner_name:
             raise ValueError(f"AugTreeEngineConfig.planner_name must be a non-empty string, got {self.planner_name!r}")
         if isinstance(self.planner_timeout_s, bool) or not isinstance(self.planner_timeout_s, (int, float)) \

@@ -1,7 +1,8 @@
 """Grouped replay: prompt prefilled once per tree, responses replayed against its K/V, one delayed prompt backward."""
 
 from augtree_verl.replay.engine import held_prompt_tensors, replay
+from augtree_verl.replay.offload import Offload
 from augtree_verl.replay.stats import ReplayStats
 from augtree_verl.replay.tree import ReplayTree
 
-__all__ = ["ReplayStats", "ReplayTree", "held_prompt_tensors", "replay"]
+__all__ = ["Offload", "ReplayStats", "ReplayTree", "held_prompt_tensors", "replay"]

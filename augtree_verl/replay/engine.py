@@ -24,6 +24,7 @@ import torch
 
 from augtree_verl.plan import Plan
 from augtree_verl.replay.attention import NO_MASKS, PrefillContext, ResponseContext, use_augtree_attention
+from augtree_verl.replay.offload import Offload
 from augtree_verl.replay.schedule import Slot, tree_schedule
 from augtree_verl.replay.scoring import logps_from_logits
 from augtree_verl.replay.stats import ReplayStats
@@ -51,6 +52,7 @@ def replay(
     on_logits: LogitsHook | None = None,
     micro_batch_loss: MicroBatchLossFn | None = None,
     lockstep_group=None,
+    offload: Offload | None = None,
 ) -> list[list[torch.Tensor]]:
     """Score (and, with ``loss_fn``, backpropagate) every response of every tree.
 
@@ -70,6 +72,8 @@ def replay(
     ``lockstep_group``: a process group whose ranks all call ``replay`` together on one FSDP2-sharded
     model; every rank then issues the same sequence of model calls and backwards (``schedule``), padding
     with dummy calls, so that per-layer all-gathers and reduce-scatters line up.
+    ``offload`` (training with a streamed backward): each prompt's saved activations wait in host memory
+    between its forward and its delayed backward (``replay.offload``); ignored when forward only.
     """
     trees = list(trees)
     device = model.get_input_embeddings().weight.device
@@ -84,6 +88,9 @@ def replay(
                          "(caller's backward), not more than one")
     if keep_graph and lockstep_group is not None:
         raise ValueError("keep_graph leaves the backward to the caller, so it cannot run in lock-step")
+    if keep_graph and offload is not None:
+        raise ValueError("offload restores a prompt's activations for its delayed backward; with keep_graph the "
+                         "backward is the caller's: pass loss_fn or micro_batch_loss instead")
     stats = stats if stats is not None else ReplayStats()
     if any(plan is not None and plan.degree > 1 for plan in plans):
         if keep_graph or on_logits is not None or micro_batch_loss is not None or lockstep_group is not None:
@@ -91,12 +98,12 @@ def replay(
                              "context-parallel plans yet")
         from augtree_verl.cp.engine import replay_cp  # lazy: augtree_verl.cp imports this package
         return replay_cp(model, trees, loss_fn, plans, temperature=temperature,
-                         micro_batch_tokens=micro_batch_tokens, stats=stats)
+                         micro_batch_tokens=micro_batch_tokens, stats=stats, offload=offload)
     if loss_fn is not None:
         micro_batch_loss = functools.partial(_sum_of_response_losses, loss_fn)
     logps: list[list[torch.Tensor]] = [[] for _ in trees]
     use_augtree_attention(model)
-    run = _TreeRun(model, temperature, stats, on_logits, micro_batch_loss)
+    run = _TreeRun(model, temperature, stats, on_logits, micro_batch_loss, offload)
     with torch.set_grad_enabled(micro_batch_loss is not None or keep_graph), \
             _fp32_grad_sums(model if micro_batch_loss is not None else None):
         for slot in tree_schedule(trees, micro_batch_tokens, group=lockstep_group, device=device):
@@ -163,11 +170,12 @@ def _dummy_tree(device) -> ReplayTree:
 class _TreeRun:
     """Phases A-C of one tree slot (see the module docstring)."""
 
-    def __init__(self, model, temperature, stats, on_logits, micro_batch_loss):
+    def __init__(self, model, temperature, stats, on_logits, micro_batch_loss, offload):
         self.base, self.lm_head = model.get_decoder(), model.get_output_embeddings()
         self.temperature, self.stats, self.on_logits = temperature, stats, on_logits
         self.loss = micro_batch_loss
         self.train = micro_batch_loss is not None  # with keep_graph the prompt simply stays in the graph
+        self.offload = offload if self.train else None
 
     def __call__(self, tree: ReplayTree, slot: Slot, *, tree_index: int | None) -> list[torch.Tensor]:
         stats, train = self.stats, self.train
@@ -177,10 +185,11 @@ class _TreeRun:
         # Phase A: prefill.
         start = stats.start_timer(tree.prompt.device)
         prefill = PrefillContext()
-        hidden = self.base(input_ids=tree.prompt[None], attention_mask=NO_MASKS, use_cache=False,
-                           augtree_ctx=prefill).last_hidden_state
+        with self.offload.saving() if self.offload else contextlib.nullcontext():
+            hidden = self.base(input_ids=tree.prompt[None], attention_mask=NO_MASKS, use_cache=False,
+                               augtree_ctx=prefill).last_hidden_state
         live_kv = [prefill.kv[layer] for layer in range(len(prefill.kv))]
-        live_last = hidden[0, -1]
+        live_last = hidden[0, -1].clone()  # a copy: a view would keep all P rows of ``hidden`` alive
         del hidden
         if train:  # dK/dV of many response micro-batches sum in float32 (``_summing_leaf``)
             _check_prompt_graph(live_kv)
@@ -218,8 +227,9 @@ class _TreeRun:
             start = stats.start_timer(tree.prompt.device)
             roots = [x for kv in live_kv for x in kv] + [live_last]
             leaves = [x for kv in leaf_kv for x in kv] + [leaf_last]
-            torch.autograd.backward(roots, [leaf.grad_sum.to(root.dtype) if leaf.grad_sum is not None
-                                            else torch.zeros_like(root) for root, leaf in zip(roots, leaves)])
+            with self.offload.restoring() if self.offload else contextlib.nullcontext():
+                torch.autograd.backward(roots, [leaf.grad_sum.to(root.dtype) if leaf.grad_sum is not None
+                                                else torch.zeros_like(root) for root, leaf in zip(roots, leaves)])
             stats.stop_timer("prompt_backward_s", start)
         return out
 
