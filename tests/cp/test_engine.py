@@ -14,6 +14,7 @@ from augtree_verl.cp.engine import PendingBackward, replay_cp
 from augtree_verl.cp.layout import ZigzagLayout
 from augtree_verl.planner import plan_tree
 from augtree_verl.replay.baseline import flattened_replay
+from augtree_verl.replay.offload import Offload
 from tests.cp.distributed import run_distributed
 from tests.parity import assert_grads_match, assert_logps_match, grads, random_trees, tiny_model
 
@@ -143,9 +144,10 @@ def entropy(logits):
     return torch.logsumexp(logits, -1) - (logits.softmax(-1) * logits).sum(-1)
 
 
-def _deferred_with_entropy(rank, world):
+def _deferred_with_entropy(rank, world, offload_on=False):
     """``pending`` + ``entropy_fn`` (what the verl engine uses): scores [R, 2] on every rank, the queued
-    backward of a loss over log-probs and entropies run after the whole forward, over three steps."""
+    backward of a loss over log-probs and entropies run after the whole forward, over three steps. With
+    ``offload_on`` each rank's prompt shards wait on the host until their queued prompt backwards."""
     model = tiny_model("qwen2-gqa", seed=6)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     trees = random_trees([21, 4], [[5, 2, 8], [9, 1, 3, 6]], seed=11)
@@ -159,11 +161,16 @@ def _deferred_with_entropy(rank, world):
 
         model.zero_grad(set_to_none=True)
         pending = PendingBackward()
+        offload = Offload(min_bytes=0) if offload_on else None
         got = replay_cp(model, trees, None, plans if step != 1 else [ring_plan(world)] * 2, temperature=0.8,
-                        entropy_fn=entropy, pending=pending)
+                        entropy_fn=entropy, pending=pending, offload=offload)
         assert all(s.shape == (n, 2) and not s.requires_grad for tree, row in zip(trees, got)
                    for s, n in zip(row, tree.response_lens))
+        if offload is not None and step != 1:  # ring trees have no prefill: nothing to offload at step 1
+            assert offload.host_bytes > 0 and offload.stats.offloaded_bytes > 0
         pending.run(loss_fn)
+        if offload is not None:
+            assert offload.host_bytes == 0 and offload.device_storages() == []
         summed = summed_grads(model)
         model.zero_grad(set_to_none=True)
         entropies = {}
@@ -205,8 +212,9 @@ def test_parity_after_each_of_several_steps():
 
 
 @pytest.mark.timeout(300)
-def test_deferred_backward_with_entropy_scores():
-    run_distributed(_deferred_with_entropy, 2)
+@pytest.mark.parametrize("offload_on", [False, True])
+def test_deferred_backward_with_entropy_scores(offload_on):
+    run_distributed(_deferred_with_entropy, 2, offload_on)
 
 
 @pytest.mark.timeout(200)
