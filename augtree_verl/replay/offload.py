@@ -50,9 +50,9 @@ import torch
 
 from augtree_verl.replay.stats import ReplayStats
 
-# Storages smaller than this stay on the device: a copy this small is latency-bound (a few microseconds
+# Storages smaller than this (256 KiB) stay on the device: a copy this small is latency-bound (a few microseconds
 # each way) and frees little (at 28k tokens a boundary is ~200 MB; a norm's [P, 1] statistics ~100 kB).
-MIN_OFFLOAD_BYTES = 1 << 20
+MIN_OFFLOAD_BYTES = 1 << 18
 
 _LIVE: "weakref.WeakSet[Offload]" = weakref.WeakSet()
 
