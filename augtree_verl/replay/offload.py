@@ -13,7 +13,8 @@ What moves. Every tensor autograd saves inside ``saving()`` passes ``_pack`` (wi
 non-reentrant, that is each checkpointed layer's input hidden states [1, P, hidden], the boundaries, and what
 the layers outside checkpoints save, e.g. the final norm's [1, P, hidden] inputs; without it, every
 activation). It stays on the device, untouched, when it is a parameter or a view of one (FSDP2's unsharded
-parameters are ``nn.Parameter``s), a leaf that requires grad, not a plain strided tensor, or its storage is
+parameters are ``nn.Parameter``s), a leaf that requires grad, not a plain strided tensor (subclasses, nested,
+sparse, quantized, lazily conjugated or negated), or its storage is
 smaller than ``min_bytes`` (``MIN_OFFLOAD_BYTES``). Otherwise its whole storage is copied to the host (once
 per storage: views saved from one storage share one host copy and come back as views of one restored
 storage, with the saved dtype, shape, strides and offset). At the end of ``saving()`` a storage that is still
@@ -177,9 +178,12 @@ class Offload:
     # ---- saved-tensor hooks -----------------------------------------------------------------------------
 
     def _pack(self, record: _Record, x: torch.Tensor):
-        if type(x) is not torch.Tensor or x.is_nested or x.layout != torch.strided \
-                or isinstance(x._base, torch.nn.Parameter) or (x.is_leaf and x.requires_grad):
-            return x  # parameters and views of them, leaves, subclasses (DTensor, nested), sparse: not ours
+        if type(x) is not torch.Tensor or x.is_nested or x.layout != torch.strided or x.is_quantized \
+                or x.is_conj() or x.is_neg() or isinstance(x._base, torch.nn.Parameter) \
+                or (x.is_leaf and x.requires_grad):
+            # parameters and views of them, leaves, subclasses (DTensor, nested), sparse, quantized, lazily
+            # conjugated / negated views (a storage copy would not carry the bit): not ours to move
+            return x
         if x.untyped_storage().nbytes() < max(self.min_bytes, 1):
             record.kept.append(weakref.ref(x.untyped_storage()))
             return x
