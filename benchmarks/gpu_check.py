@@ -30,7 +30,8 @@ Checks (sizes on a GPU; ``--cpu-smoke`` shrinks every one):
     offload, log-probs and gradient must agree (tolerance ``OPS_RTOL``: the copies are exact, CUDA's atomics
     may order sums differently), peak CUDA memory above the weights (``max_memory_allocated``) must drop,
     and a step must make no more host syncs than without offload; the line gives both peaks, the step-time
-    cost (median of paired ratios) and the prefetched share.
+    cost (median of paired ratios; an upper bound: two layers without checkpointing save far more bytes per
+    FLOP than 28 checkpointed layers, so less of the copying hides behind compute) and the prefetched share.
 Expected on one H200: about 2 minutes, peak about 45 GiB (the float32 reference of the 4k x 16k block).
 """
 
