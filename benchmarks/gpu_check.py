@@ -26,6 +26,13 @@ Checks (sizes on a GPU; ``--cpu-smoke`` shrinks every one):
     range check); a training replay at most that plus what the flattened baseline's own backward costs.
  7. INFO: paired speed ratio (median of back-to-back ratios) of replay vs flattened, one training step, on a
     prompt-heavy (16384 / 8 x 256) and a response-heavy (512 / 8 x 4096) group.
+ 8. prompt-activation offload (``replay.offload``) on one long-prompt group (16384 / 4 x 128, the model of 3
+    without checkpointing, so every prompt activation is saved and moves): training step with and without
+    offload, log-probs and gradient must agree (tolerance ``OPS_RTOL``: the copies are exact, CUDA's atomics
+    may order sums differently), peak CUDA memory above the weights (``max_memory_allocated``) must drop,
+    and a step must make no more host syncs than without offload; the line gives both peaks, the step-time
+    cost (median of paired ratios; an upper bound: two layers without checkpointing save far more bytes per
+    FLOP than 28 checkpointed layers, so less of the copying hides behind compute) and the prefetched share.
 Expected on one H200: about 2 minutes, peak about 45 GiB (the float32 reference of the 4k x 16k block).
 """
 
@@ -50,6 +57,7 @@ from augtree_verl import Plan, ReplayTree, replay
 from augtree_verl.ops.attention import attention_backward, attention_forward, cuda_backend_name
 from augtree_verl.ops.merge import empty_state, merge_into
 from augtree_verl.replay.baseline import flattened_replay
+from augtree_verl.replay.offload import Offload
 from augtree_verl.replay.prefix_attention import prefix_causal_attention
 
 # bf16 kernel vs float32 reference, max |got - ref| / max |ref| per tensor: bf16 keeps 8 mantissa bits
@@ -388,6 +396,56 @@ def check_speed(report, sizes, model, device):
                    f"flattened {flat:.3f} s, replay {ours:.3f} s: {ratio:.2f}x (median of {len(pairs)} paired ratios)")
 
 
+# ---- 8. prompt-activation offload ----------------------------------------------------------------------
+
+def check_offload(report, sizes, model, device):
+    cuda = device.type == "cuda"
+    p, r, g = (16384, 128, 4) if cuda else (192, 6, 2)
+    trees = make_trees(((p, (r,) * g),), sizes.model["vocab_size"], device, seed=5)
+    adv = advantages(trees)
+    loss = lambda t, i, logp: -(logp * adv[t][i]).mean()
+
+    def step(offload):
+        """(log-probs, gradient, peak bytes above the start (CUDA), seconds) of one training step."""
+        model.zero_grad(set_to_none=True)
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated()
+        start = time.perf_counter()
+        logps = replay(model, trees, loss, offload=offload)
+        if cuda:
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+        peak = torch.cuda.max_memory_allocated() - before if cuda else 0
+        flat = torch.cat([x.float().flatten() for row in logps for x in row])
+        grad = torch.cat([q.grad.float().flatten() for q in model.parameters() if q.grad is not None])
+        model.zero_grad(set_to_none=True)
+        return flat, grad, peak, seconds
+
+    new = lambda: Offload(min_bytes=None if cuda else 0)  # the smoke model's activations are all small
+    step(None), step(new())  # warm-up: allocator, pinned host pool
+    runs = []
+    for _ in range(sizes.repeats):
+        offload = new()
+        runs.append((step(None), step(offload), offload.stats))
+    (lp_off, gr_off, peak_off, _), (lp_on, gr_on, peak_on, _), stats = runs[-1]
+    errs = {"logp": rel(lp_on, lp_off), "grad": rel(gr_on, gr_off)}
+    cost = statistics.median(on[3] / off[3] for off, on, _ in runs)
+    moved = stats.offloaded_bytes
+    ok = max(errs.values()) <= OPS_RTOL and moved > 0
+    if cuda:  # the copies add no host sync: a training step syncs as often with offload as without
+        syncs = [count_syncs(lambda o=o: step(o)) for o in (None, new())]
+        ok = ok and peak_on < peak_off and syncs[1] <= syncs[0]
+    peaks = (f"peak above the weights {peak_off / 2**30:.2f} -> {peak_on / 2**30:.2f} GiB "
+             f"({1 - peak_on / peak_off:.0%} lower), host syncs {syncs[0]} -> {syncs[1]}" if cuda
+             else "peak and syncs: CUDA only")
+    report.check(ok, f"offload long prompt P={p} G={g}",
+                 f"{peaks}, step time {cost:.2f}x, {moved / 2**20:.1f} MiB offloaded, "
+                 f"{stats.prefetched_bytes / max(moved, 1):.0%} prefetched; {fmt(errs)} vs no offload "
+                 f"(tol {OPS_RTOL})")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cpu-smoke", action="store_true", help="the same checks on CPU, small shapes")
@@ -413,6 +471,7 @@ def main(argv=None) -> int:
     check_prefill_memory(report, sizes, model, device)
     check_host_syncs(report, sizes, model, device)
     check_speed(report, sizes, model, device)
+    check_offload(report, sizes, model, device)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(device=str(device), backend=backend, rows=report.rows), f, indent=1)

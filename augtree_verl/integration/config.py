@@ -42,6 +42,10 @@ class AugTreeEngineConfig(FSDPEngineConfig):
     planner_ttl_s: how long the planner service keeps a reported group's plan that no step has used (an
         async trainer uses a group a few steps after its rollout; DAPO drops some groups for good).
     planner_max_entries: the most unused plans the service keeps; the oldest leave first (counted as evicted).
+    offload_prompt_activations: while a tree's responses replay, its prompt's saved activations (the
+        checkpoint boundaries under gradient checkpointing) wait in host memory for the delayed prompt
+        backward (``replay.offload``): pinned buffers and a side stream on CUDA, prefetched a layer ahead.
+        Context-parallel trees too: each rank offloads its own shard of the prompt.
     """
 
     strategy: str = STRATEGY
@@ -54,6 +58,7 @@ class AugTreeEngineConfig(FSDPEngineConfig):
     planner_timeout_s: float = 5.0
     planner_ttl_s: float = DEFAULT_TTL_S
     planner_max_entries: int = DEFAULT_MAX_ENTRIES
+    offload_prompt_activations: bool = False
 
     def __post_init__(self):
         # FSDPEngineConfig.__post_init__ only adds a strategy assertion that rejects "augtree".
@@ -74,8 +79,9 @@ class AugTreeEngineConfig(FSDPEngineConfig):
         if self.force_primitive is not None and self.force_primitive not in PRIMITIVES:
             raise ValueError(
                 f"AugTreeEngineConfig.force_primitive must be None or one of {PRIMITIVES}, got {self.force_primitive!r}")
-        if not isinstance(self.use_planner, bool):
-            raise ValueError(f"AugTreeEngineConfig.use_planner must be a bool, got {self.use_planner!r}")
+        for name in ("use_planner", "offload_prompt_activations"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"AugTreeEngineConfig.{name} must be a bool, got {getattr(self, name)!r}")
         if not isinstance(self.planner_name, str) or not self.planner_name:
             raise ValueError(f"AugTreeEngineConfig.planner_name must be a non-empty string, got {self.planner_name!r}")
         if isinstance(self.planner_timeout_s, bool) or not isinstance(self.planner_timeout_s, (int, float)) \

@@ -48,7 +48,7 @@ from augtree_verl.integration.fsdp_model import FSDPReplayModel
 from augtree_verl.integration.metrics import group_totals, step_metrics
 from augtree_verl.integration.plans import plans_for_trees
 from augtree_verl.plan import Plan
-from augtree_verl.replay import ReplayStats, replay
+from augtree_verl.replay import Offload, ReplayStats, replay
 
 UNSUPPORTED_FLAGS = ("calculate_sum_pi_squared", "distillation_use_topk", "distillation_only")
 
@@ -154,7 +154,8 @@ class AugTreeEngine(FSDPEngineWithLMHead):
                         micro_batch_tokens=min(self.engine_config.micro_batch_tokens, _largest_micro_batch(grouped)),
                         stats=step.stats, entropy_fn=self._entropy if step.want_entropy else None,
                         micro_batch_loss=micro_batch_loss if train else None, mesh=mesh, placement=placement,
-                        lockstep_group=torch.distributed.group.WORLD if world > 1 else None)
+                        lockstep_group=torch.distributed.group.WORLD if world > 1 else None,
+                        offload=Offload(step.stats) if self.engine_config.offload_prompt_activations else None)
         step.backward_s = step.stats.prompt_backward_s  # response backwards are in replay_s
 
         output_lst = []

@@ -16,7 +16,6 @@ norm; with tied embeddings also the embedding / LM head weight):
 from __future__ import annotations
 
 import contextlib
-import weakref
 from typing import Callable
 
 import torch
@@ -69,80 +68,3 @@ class FSDPReplayModel:
 
     def get_output_embeddings(self):
         return _ThroughRoot(self._root, self._root.get_output_embeddings())
-
-
-class UnshardedGroups:
-    """What a ZeRO-3 step holds at once on this rank, for a check or a benchmark.
-
-    ``with UnshardedGroups(root) as seen: ...`` samples, whenever a leaf module of ``root`` starts a forward
-    (recomputes included) and whenever autograd saves or reads a tensor (i.e. while some layer computes,
-    with any prefetched group gathered too):
-
-    - ``seen.max``: the most FSDP2 parameter groups of ``root`` unsharded at once;
-    - ``seen.peak_bytes``: the most bytes of unsharded parameters, unsharded gradient buffers (before and
-      while FSDP reduce-scatters them) and tensors saved for backward (saved-tensor hooks, each storage
-      once, plain tensors only: parameters and nested tensors excluded; inside a checkpointed layer only what the checkpoint itself keeps).
-    Sharded parameters, gradients and optimizer state (the same for any schedule) are not counted.
-    """
-
-    def __init__(self, root: torch.nn.Module):
-        from torch.distributed.fsdp import FSDPModule
-
-        self._groups = [g for m in root.modules() if isinstance(m, FSDPModule)
-                        for g in [m._get_fsdp_state()._fsdp_param_group] if g is not None]
-        self._leaves = [m for m in root.modules() if not list(m.children())]
-        self._handles: list = []
-        self._saved = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-        self._live: dict[int, list[int]] = {}  # storage pointer -> [bytes, saved tensors alive]
-        self._saved_bytes = 0
-        self.max = 0
-        self.peak_bytes = 0
-
-    def _held_bytes(self) -> int:
-        total = self._saved_bytes
-        for group in self._groups:
-            for fp in group.fsdp_params:
-                if group.is_unsharded:
-                    total += fp._orig_size.numel() * (fp.param_dtype or fp.sharded_param.dtype).itemsize
-                grad = getattr(getattr(fp, "_unsharded_param", None), "grad", None)
-                for buffer in (grad, fp.unsharded_accumulated_grad):
-                    total += buffer.numel() * buffer.element_size() if buffer is not None else 0
-        return total
-
-    def _sample(self, *unused) -> None:
-        self.max = max(self.max, sum(g.is_unsharded for g in self._groups))
-        self.peak_bytes = max(self.peak_bytes, self._held_bytes())
-
-    def _pack(self, x: torch.Tensor) -> torch.Tensor:
-        # plain tensors only: parameters are counted as such; nested (loss-side) tensors are small
-        if type(x) is torch.Tensor and x.untyped_storage().nbytes() > 0:
-            key = x.untyped_storage().data_ptr()
-            entry = self._live.setdefault(key, [x.untyped_storage().nbytes(), 0])
-            if entry[1] == 0:
-                self._saved_bytes += entry[0]
-            entry[1] += 1
-            weakref.finalize(x, self._release, key)
-        self._sample()
-        return x
-
-    def _release(self, key: int) -> None:
-        entry = self._live[key]
-        entry[1] -= 1
-        if entry[1] == 0:
-            self._saved_bytes -= entry[0]
-            del self._live[key]
-
-    def _unpack(self, x: torch.Tensor) -> torch.Tensor:
-        self._sample()
-        return x
-
-    def __enter__(self) -> "UnshardedGroups":
-        self._handles = [m.register_forward_pre_hook(self._sample) for m in self._leaves]
-        self._saved.__enter__()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._saved.__exit__(*exc)
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()

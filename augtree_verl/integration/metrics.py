@@ -63,6 +63,9 @@ def step_metrics(stats: ReplayStats, plans: list[Plan | None], *, backward_s: fl
                                              stats.executed_tokens / max(stats.logical_tokens, 1)),
         "trees": total(stats.trees),
         "plan_fallbacks": total(plan_fallbacks),
+        "offload/offloaded_bytes": total(stats.offloaded_bytes),
+        "offload/prefetched_bytes": total(stats.prefetched_bytes),
+        "offload/copies": total(stats.offload_copies),
         "cp_degree_mean": Metric(AggregationType.MEAN, sum(degrees) / len(degrees)),
         "cp_degree_max": Metric(AggregationType.MAX, float(max(degrees))),
     }

@@ -25,7 +25,8 @@ class ModelCalls:
                  offload=None):
         self.base, self.lm_head = model.get_decoder(), model.get_output_embeddings()
         self.temperature, self.stats, self.entropy_fn = temperature, stats, entropy_fn
-        self.loss, self.train, self.offload = micro_batch_loss, micro_batch_loss is not None, offload
+        self.loss, self.train = micro_batch_loss, micro_batch_loss is not None
+        self.offload = offload if self.train else None  # forward only: no graph to keep, nothing to move
         self.device = model.get_input_embeddings().weight.device
 
     def decoder(self, ids: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:

@@ -69,8 +69,9 @@ def replay(
     tree's degree must then be 1 or the world size; degree-1 trees are placed by ``tree_workload``).
     ``lockstep_group``: a process group whose ranks all call ``replay`` together on one FSDP2-sharded
     model; every rank then issues the same sequence of model calls and backwards (``schedule``).
-    ``offload``: an object with ``saving()`` / ``restoring()`` context managers, entered around each
-    prefill forward and each delayed prompt backward (``PromptKV``).
+    ``offload`` (``replay.offload.Offload``; training only, ignored forward only): each prompt's saved
+    activations wait in host memory between its prefill forward and its delayed backward (``PromptKV``
+    enters ``offload.saving()`` and ``offload.restoring()`` around them); on CP, each rank's own shard.
     """
     trees = list(trees)
     device = model.get_input_embeddings().weight.device

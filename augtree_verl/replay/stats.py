@@ -43,6 +43,9 @@ class ReplayStats:
     executed_tokens: int = 0         # tokens actually run through the model (prompt once per tree, padding included)
     trees: int = 0
     micro_batches: int = 0
+    offloaded_bytes: int = 0         # prompt activations held on the host instead of the device (``Offload``)
+    prefetched_bytes: int = 0        # of those, bytes copied back ahead of the prompt backward's use
+    offload_copies: int = 0          # offload copies, both directions
     # bytes sent by this rank, keyed "<primitive>/fwd" and "<primitive>/bwd"
     comm_bytes: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     # primitive name -> number of trees run with it
@@ -75,13 +78,16 @@ class ReplayStats:
             self.__dict__["_" + phase] = self.__dict__.get("_" + phase, 0.0) + start.elapsed_time(end) / 1000.0
 
     def add(self, other: "ReplayStats", *, count_trees: bool = True) -> None:
-        """Add ``other``'s times, executed tokens, micro-batches and bytes; its trees (logical tokens, tree
+        """Add ``other``'s times, executed tokens, micro-batches, bytes and offload counters; its trees (logical tokens, tree
         and plan counts) only with ``count_trees`` (one member of a CP group counts a shared tree)."""
         self.prefill_s += other.prefill_s
         self.replay_s += other.replay_s
         self.prompt_backward_s += other.prompt_backward_s
         self.executed_tokens += other.executed_tokens
         self.micro_batches += other.micro_batches
+        self.offloaded_bytes += other.offloaded_bytes
+        self.prefetched_bytes += other.prefetched_bytes
+        self.offload_copies += other.offload_copies
         for key, value in other.comm_bytes.items():
             self.comm_bytes[key] += value
         if count_trees:

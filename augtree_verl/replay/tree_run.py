@@ -30,7 +30,8 @@ def run_tree(calls: ModelCalls, t: int, tree: ReplayTree, slot: Slot) -> list[to
     def prefill():
         ctx = PrefillContext()
         hidden = calls.decoder(tree.prompt[None], torch.arange(p, device=tree.prompt.device)[None], ctx)
-        return [ctx.kv[layer] for layer in range(len(ctx.kv))], hidden[0, -1:], 0
+        # a copy of the last row: a view would keep all P rows of ``hidden`` alive until the delayed backward
+        return [ctx.kv[layer] for layer in range(len(ctx.kv))], hidden[0, -1:].clone(), 0
     prompt = PromptKV(prefill, train=calls.train, offload=calls.offload)
     stats.stop_timer("prefill_s", start)
 

@@ -15,6 +15,7 @@ from augtree_verl.cp.layout import ZigzagLayout
 from augtree_verl.replay import held_prompt_tensors
 from augtree_verl.planner import plan_tree
 from augtree_verl.replay.baseline import flattened_replay
+from augtree_verl.replay.offload import Offload
 from tests.cp.distributed import run_distributed
 from tests.parity import assert_grads_match, assert_logps_match, grads, random_trees, tiny_model
 
@@ -157,9 +158,10 @@ def assert_scores_match_flattened(model, trees, loss_fn, temperature, got, summe
     assert_grads_match(summed, grads(model))
 
 
-def _micro_batch_loss_with_entropy(rank, world):
+def _micro_batch_loss_with_entropy(rank, world, offload_on=False):
     """``micro_batch_loss`` + ``entropy_fn`` (what the verl engine uses): scores [R, 2] on every rank, a
-    loss over log-probs and entropies of each step's responses, over three optimizer steps."""
+    loss over log-probs and entropies of each step's responses, over three optimizer steps. With
+    ``offload_on`` each rank's prompt shard waits on the host while its responses replay."""
     model = tiny_model("qwen2-gqa", seed=6)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     trees = random_trees([21, 4], [[5, 2, 8], [9, 1, 3, 6]], seed=11)
@@ -171,18 +173,25 @@ def _micro_batch_loss_with_entropy(rank, world):
         def loss_fn(t, i, scores):
             return pg(t, i, scores[:, 0]) + 0.1 * scores[:, 1].sum()
 
-        held = []
+        held, hosted = [], []
 
         def micro_batch_loss(t, rows, scores):
             held.append(len(held_prompt_tensors()))  # this tree's prompt leaves (and sums) are alive
+            if offload is not None:
+                hosted.append(offload.host_bytes)  # and its saved activations wait on the host
             return sum(loss_fn(t, i, s) for i, s in zip(rows, scores))
 
         model.zero_grad(set_to_none=True)
+        offload = Offload(min_bytes=0) if offload_on else None
         got = replay(model, trees, plans=plans if step != 1 else [ring_plan(world)] * 2, temperature=0.8,
-                     entropy_fn=entropy, micro_batch_loss=micro_batch_loss)
+                     entropy_fn=entropy, micro_batch_loss=micro_batch_loss, offload=offload)
         assert all(s.shape == (n, 2) and not s.requires_grad for tree, row in zip(trees, got)
                    for s, n in zip(row, tree.response_lens))
         assert held and min(held) > 0 and not held_prompt_tensors()
+        if offload is not None:
+            if step != 1:  # ring trees have no shared prefill: nothing to offload at step 1
+                assert min(hosted) > 0 and offload.stats.offloaded_bytes > 0
+            assert offload.host_bytes == 0 and offload.device_storages() == []
         summed = summed_grads(model)
         assert_scores_match_flattened(model, trees, loss_fn, 0.8, got, summed)
         for n, p in model.named_parameters():
@@ -215,8 +224,9 @@ def test_parity_after_each_of_several_steps():
 
 
 @pytest.mark.timeout(300)
-def test_micro_batch_loss_with_entropy_scores():
-    run_distributed(_micro_batch_loss_with_entropy, 2)
+@pytest.mark.parametrize("offload_on", [False, True])
+def test_micro_batch_loss_with_entropy_scores(offload_on):
+    run_distributed(_micro_batch_loss_with_entropy, 2, offload_on)
 
 
 @pytest.mark.timeout(200)

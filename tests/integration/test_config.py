@@ -16,13 +16,14 @@ def test_defaults_subclass_verl_fsdp_config():
     config = AugTreeEngineConfig()
     assert isinstance(config, FSDPEngineConfig)
     assert config.strategy == "augtree" and config.cp_degrees == [1] and config.use_planner
+    assert not config.offload_prompt_activations
 
 
 @pytest.mark.parametrize("knob, bad", [
     ("micro_batch_tokens", 0), ("micro_batch_tokens", 2.5), ("fallback_threshold_tokens", -1),
     ("cp_degrees", []), ("cp_degrees", [2, 0]), ("cp_degrees", [2, 3]), ("force_primitive", "ulysses"), ("use_planner", "yes"),
     ("planner_name", ""), ("planner_timeout_s", 0), ("planner_ttl_s", -1.0),
-    ("planner_max_entries", 0), ("strategy", "megatron"),
+    ("planner_max_entries", 0), ("strategy", "megatron"), ("offload_prompt_activations", 1),
 ])
 def test_bad_knob_raises_value_error_naming_it(knob, bad):
     with pytest.raises(ValueError, match=knob.split("_")[0]) as err:

@@ -167,7 +167,7 @@ MEMORY_LAYERS = 6
 def _memory_main(rank: int, world: int, port: int, model_path: str, out_dir: str) -> None:
     """One training step of each engine under ``UnshardedGroups``; writes this rank's numbers to ``out_dir``."""
     H.use_cpu_platform()
-    from augtree_verl.integration.fsdp_model import UnshardedGroups
+    from augtree_verl.integration.memory_meter import UnshardedGroups
     from tests.integration.test_engine_cp import infer_both_and_set_old
     from tests.integration.test_engine_parity import _train
 

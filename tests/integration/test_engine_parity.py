@@ -9,6 +9,7 @@ import torch
 
 from verl.utils import tensordict_utils as tu
 
+from augtree_verl.replay import offload as offload_module
 from augtree_verl.testing import harness as H
 from tests.parity import RTOL, rel_err
 
@@ -104,9 +105,18 @@ def test_shuffled_rows_and_entropy_loss_match_stock_engine(model_path):
 
 
 @pytest.mark.timeout(300)
-def test_gradient_checkpointing_matches_stock_engine(model_path):
-    """Checkpointed layers are recomputed in the unit's backward, after the replay has returned."""
+@pytest.mark.parametrize("offload", [False, True])
+def test_gradient_checkpointing_matches_stock_engine(model_path, offload, monkeypatch):
+    """Checkpointed layers are recomputed in the unit's backward, after the replay has returned. With
+    ``offload_prompt_activations`` every prompt's boundaries wait on the host (the tiny model's are below the
+    default threshold, so it is lowered to move all of them)."""
+    monkeypatch.setattr(offload_module, "MIN_OFFLOAD_BYTES", 0)
     order = list(range(ROWS))
     random.Random(3).shuffle(order)
-    _run_steps(model_path, loss_agg_mode="seq-mean-token-mean", order=order, entropy_coeff=0.01,
-               knobs={"micro_batch_tokens": 8}, gradient_checkpointing=True)
+    out_ours, _ = _run_steps(model_path, loss_agg_mode="seq-mean-token-mean", order=order, entropy_coeff=0.01,
+                             knobs={"micro_batch_tokens": 8, "offload_prompt_activations": offload},
+                             gradient_checkpointing=True)
+    moved = out_ours["metrics"]["augtree/offload/offloaded_bytes"].aggregate()
+    assert (moved > 0) == offload
+    if offload:
+        assert out_ours["metrics"]["augtree/offload/prefetched_bytes"].aggregate() == moved

@@ -48,7 +48,7 @@ def _steps(stock, stock_loss, ours, our_loss, stock_rows, our_rows, setting, whe
     """STEPS steps of both engines; rows are global row indices into ``H.group_rows(..., seed=step)``."""
     from verl.utils import tensordict_utils as tu
 
-    from augtree_verl.integration.fsdp_model import UnshardedGroups
+    from augtree_verl.integration.memory_meter import UnshardedGroups
     from tests.integration.test_engine_cp import infer_both_and_set_old
     from tests.integration.test_engine_parity import _assert_close, _assert_params_match, _train
 

@@ -61,6 +61,7 @@ def test_recipe_selects_augtree_everywhere_and_passes_verls_validation(name):
     assert type(actor_engine) is AugTreeEngineConfig and type(ref_engine) is AugTreeEngineConfig
     assert actor_engine.cp_degrees == ref_engine.cp_degrees == [1, 2, 4, 8]
     assert actor_engine.use_planner and ref_engine.forward_only and not actor_engine.forward_only
+    assert actor_engine.offload_prompt_activations  # long prompts: their dormant activations wait on the host
     assert omega_conf_to_dataclass(actor).engine.strategy == "augtree"
     validate_config(config=cfg, use_reference_policy=need_reference_policy(cfg), use_critic=need_critic(cfg))
 
