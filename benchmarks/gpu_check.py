@@ -18,8 +18,8 @@ Checks (sizes on a GPU; ``--cpu-smoke`` shrinks every one):
  3. ``replay()`` on a 2-layer Qwen2.5-7B-shaped model (hidden 3584, 28/4 heads of 128, vocab 152,064; 1.5B
     parameters) in bf16 vs the float32 flattened baseline: log-probs and the gradient, next to the bf16
     flattened baseline's error against the same reference (ours may be at most ``SLACK`` times worse).
- 4. ``replay`` with degree-1 ring, tree_move_kv and move_q plans at world size 1 (NCCL): the same comparison
-    (a degree-1 plan runs on one device: the CP tree run needs a subgroup of two or more ranks).
+ 4. the CP tree run (``replay.cp_tree``) of ring, tree_move_kv and move_q plans on a one-rank NCCL group
+    (rings of one member: the CP kernels, merges and exchanges on one GPU): the same comparison.
  5. peak memory of a 32,000-token bf16 prefill (forward only): must stay far below one layer's score
     matrix (28 x 32k^2 bf16 = 56 GiB), i.e. the flash kernel ran, not the quadratic one.
  6. host syncs (``torch.cuda.set_sync_debug_mode``): a forward-only replay syncs once per tree (the token-id
@@ -53,7 +53,7 @@ import torch
 import torch.distributed as dist
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from augtree_verl import Plan, ReplayTree, replay
+from augtree_verl import Plan, ReplayStats, ReplayTree, replay
 from augtree_verl.ops.attention import attention_backward, attention_forward, cuda_backend_name
 from augtree_verl.ops.merge import empty_state, merge_into
 from augtree_verl.replay.baseline import flattened_replay
@@ -293,12 +293,32 @@ def check_replay(report, sizes, device):
     try:
         for primitive in ("ring", "tree_move_kv", "move_q"):
             plans = [one_rank_plan(primitive, len(t.responses)) for t in trees]
-            planned = lambda m, ts, loss_fn, plans=plans: replay(m, ts, loss_fn, plans=plans)
-            judge(report, f"replay world 1 {primitive} plan bf16 vs fp32",
+            planned = lambda m, ts, loss_fn, plans=plans: cp_tree_replay(m, ts, loss_fn, plans)
+            judge(report, f"cp tree run world 1 {primitive} bf16 vs fp32",
                   errors(run_step(low, planned, trees, adv), reference), baseline)
     finally:
         dist.destroy_process_group()
     return low
+
+
+def cp_tree_replay(model, trees, loss_fn, plans):
+    """Each tree through the CP tree run (``replay.cp_tree``) on the one-rank world: the ring, TreeMoveKV's
+    lane ring and MoveQ's query routing with a single member, so their kernels, merges and exchanges run on
+    this device (``replay`` itself runs degree-1 plans on the one-device path)."""
+    from augtree_verl.cp.schedule import cp_tree_schedule
+    from augtree_verl.replay.attention import use_augtree_attention
+    from augtree_verl.replay.calls import ModelCalls
+    from augtree_verl.replay.cp_tree import CPTreeRun
+    from augtree_verl.replay.schedule import Slot
+
+    use_augtree_attention(model)
+    calls = ModelCalls(model, temperature=1.0, stats=ReplayStats(), entropy_fn=None,
+                       micro_batch_loss=lambda t, rows, scores: sum(loss_fn(t, i, s) for i, s in zip(rows, scores)))
+    run, out = CPTreeRun(calls, dist.group.WORLD), []
+    for t, (tree, plan) in enumerate(zip(trees, plans)):
+        schedule = cp_tree_schedule(plan, tree.prompt_len, tree.response_lens, 0)
+        out.append(run(t, tree, plan, Slot(t, 1, len(schedule.steps), [], schedule)))
+    return out
 
 
 def one_rank_plan(primitive: str, responses: int) -> Plan:
