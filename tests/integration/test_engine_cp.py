@@ -17,12 +17,13 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from augtree_verl.plan import Plan
 from augtree_verl.testing import harness as H
 
 pytestmark = pytest.mark.slow  # spawns process groups, Ray, verl engines or subprocesses
+# Under each test's pytest timeout: ranks deadlocked in mismatched collectives are killed (``H.spawn``).
+SPAWN_TIMEOUT_S = {2: 360, 4: 540}
 
 STEPS = 2
 # (prompt length, response lengths): prompt-heavy groups for the split primitives, a response-heavy one
@@ -128,8 +129,8 @@ def _rank_main(rank: int, world: int, port: int, model_path: str, cp_degrees: li
 
 def _run(tmp_path, world, cp_degrees, specs, cp_max, loss_agg_mode="token-mean", entropy_coeff=0.0):
     model_path = H.save_tiny_qwen2(str(tmp_path / "tiny-qwen2"))
-    mp.start_processes(_rank_main, args=(world, H.free_port(), model_path, cp_degrees, specs, cp_max, loss_agg_mode,
-                                         entropy_coeff), nprocs=world, join=True, start_method="spawn")
+    H.spawn(_rank_main, (world, H.free_port(), model_path, cp_degrees, specs, cp_max, loss_agg_mode, entropy_coeff),
+            world, SPAWN_TIMEOUT_S[world])
 
 
 @pytest.mark.timeout(420)

@@ -14,12 +14,13 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from augtree_verl.testing import harness as H
 from augtree_verl.testing import verl_batch
 
 pytestmark = pytest.mark.slow  # spawns process groups, Ray, verl engines or subprocesses
+# Under each test's pytest timeout: ranks deadlocked in mismatched collectives are killed (``H.spawn``).
+SPAWN_TIMEOUT_S = {2: 540, 4: 540}
 
 STEPS = 3
 GROUPS = [(9, [3, 5, 4, 2]), (4, [6, 2, 3, 1, 5, 2]), (6, [4]), (1, [2, 1, 3])]
@@ -113,5 +114,4 @@ def _skewed_main(rank: int, world: int, port: int, model_path: str, setting: str
                                                          (4, "rows-2", False), (4, "rows-1", True)])
 def test_ranks_with_very_different_work_match_stock_engine(tmp_path, world, setting, checkpointing):
     model_path = H.save_tiny_qwen2(str(tmp_path / "tiny-qwen2"))
-    mp.start_processes(_skewed_main, args=(world, H.free_port(), model_path, setting, checkpointing),
-                       nprocs=world, join=True, start_method="spawn")
+    H.spawn(_skewed_main, (world, H.free_port(), model_path, setting, checkpointing), world, SPAWN_TIMEOUT_S[world])
