@@ -112,11 +112,11 @@ class AugTreeEngine(FSDPEngineWithLMHead):
         want_entropy = tu.get_non_tensor_data(data=data, key="calculate_entropy", default=False)
         step = _Step(temperature=_temperature(data), want_entropy=want_entropy)
         output_lst = self._stream(step, micro_batches, loss_function, forward_only, return_model_output)
-        stats, backward_s = step.stats, step.backward_s
+        stats = step.stats
         if self.cp_mesh.cp_size > 1:
-            stats, backward_s = group_totals(stats, backward_s, self.cp_mesh.cp_group, batch_num_tokens.device)
+            stats = group_totals(stats, self.cp_mesh.cp_group, batch_num_tokens.device)
         output_lst[0]["metrics"] = {**output_lst[0]["metrics"],
-                                    **step_metrics(stats, step.plans, backward_s=backward_s,
+                                    **step_metrics(stats, step.plans,
                                                    plan_fallbacks=step.plan_fallbacks)}
         return postprocess_batch_func(output_lst=output_lst, indices=indices, data=data)
 
@@ -156,7 +156,6 @@ class AugTreeEngine(FSDPEngineWithLMHead):
                         micro_batch_loss=micro_batch_loss if train else None, mesh=mesh, placement=placement,
                         lockstep_group=torch.distributed.group.WORLD if world > 1 else None,
                         offload=Offload(step.stats) if self.engine_config.offload_prompt_activations else None)
-        step.backward_s = step.stats.prompt_backward_s  # response backwards are in replay_s
 
         output_lst = []
         for m, mb in enumerate(micro_batches):
@@ -190,7 +189,6 @@ class _Step:
         self.stats = ReplayStats()
         self.plans: list[Plan | None] = []
         self.plan_fallbacks = 0
-        self.backward_s = 0.0
 
 
 def _check_supported(data: TensorDict) -> None:

@@ -15,36 +15,38 @@ from verl.utils.metric import AggregationType, Metric
 
 from augtree_verl.plan import PRIMITIVES, Plan
 from augtree_verl.replay import ReplayStats
+from augtree_verl.replay.stats import PHASES
 
 PREFIX = "augtree/"
 # "single" counts trees run without a plan (one device, no planner); the others count trees by their plan's
 # primitive (a planner fallback runs with the one-device plan: ring at degree 1).
 PLAN_KINDS = ("single",) + PRIMITIVES
 DIRECTIONS = ("fwd", "bwd")
+# ReplayStats' integer counters, summed over a CP group (``group_totals``)
+COUNTERS = ("logical_tokens", "executed_tokens", "trees", "micro_batches", "offloaded_bytes", "prefetched_bytes",
+            "offload_copies")
 
 
-def group_totals(stats: ReplayStats, backward_s: float, group, device) -> tuple[ReplayStats, float]:
-    """(``stats`` and ``backward_s`` combined over the CP ``group``: see the module docstring), on every rank."""
+def group_totals(stats: ReplayStats, group, device) -> ReplayStats:
+    """``stats`` combined over the CP ``group`` (see the module docstring), on every rank."""
     byte_keys = [f"{p}/{d}" for p in PRIMITIVES for d in DIRECTIONS]
-    counts = torch.tensor([stats.logical_tokens, stats.executed_tokens, stats.trees, stats.micro_batches]
+    counts = torch.tensor([getattr(stats, name) for name in COUNTERS]
                           + [stats.comm_bytes.get(k, 0) for k in byte_keys]
                           + [stats.plans.get(k, 0) for k in PLAN_KINDS], dtype=torch.float64, device=device)
-    times = torch.tensor([stats.prefill_s, stats.replay_s, stats.prompt_backward_s, backward_s],
-                         dtype=torch.float64, device=device)
+    times = torch.tensor([getattr(stats, phase) for phase in PHASES], dtype=torch.float64, device=device)
     dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=group)
     dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
-    counts, times = [int(x) for x in counts.tolist()], times.tolist()
-    total = ReplayStats(prefill_s=times[0], replay_s=times[1], prompt_backward_s=times[2],
-                        logical_tokens=counts[0], executed_tokens=counts[1], trees=counts[2], micro_batches=counts[3])
-    for k, value in zip(byte_keys + list(PLAN_KINDS), counts[4:]):
+    counts = [int(x) for x in counts.tolist()]
+    total = ReplayStats(**dict(zip(PHASES, times.tolist())), **dict(zip(COUNTERS, counts)))
+    for k, value in zip(byte_keys + list(PLAN_KINDS), counts[len(COUNTERS):]):
         (total.comm_bytes if k in byte_keys else total.plans)[k] = value
-    return total, times[3]
+    return total
 
 
-def step_metrics(stats: ReplayStats, plans: list[Plan | None], *, backward_s: float, plan_fallbacks: int) -> dict:
-    """``stats`` of the step's replays (forward: prefill and response micro-batches); ``backward_s``: the
-    delayed prompt backwards (response backwards are in ``replay_s``), 0 when forward-only."""
-    measured = stats.prefill_s + stats.replay_s + backward_s
+def step_metrics(stats: ReplayStats, plans: list[Plan | None], *, plan_fallbacks: int) -> dict:
+    """``stats`` of the step's replays: prefills, response micro-batches (forward and backward: ``replay_s``)
+    and the delayed prompt backwards (0 when forward-only)."""
+    measured = stats.prefill_s + stats.replay_s + stats.prompt_backward_s
     predicted = sum(p.est_time_s for p in plans if p is not None and p.est_time_s is not None)
     degrees = [p.degree if p is not None else 1 for p in plans] or [1]
 
@@ -54,7 +56,7 @@ def step_metrics(stats: ReplayStats, plans: list[Plan | None], *, backward_s: fl
     out = {
         "prefill_s": total(stats.prefill_s),
         "replay_s": total(stats.replay_s),
-        "delayed_backward_s": total(backward_s),
+        "delayed_backward_s": total(stats.prompt_backward_s),
         "measured_replay_s": total(measured),
         "predicted_replay_s": total(predicted),
         "logical_tokens": total(stats.logical_tokens),

@@ -186,3 +186,23 @@ def test_training_with_plans_is_still_exact(engine):
         ours.optimizer_zero_grad()
     for name in grads[0]:
         assert torch.equal(grads[0][name], grads[1][name]), name
+
+
+def test_group_totals_keep_every_counter(single_process_group):
+    """A CP group's combined stats carry every counter, byte key, plan count and phase time (the offload
+    counters included)."""
+    from dataclasses import fields
+
+    from augtree_verl.integration.metrics import COUNTERS, group_totals
+    from augtree_verl.replay import ReplayStats
+    from augtree_verl.replay.stats import PHASES
+
+    stats = ReplayStats(**{name: 0.5 + k for k, name in enumerate(PHASES)},
+                        **{name: 10 + k for k, name in enumerate(COUNTERS)})
+    stats.comm_bytes["move_q/bwd"] += 7
+    stats.plans["ring"] += 2
+    counted = {f.name for f in fields(ReplayStats) if f.type == "int"}
+    assert counted == set(COUNTERS), "a ReplayStats counter group_totals does not sum"
+    total = group_totals(stats, None, torch.device("cpu"))
+    assert [getattr(total, n) for n in PHASES + COUNTERS] == [getattr(stats, n) for n in PHASES + COUNTERS]
+    assert total.comm_bytes["move_q/bwd"] == 7 and total.plans["ring"] == 2
