@@ -3,29 +3,40 @@
 Natural-log lse in float32 (float64 for float64 inputs), grouped-query attention native (H_kv divides H).
 Packed segments of equal lengths run as one batched call; ragged ones run one call per segment (a CPU
 loop over Python lengths costs no host sync). The kernel crashes on zero-length inputs: callers never
-pass empty blocks (``Segments`` rejects them).
+pass empty blocks (``Segments`` rejects them). Both ops are private: called by argument name through ``AtenCall``,
+bound to the installed torch's schema.
 """
 
 from __future__ import annotations
 
 import torch
 
+from augtree_verl.ops.aten_schema import AtenCall
 from augtree_verl.ops.segments import Segments
 
 NAME = "cpu"
+FORWARD = AtenCall("_scaled_dot_product_flash_attention_for_cpu")
+BACKWARD = AtenCall("_scaled_dot_product_flash_attention_for_cpu_backward")
+
+
+def _forward(q, k, v, causal, scale):
+    return FORWARD(query=q, key=k, value=v, dropout_p=0.0, is_causal=causal, scale=scale)
+
+
+def _backward(dout, q, k, v, out, lse, causal, scale):
+    return BACKWARD(grad_out=dout, query=q, key=k, value=v, out=out, logsumexp=lse, dropout_p=0.0, is_causal=causal,
+                    scale=scale)
 
 
 def forward(q, k, v, causal: bool, scale: float):
     """q [H, Sq, D], k/v [H_kv, Sk, D] -> out [H, Sq, D], lse [H, Sq]."""
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q[None], k[None], v[None], 0.0, causal, scale=scale)
+    out, lse = _forward(q[None], k[None], v[None], causal, scale)
     return out[0], lse[0]
 
 
 def backward(dout, q, k, v, out, lse, causal: bool, scale: float):
     """dq [H, Sq, D], dk/dv [H_kv, Sk, D] for the (possibly merged) state (out, lse)."""
-    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        dout[None], q[None], k[None], v[None], out[None], lse[None], 0.0, causal, scale=scale)
+    dq, dk, dv = _backward(dout[None], q[None], k[None], v[None], out[None], lse[None], causal, scale)
     return dq[0], dk[0], dv[0]
 
 
@@ -42,8 +53,7 @@ def _packed(x: torch.Tensor) -> torch.Tensor:
 def varlen_forward(q, k, v, segments: Segments, causal: bool, scale: float):
     if segments.is_uniform:
         b = segments.count
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            _batched(q, b), _batched(k, b), _batched(v, b), 0.0, causal, scale=scale)
+        out, lse = _forward(_batched(q, b), _batched(k, b), _batched(v, b), causal, scale)
         return _packed(out), _packed(lse)
     parts = [forward(q[:, qs], k[:, ks], v[:, ks], causal, scale) for qs, ks in _slices(segments)]
     return torch.cat([o for o, _ in parts], 1), torch.cat([s for _, s in parts], 1)
@@ -53,9 +63,8 @@ def varlen_backward(dout, q, k, v, out, lse, segments: Segments, causal: bool, s
     if segments.is_uniform:
         b = segments.count
         lse_b = lse.view(lse.shape[0], b, -1).transpose(0, 1)
-        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            _batched(dout, b), _batched(q, b), _batched(k, b), _batched(v, b), _batched(out, b), lse_b,
-            0.0, causal, scale=scale)
+        dq, dk, dv = _backward(_batched(dout, b), _batched(q, b), _batched(k, b), _batched(v, b), _batched(out, b),
+                               lse_b, causal, scale)
         return _packed(dq), _packed(dk), _packed(dv)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     for qs, ks in _slices(segments):
