@@ -15,8 +15,9 @@ from typing import Optional
 from verl.workers.config import FSDPEngineConfig
 
 from augtree_verl.integration import verl_compat
-from augtree_verl.integration.registration import STRATEGY
+from augtree_verl.integration.strategy import STRATEGY
 from augtree_verl.plan import PRIMITIVES
+from augtree_verl.planner.client import DEFAULT_TIMEOUT_S
 from augtree_verl.planner.service import DEFAULT_MAX_ENTRIES, DEFAULT_TTL_S
 from augtree_verl.replay.engine import DEFAULT_MICRO_BATCH_TOKENS
 
@@ -34,11 +35,18 @@ class AugTreeEngineConfig(FSDPEngineConfig):
     cp_degrees: context-parallel degrees the planner may choose from (1 = one device per tree). Ranks form
         CP groups of max(cp_degrees) ranks that share their samples (data-parallel size = world / max); a
         tree planned with degree d runs on d ranks of its group. Each degree must divide the largest.
-    use_planner: run plans from the planner; False runs every tree on one device, ignoring plans in the batch.
+    The planner knobs below (``use_planner`` to ``planner_max_entries``) are read by the AugTree trainer modes
+    from the actor's config; the trainer plans every group and puts the plans in the batch, which the actor
+    and the reference model both apply (a plain verl trainer puts none: every tree runs on one device).
+
+    use_planner: True: plans come from the planner service (a named Ray actor, fed by the rollout workers
+        while the rollout runs; the trainer plans in-process what it cannot hand over). False: no service;
+        the trainer plans every group in-process, with the same planner (the same plans, CP included).
     force_primitive: pin the planner to one primitive ("ring", "tree_move_kv", "move_q"); None lets it choose.
     fallback_threshold_tokens: a group whose prompt + longest response is shorter than this runs without CP.
-    planner_name: name of the planner service (a named Ray actor) the trainer hook sends group lengths to.
-    planner_timeout_s: how long to wait for a plan before falling back to no CP (counted as a fallback).
+    planner_name: name of the planner service the rollout workers report group lengths to.
+    planner_timeout_s: how long the trainer waits for the planner service's answer before planning the
+        groups in-process (counted as ``planner/unreachable``).
     planner_ttl_s: how long the planner service keeps a reported group's plan that no step has used (an
         async trainer uses a group a few steps after its rollout; DAPO drops some groups for good).
     planner_max_entries: the most unused plans the service keeps; the oldest leave first (counted as evicted).
@@ -55,7 +63,7 @@ class AugTreeEngineConfig(FSDPEngineConfig):
     force_primitive: Optional[str] = None
     fallback_threshold_tokens: int = 0
     planner_name: str = "augtree_planner"
-    planner_timeout_s: float = 5.0
+    planner_timeout_s: float = DEFAULT_TIMEOUT_S
     planner_ttl_s: float = DEFAULT_TTL_S
     planner_max_entries: int = DEFAULT_MAX_ENTRIES
     offload_prompt_activations: bool = False

@@ -127,9 +127,9 @@ class AugTreeEngine(FSDPEngineWithLMHead):
         train = not forward_only
         dp_group = self.get_data_parallel_group()
         grouped = build_trees(micro_batches)
-        plans, fallbacks = (plans_for_trees(micro_batches, grouped, self.cp_mesh.degrees,
-                                            min_cp_tokens=self.engine_config.fallback_threshold_tokens)
-                            if self.engine_config.use_planner else ([None] * len(grouped.trees), 0))
+        # The trainer's plans (``use_planner`` says only where the trainer got them); none without them.
+        plans, fallbacks = plans_for_trees(micro_batches, grouped, self.cp_mesh.degrees,
+                                           min_cp_tokens=self.engine_config.fallback_threshold_tokens)
         mesh, placement = None, None
         if self.cp_mesh.cp_size > 1:
             mesh = self.cp_mesh

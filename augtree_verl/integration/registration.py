@@ -6,9 +6,7 @@ from __future__ import annotations
 
 from augtree_verl.integration import verl_compat
 from augtree_verl.integration.import_hooks import after_import
-
-# The backend name users select with actor_rollout_ref.actor.strategy.
-STRATEGY = "augtree"
+from augtree_verl.integration.strategy import STRATEGY
 MODEL_TYPE = "language_model"
 # verl resolves the engine by its platform's device name: "cuda" (NVIDIA and ROCm), "npu", or "cpu" with our
 # CPU platform. The replay runs on CUDA and CPU (SDPA); NPU is not tested, so it is not claimed.

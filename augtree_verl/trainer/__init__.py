@@ -16,7 +16,7 @@ import importlib
 
 from augtree_verl.groups import Tree, find_trees, tree_workload
 from augtree_verl.integration.import_hooks import after_import
-from augtree_verl.integration.registration import STRATEGY
+from augtree_verl.integration.strategy import STRATEGY
 from augtree_verl.integration.verl_compat import serve_strategy_in_detach_actor_worker
 from augtree_verl.plan_field import PLAN_FIELD, PlannedTree, group_plan_entries, plan_entries
 from augtree_verl.trainer.group_balance import WorkModel, balance_groups
