@@ -1,7 +1,7 @@
 """The analytic count of what each CP primitive must move: bytes one rank sends for one replay tree.
 
-Composed from the per-layer formulas stated next to each primitive (``ring.ring_bytes``,
-``tree_move_kv.tree_move_kv_bytes``, ``move_q.move_q_bytes``) over the steps of ``schedule.cp_tree_schedule``
+Composed from the per-layer formulas stated next to each primitive (``ring.ring_bytes``, also TreeMoveKV's
+lane ring, and ``move_q.move_q_bytes``) over the steps of ``schedule.cp_tree_schedule``
 (exactly the steps the CP tree run executes), times the number of layers; forward and backward ("bwd" is 0
 for a forward-only replay). Used by the tests (measured == analytic) and by ``benchmarks/cp_comm.py``.
 """
