@@ -1,8 +1,9 @@
 """Packaging of the GPU path: the `gpu` extra needs no flash-attn (a separate optional extra has it), and the
 GPU image installs the package with the project's lock file on top of a CUDA base image."""
 
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 

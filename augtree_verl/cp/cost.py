@@ -27,7 +27,7 @@ class AttentionShape:
     lse_element_size: int = 4
 
     @staticmethod
-    def of(config, element_size: int) -> "AttentionShape":
+    def of(config, element_size: int) -> AttentionShape:
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         return AttentionShape(config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads,
                               head_dim, element_size)

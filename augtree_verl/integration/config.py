@@ -10,7 +10,6 @@ Selected in a verl run with::
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
 
 from verl.workers.config import FSDPEngineConfig
 
@@ -60,7 +59,7 @@ class AugTreeEngineConfig(FSDPEngineConfig):
     micro_batch_tokens: int = DEFAULT_MICRO_BATCH_TOKENS
     cp_degrees: list[int] = field(default_factory=lambda: [1])
     use_planner: bool = True
-    force_primitive: Optional[str] = None
+    force_primitive: str | None = None
     fallback_threshold_tokens: int = 0
     planner_name: str = "augtree_planner"
     planner_timeout_s: float = DEFAULT_TIMEOUT_S
@@ -72,13 +71,15 @@ class AugTreeEngineConfig(FSDPEngineConfig):
         # FSDPEngineConfig.__post_init__ only adds a strategy assertion that rejects "augtree".
         verl_compat.engine_config_post_init(self)
         if self.strategy not in ACCEPTED_STRATEGIES:
-            raise ValueError(f"AugTreeEngineConfig.strategy must be one of {ACCEPTED_STRATEGIES}, got {self.strategy!r}")
+            raise ValueError(
+                f"AugTreeEngineConfig.strategy must be one of {ACCEPTED_STRATEGIES}, got {self.strategy!r}")
         _check_int("micro_batch_tokens", self.micro_batch_tokens, minimum=1)
         _check_int("fallback_threshold_tokens", self.fallback_threshold_tokens, minimum=0)
         _check_int("planner_max_entries", self.planner_max_entries, minimum=1)
         degrees = list(self.cp_degrees) if not isinstance(self.cp_degrees, (str, bytes)) else None
         if not degrees:
-            raise ValueError(f"AugTreeEngineConfig.cp_degrees must be a non-empty list of ints, got {self.cp_degrees!r}")
+            raise ValueError(
+                f"AugTreeEngineConfig.cp_degrees must be a non-empty list of ints, got {self.cp_degrees!r}")
         if any(isinstance(d, bool) or not isinstance(d, int) or d < 1 for d in degrees):
             raise ValueError(f"AugTreeEngineConfig.cp_degrees must hold ints >= 1, got {degrees!r}")
         if any(max(degrees) % d for d in degrees):
@@ -86,7 +87,8 @@ class AugTreeEngineConfig(FSDPEngineConfig):
         verl_compat.set_frozen_field(self, "cp_degrees", sorted(set(degrees)))
         if self.force_primitive is not None and self.force_primitive not in PRIMITIVES:
             raise ValueError(
-                f"AugTreeEngineConfig.force_primitive must be None or one of {PRIMITIVES}, got {self.force_primitive!r}")
+                f"AugTreeEngineConfig.force_primitive must be None or one of {PRIMITIVES}, "
+                f"got {self.force_primitive!r}")
         for name in ("use_planner", "offload_prompt_activations"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"AugTreeEngineConfig.{name} must be a bool, got {getattr(self, name)!r}")
@@ -94,7 +96,8 @@ class AugTreeEngineConfig(FSDPEngineConfig):
             raise ValueError(f"AugTreeEngineConfig.planner_name must be a non-empty string, got {self.planner_name!r}")
         if isinstance(self.planner_timeout_s, bool) or not isinstance(self.planner_timeout_s, (int, float)) \
                 or not self.planner_timeout_s > 0:
-            raise ValueError(f"AugTreeEngineConfig.planner_timeout_s must be a number > 0, got {self.planner_timeout_s!r}")
+            raise ValueError(
+                f"AugTreeEngineConfig.planner_timeout_s must be a number > 0, got {self.planner_timeout_s!r}")
         if isinstance(self.planner_ttl_s, bool) or not isinstance(self.planner_ttl_s, (int, float)) \
                 or not self.planner_ttl_s > 0:
             raise ValueError(f"AugTreeEngineConfig.planner_ttl_s must be a number > 0, got {self.planner_ttl_s!r}")

@@ -90,7 +90,8 @@ def dispatch_dp_size(worker_group, mesh_name: str) -> int:
 
 
 def required_batch_multiple(trainer, dp_size: int) -> int:
-    """verl/trainer/ppo/v1/trainer_base.py PPOTrainer._get_required_batch_multiple: what verl's _balance_batch pads the batch to."""
+    """verl/trainer/ppo/v1/trainer_base.py PPOTrainer._get_required_batch_multiple: what verl's _balance_batch
+    pads the batch to."""
     return trainer._get_required_batch_multiple(dp_size)
 
 
@@ -130,7 +131,7 @@ def serve_strategy_in_detach_actor_worker(engine_workers_module, strategy: str) 
             self._strategy_handlers = (fsdp2_sharded_save_to_cpu, fsdp2_sharded_load_from_cpu)
         return original(self)
 
-    _get_strategy_handlers.served_strategy = strategy
+    _get_strategy_handlers.served_strategy = strategy  # type: ignore[attr-defined]  # a marker on the function
     worker_cls._get_strategy_handlers = _get_strategy_handlers
 
 

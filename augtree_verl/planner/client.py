@@ -10,8 +10,9 @@ rollout's (session, index) order) gets the actor's plan, computed while the roll
 and the trees the caller does not ask about, e.g. padding) is planned here, logged and counted. The planner is
 deterministic, so both paths give the same plan for the same lengths, degrees, profile and ``force_primitive``;
 the client checks on first contact that the actor uses the same ones. ``PlannerClient(None, ...)`` has no
-actor: it plans every tree in-process (the engine config's ``use_planner=false``). A group no plan fits (``plan_tree`` raises: too large
-for every allowed degree) gets the one-device plan ``Plan()`` and is counted as unplannable, never raised.
+actor: it plans every tree in-process (the engine config's ``use_planner=false``). A group no plan fits
+(``plan_tree`` raises: too large for every allowed degree) gets the one-device plan ``Plan()`` and is counted
+as unplannable, never raised.
 
 ``metrics(reset=True)`` (once per step) gives the counters since the last read, under ``planner/``:
 ``plans_from_rollout``, ``plans_in_process``, ``plan_wait_s`` (time spent in ``plans``), ``queue_depth``
@@ -62,7 +63,7 @@ class PlannerClient:
         self._checked = False
         self._instance = None                       # the actor instance last heard from
         self._seen = dict.fromkeys(ACTOR_COUNTERS, 0)
-        self._counts = defaultdict(float)
+        self._counts: defaultdict[str, float] = defaultdict(float)
         self._queue_depth = 0.0
 
     def plans(self, groups: Mapping[str, tuple], from_rollout: Collection[str] = ()) -> dict[str, Plan]:
@@ -78,10 +79,10 @@ class PlannerClient:
                 raise ValueError(f"tree {tree_id!r}: expected (uid, prompt_len, response_lens), got {value!r}")
             uid, prompt_len, response_lens = value
             try:
-                P, R = check_tree_lengths(prompt_len, response_lens)
+                P, lens = check_tree_lengths(prompt_len, response_lens)
             except ValueError as err:
                 raise ValueError(f"tree {tree_id!r} (group {uid!r}): {err}") from None
-            clean[tree_id] = (uid, P, [int(r) for r in R])
+            clean[tree_id] = (uid, P, [int(r) for r in lens])
         wanted = set(from_rollout) if self.name is not None else set()
         asked = [t for t in clean if t in wanted]
         uids = [clean[t][0] for t in asked]

@@ -72,7 +72,7 @@ class PlannerService:
         self.entries: OrderedDict[str, _Entry] = OrderedDict()   # oldest report first
         self.arrived = asyncio.Event()         # set and replaced whenever a report arrives
         self.counts = {"reported": 0, "reported_twice": 0, "rejected": 0, "evicted": 0}
-        self.last_planned_s = None             # time.monotonic() when the latest report's plan was done
+        self.last_planned_s: float | None = None             # time.monotonic() when the latest report's plan was done
 
     async def config(self) -> dict:
         return {"degrees": list(self.degrees), "profile": self.profile.to_dict(), "ttl_s": self.ttl_s,
@@ -93,7 +93,8 @@ class PlannerService:
             self.counts["reported_twice"] += 1
             del self.entries[uid]
         self.counts["reported"] += 1
-        self.entries[uid] = _Entry(P, lens, plan_group(P, lens, self.degrees, self.profile, self.force_primitive), time.monotonic())
+        result = plan_group(P, lens, self.degrees, self.profile, self.force_primitive)
+        self.entries[uid] = _Entry(P, lens, result, time.monotonic())
         self.last_planned_s = time.monotonic()
         self._evict()
         self.arrived.set()

@@ -6,7 +6,7 @@ its own (plain Hugging Face calls and ``torch.log_softmax``).
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 

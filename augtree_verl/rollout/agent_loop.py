@@ -45,7 +45,7 @@ class GroupLengths:
         return prompt_lens.pop(), [r for _, r in lengths]
 
 
-class PlannerFeedWorker(verl_compat.ray_actor_class(AgentLoopWorkerTQ)):
+class PlannerFeedWorker(verl_compat.ray_actor_class(AgentLoopWorkerTQ)):  # type: ignore[misc]
     """verl's TransferQueue agent-loop worker, reporting each finished training group to the planner."""
 
     def __init__(self, config, *args, **kwargs):

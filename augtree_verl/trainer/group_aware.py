@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Sequence
+from typing import Any
 
 import transfer_queue as tq
 from transfer_queue import KVBatchMeta
@@ -65,6 +66,12 @@ class AugTreeTrainerMixin:
     ``trainer_mode = verl_compat.trainer_mode_as(<the verl mode it extends>)``, which answers that mode to
     those checks and keeps the registered name as ``registered_trainer_mode``.
     """
+
+    # What the mixin reads from verl's trainer (set by verl's __init__/init; declared for the type checker).
+    config: Any
+    actor_rollout_wg: Any
+    tokenizer: Any
+    global_steps: int
 
     def __init__(self, config):
         super().__init__(config)
@@ -145,7 +152,7 @@ class AugTreeTrainerMixin:
 
         entries = None
         if self.planner is not None:
-            trees_per_uid = {}
+            trees_per_uid: dict[str, int] = {}
             for t in trees:
                 trees_per_uid[t.uid] = trees_per_uid.get(t.uid, 0) + 1
             # The rollout reported whole groups of sampled rows, one prompt length each.

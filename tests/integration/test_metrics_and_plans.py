@@ -10,15 +10,15 @@ import time
 
 import pytest
 import torch
+from verl.utils.metric import reduce_metrics
+from verl.workers.engine.utils import prepare_micro_batches
 
 from augtree_verl.integration.batch_trees import build_trees
 from augtree_verl.integration.plans import plans_for_trees
 from augtree_verl.plan import Plan
-from augtree_verl.replay.microbatch import split_micro_batches
 from augtree_verl.plan_field import PLAN_FIELD
+from augtree_verl.replay.microbatch import split_micro_batches
 from augtree_verl.testing import harness as H
-from verl.utils.metric import reduce_metrics
-from verl.workers.engine.utils import prepare_micro_batches
 
 pytestmark = pytest.mark.slow  # spawns process groups, Ray, verl engines or subprocesses
 

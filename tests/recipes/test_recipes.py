@@ -13,7 +13,6 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 from verl.trainer.ppo.utils import need_critic, need_reference_policy
 from verl.utils.config import omega_conf_to_dataclass, validate_config
-
 from verl.workers.config import FSDPEngineConfig
 
 from augtree_verl.integration.config import AugTreeEngineConfig

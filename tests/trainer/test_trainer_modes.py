@@ -26,8 +26,8 @@ from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer, ReplayBufferAsync
 from verl.utils import tensordict_utils as tu
 from verl.utils.config import omega_conf_to_dataclass
 from verl.utils.import_utils import load_class_from_fqn
-from verl.workers.config import RolloutConfig
 from verl.utils.transferqueue_utils import _meta_to_realdata, kv_batch_meta2batch_meta
+from verl.workers.config import RolloutConfig
 
 from augtree_verl.groups import find_trees
 from augtree_verl.plan_field import PLAN_FIELD, group_plan_entries
@@ -38,8 +38,6 @@ from augtree_verl.rollout.agent_loop import PlannerFeedAgentLoopManager
 from augtree_verl.trainer.augtree_async import AugTreeColocateAsyncTrainer, AugTreeSeparateAsyncTrainer
 from augtree_verl.trainer.augtree_sync import AugTreeSyncTrainer
 from augtree_verl.trainer.group_aware import in_rollout_order
-
-from tests.ray_tq import ray_tq  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.slow  # spawns process groups, Ray, verl engines or subprocesses
 
@@ -55,7 +53,8 @@ MODES = {"augtree_sync": (AugTreeSyncTrainer, "sync", ReplayBuffer),
 # What verl's separate_async asserts at construction: train_batch_size = parameter_sync_step x mini-batch,
 # a standalone rollout pool, a non-naive checkpoint engine (never started here).
 SEPARATE_ASYNC = ["trainer.v1.separate_async.parameter_sync_step=2", "actor_rollout_ref.rollout.nnodes=1",
-                  "actor_rollout_ref.rollout.n_gpus_per_node=1", "actor_rollout_ref.rollout.checkpoint_engine.backend=nccl"]
+                  "actor_rollout_ref.rollout.n_gpus_per_node=1",
+                  "actor_rollout_ref.rollout.checkpoint_engine.backend=nccl"]
 
 
 def fixed_dp(trainer_cls, dp_size=2):
@@ -364,7 +363,8 @@ def test_separate_asyncs_actor_worker_accepts_strategy_augtree_in_a_fresh_interp
             "    worker = object.__new__(DetachActorWorker)\n"  # its __init__ builds the model: not needed here
             "    worker.config, worker._strategy_handlers = OmegaConf.create({'actor': {'strategy': strategy}}), None\n"
             "    return worker._get_strategy_handlers()\n"
-            "assert handlers('augtree') == (fsdp_utils.fsdp2_sharded_save_to_cpu, fsdp_utils.fsdp2_sharded_load_from_cpu)\n"
+            "assert handlers('augtree') == (fsdp_utils.fsdp2_sharded_save_to_cpu,\n"
+            "                               fsdp_utils.fsdp2_sharded_load_from_cpu)\n"
             "assert handlers('fsdp2') == handlers('augtree')\n"
             "try:\n"
             "    handlers('unknown')\n"
