@@ -57,8 +57,8 @@ class PlannerFeedWorker(verl_compat.ray_actor_class(AgentLoopWorkerTQ)):  # type
     async def _run_prompt(self, prompt: dict, sampling_params: dict, trajectory: dict, trace: bool = False) -> None:
         uid = prompt["uid"]
         if self.planner_feed is not None and not trajectory["validate"]:
-            # verl's _run_prompt reads (and pops) the same key for the number of sessions.
-            self.open_groups[uid] = GroupLengths(prompt.get("__rollout_n__", self.config.actor_rollout_ref.rollout.n))
+            sessions = verl_compat.rollout_sessions(prompt, self.config.actor_rollout_ref.rollout.n)
+            self.open_groups[uid] = GroupLengths(sessions)
         try:
             await super()._run_prompt(prompt, sampling_params, trajectory, trace)
         finally:

@@ -48,10 +48,10 @@ def in_rollout_order(tree: Tree, keys: Sequence[str]) -> Tree:
     """
     order = []
     for sample in tree.samples:
-        session, _, index = keys[sample][len(tree.uid) + 1:].partition("_")
-        if not keys[sample].startswith(tree.uid + "_") or not (session.isdigit() and index.isdigit()):
+        position = verl_compat.tq_session_and_index(keys[sample], tree.uid)
+        if position is None:
             return tree
-        order.append(((int(session), int(index)), sample))
+        order.append((position, sample))
     order.sort()
     lens = dict(zip(tree.samples, tree.response_lens))
     samples = tuple(s for _, s in order)
