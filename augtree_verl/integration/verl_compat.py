@@ -4,8 +4,9 @@ verl's public API does not cover all an engine backend and a trainer mode need: 
 group's dispatch cache, a config's frozen fields, a trainer's private helpers. Each use of one is a small
 function here (its docstring names the verl file and name it touches, and why), so that moving to a new verl
 means reading this file. Private methods of verl classes that our subclasses override (verl calls them) are
-listed in ``PRIVATE_OVERRIDES``. ``tests/integration/test_verl_compat.py`` fails if any other module of the
-package touches a verl private name.
+listed in ``PRIVATE_OVERRIDES``; the public verl names the other modules use are listed in ``VERL_NAMES``.
+``tests/integration/test_verl_compat.py`` fails if any other module of the package touches a verl private
+name, patches a verl module, spells a verl dunder key, or uses a verl name ``VERL_NAMES`` lacks.
 
 Importing this module checks the installed verl against ``TESTED_VERL`` and raises ``VerlVersionError``
 naming both versions when they differ; ``AUGTREE_ALLOW_VERL_VERSION=1`` turns that into a warning (at your

@@ -1,5 +1,6 @@
-"""verl's private names live in ``integration/verl_compat.py`` only, that module checks verl's version, and
-the verl internals it names still exist in the installed verl.
+"""verl's internals live in ``integration/verl_compat.py`` only, that module checks verl's version, the verl
+internals it names still exist in the installed verl, and it lists every public verl name the other modules
+use (``VERL_NAMES``), each of which exists in the installed verl.
 
 The scan reads every module of ``augtree_verl`` (but ``verl_compat.py`` and ``testing/``) and reports:
 - any attribute starting with ``_`` of a name imported from verl (``EngineConfig.__post_init__``, ``verl._x``),
@@ -8,7 +9,11 @@ The scan reads every module of ``augtree_verl`` (but ``verl_compat.py`` and ``te
   ``worker_group._dispatch_info``), except ``super()._name`` inside an override listed in
   ``verl_compat.PRIVATE_OVERRIDES``;
 - a method of a verl subclass that overrides a verl private name not listed in ``PRIVATE_OVERRIDES``;
-- ``object.__setattr__`` (a detour around verl's frozen config fields) in a module that imports verl.
+- ``object.__setattr__`` (a detour around verl's frozen config fields) in a module that imports verl;
+- a monkeypatch: ``x.name = ...`` or ``setattr(x, "name", ...)`` (x not ``self``/``cls``) where ``name`` is a
+  module-level name of verl's, and verl's own dunder keys (``"__rollout_n__"``) as string literals;
+- and, over every module but ``verl_compat.py`` (``testing/`` included), every verl name it imports or reads
+  from a verl module, against ``verl_compat.VERL_NAMES`` (nothing unlisted, nothing stale).
 """
 
 from __future__ import annotations
