@@ -25,7 +25,8 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--workload", default="all", choices=("all",) + WORKLOADS,
                        help="workload regime (default: all)")
     bench.add_argument("--budget", type=int, help=f"logical tokens per group, G*P + sum R_i "
-                                                  f"(default {BenchConfig.budget_tokens}; --quick {QUICK['budget_tokens']})")
+                                                  f"(default {BenchConfig.budget_tokens}; "
+                                                  f"--quick {QUICK['budget_tokens']})")
     bench.add_argument("--group-size", type=int, help=f"responses per prompt G (default {BenchConfig.group_size}; "
                                                       f"--quick {QUICK['group_size']})")
     bench.add_argument("--groups", type=int, help="groups (trees) per step (default 1)")

@@ -36,11 +36,13 @@ DEFAULT_MODEL = "qwen2-small"
 
 
 def attn_implementation(device: str) -> str:
-    """HF attention backend for the flattened baseline: flash-attn on CUDA (SDPA if it is not installed), SDPA on CPU."""
+    """HF attention backend for the flattened baseline: flash-attn on CUDA (SDPA if it is not installed), SDPA
+    on CPU."""
     if not device.startswith("cuda"):
         return "sdpa"
     if importlib.util.find_spec("flash_attn") is None:
-        warnings.warn("flash-attn is not installed (pip install -e '.[flash-attn]'): the CUDA baseline uses SDPA")
+        warnings.warn("flash-attn is not installed (pip install -e '.[flash-attn]'): the CUDA baseline uses SDPA",
+                      stacklevel=2)
         return "sdpa"
     return "flash_attention_2"
 

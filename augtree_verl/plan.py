@@ -11,6 +11,7 @@ A plan c = (d, pi, (b, s), X) says how one replay tree (one prompt, G responses)
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 PRIMITIVES = ("ring", "tree_move_kv", "move_q")
@@ -62,7 +63,7 @@ class Plan:
         if used_lanes != set(range(self.lanes)):
             raise ValueError(f"Plan.placement leaves lanes {sorted(set(range(self.lanes)) - used_lanes)} empty")
 
-    def check_responses(self, num_responses: int, tree: int | None = None) -> None:
+    def check_responses(self, num_responses: int, tree: int | str | None = None) -> None:
         """Raise ``ValueError`` unless a split plan places each of ``num_responses`` responses once."""
         if self.primitive != "ring" and len(self.placement) != num_responses:
             where = f" for tree {tree}" if tree is not None else ""
@@ -76,7 +77,7 @@ class Plan:
                 "est_time_s": self.est_time_s, "est_parts": dict(self.est_parts), "est_single_s": self.est_single_s}
 
     @classmethod
-    def from_dict(cls, d: dict) -> "Plan":
+    def from_dict(cls, d: Mapping) -> Plan:
         return cls(degree=d["degree"], primitive=d["primitive"], rounds=d["rounds"], lanes=d["lanes"],
                    placement=tuple(tuple(c) for c in d.get("placement", ())),
                    est_time_s=d.get("est_time_s"), est_parts=dict(d.get("est_parts") or {}),

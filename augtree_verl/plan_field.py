@@ -20,8 +20,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from augtree_verl.plan import Plan
 from augtree_verl.groups import Tree
+from augtree_verl.plan import Plan
 
 PLAN_FIELD = "augtree_plan"
 

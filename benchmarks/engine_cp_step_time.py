@@ -67,8 +67,9 @@ def _batches(name: str, rank: int, primitive: str, min_prompt: int, profile) -> 
         out[run] = H.rows_to_batch(rows, micro_batch_size=len(rows),
                                    extra={PLAN_FIELD: plan_entries(trees, plans, len(rows))})
     if rank == 0:
-        print(f"{name}: planner's per-group plans " + ", ".join(f"prompt {t.prompt_len}: {planned[t.tree_id].primitive} "
-                                                       f"d={planned[t.tree_id].degree}" for t in trees), flush=True)
+        print(f"{name}: planner's per-group plans "
+              + ", ".join(f"prompt {t.prompt_len}: {planned[t.tree_id].primitive} d={planned[t.tree_id].degree}"
+                          for t in trees), flush=True)
     for batch in out.values():
         tu.assign_non_tensor(batch, global_batch_size=len(rows))
         batch["old_log_probs"] = torch.nested.as_nested_tensor(

@@ -102,7 +102,7 @@ def main() -> None:
             passes = {"train": lambda e: train_step(e[0], e[1], batch), "infer": lambda e: infer(e[0], batch)}
             for pass_name, run in passes.items():
                 times = {strategy: [] for strategy in engines}
-                for strategy, engine in engines.items():
+                for engine in engines.values():
                     run(engine)  # warm-up
                 for _ in range(args.repeats):
                     for strategy, engine in engines.items():

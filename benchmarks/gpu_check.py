@@ -143,7 +143,8 @@ def reference_attention(q, k, v, scale, visible):
 
 def random_block(h, hk, sq, sk, d, device, g):
     """bf16-rounded q, k, v, dout on ``device``: (bf16 tensors, float32 copies of the same values)."""
-    xs = [torch.randn(n, s, d, generator=g) * c for n, s, c in ((h, sq, 0.5), (hk, sk, 0.5), (hk, sk, 1.0), (h, sq, 1.0))]
+    xs = [torch.randn(n, s, d, generator=g) * c
+          for n, s, c in ((h, sq, 0.5), (hk, sk, 0.5), (hk, sk, 1.0), (h, sq, 1.0))]
     low = [x.to(device, torch.bfloat16) for x in xs]
     return low, [x.float() for x in low]
 

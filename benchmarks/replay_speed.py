@@ -38,15 +38,18 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="quarter-length groups, one repetition")
     parser.add_argument("--threads", type=int, default=1,
-                        help="torch threads (default 1: on shared cores multi-threaded kernels stall on their slowest thread)")
+                        help="torch threads (default 1: on shared cores multi-threaded kernels stall on their "
+                             "slowest thread)")
     parser.add_argument("--group", choices=sorted(GROUPS), action="append", help="run only these groups")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     cfg = Qwen2Config(**CONFIG)
     model = Qwen2ForCausalLM(cfg).float().train()
-    print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params, torch threads {torch.get_num_threads()}")
-    print(f"{'group':16}{'P':>6}{'R':>6}{'G':>4}{'flattened s':>13}{'replay s':>10}{'speedup':>9}{'ideal':>7}{'of ideal':>10}")
+    params = sum(p.numel() for p in model.parameters())
+    print(f"model: {params / 1e6:.1f}M params, torch threads {torch.get_num_threads()}")
+    print(f"{'group':16}{'P':>6}{'R':>6}{'G':>4}{'flattened s':>13}{'replay s':>10}{'speedup':>9}{'ideal':>7}"
+          f"{'of ideal':>10}")
     for name, (p, r, g) in GROUPS.items():
         if args.group and name not in args.group:
             continue

@@ -7,9 +7,9 @@ import sys
 
 import pytest
 
-from augtree_verl.cli import bench_config, main, _parser
 from augtree_verl.bench.config import QUICK
 from augtree_verl.bench.workloads import WORKLOADS
+from augtree_verl.cli import _parser, bench_config, main
 
 
 def _augtree() -> list[str]:

@@ -4,8 +4,9 @@ image checks CUDA torch and the flash ops' binding, then runs the GPU check firs
 .ci/run; the lock's content: tests/test_packaging.py.)"""
 
 import re
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 GPU_LINE = 'pip install -c constraints-gpu.txt -e ".[gpu]"'

@@ -1,15 +1,16 @@
 """The install is pinned and the repository is self-contained: what a fresh clone on another machine needs."""
 
 import re
-import tomllib
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
+import tomllib
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 REPO = Path(__file__).resolve().parents[1]
-SOURCES = [p for folder in ("augtree_verl", "tests", "benchmarks", "examples", "recipes", ".ci")  # docker/ names container paths
+# docker/ names container paths
+SOURCES = [p for folder in ("augtree_verl", "tests", "benchmarks", "examples", "recipes", ".ci")
            for p in (REPO / folder).rglob("*") if p.is_file() and p.suffix in {".py", ".sh", ".yaml", ".toml", ""}
            and "data" not in p.relative_to(REPO).parts and "__pycache__" not in p.parts
            and p != Path(__file__).resolve()]

@@ -44,8 +44,8 @@ class BenchConfig:
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
 
     @classmethod
-    def quick(cls, **overrides) -> "BenchConfig":
+    def quick(cls, **overrides) -> BenchConfig:
         return cls(**{**QUICK, **overrides})
 
-    def with_(self, **changes) -> "BenchConfig":
+    def with_(self, **changes) -> BenchConfig:
         return replace(self, **changes)

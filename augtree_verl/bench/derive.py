@@ -72,7 +72,8 @@ def derive_longdoc(data: Path, count: Counter) -> list[dict]:
     sampled = sorted((r for r in sampled if r["idx"].startswith(f"{sft['idx']}-")),
                      key=lambda r: int(r["idx"].split("-")[1]))
     prompt = count.chat_prompt(sft["context"] + "\n\n" + sft["query"])
-    return [{"id": str(sft["idx"]), "prompt_len": prompt, "response_lens": [count.response(r["answer"]) for r in sampled]}]
+    return [{"id": str(sft["idx"]), "prompt_len": prompt,
+             "response_lens": [count.response(r["answer"]) for r in sampled]}]
 
 
 def derive_rag(data: Path, count: Counter) -> list[dict]:
@@ -139,7 +140,8 @@ def main(argv: list[str] | None = None) -> None:
     for name, (derive, source) in REGIMES.items():
         groups = derive(args.data_dir, count)
         path = args.out_dir / f"{name}.json"
-        path.write_text(json.dumps({"workload": name, "source": source, "groups": groups}, separators=(",", ":")) + "\n")
+        record = {"workload": name, "source": source, "groups": groups}
+        path.write_text(json.dumps(record, separators=(",", ":")) + "\n")
         n = sum(len(g["response_lens"]) for g in groups)
         print(f"{name}: {len(groups)} groups, {n} responses -> {path}")
 

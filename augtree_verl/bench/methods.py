@@ -15,8 +15,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from augtree_verl.plan import Plan
 from augtree_verl.planner import plan_tree

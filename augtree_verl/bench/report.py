@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 import statistics
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from augtree_verl.bench.runner import MethodResult, paired_ratio
 

@@ -13,6 +13,7 @@ checked the same way, and its log-probs against the flattened baseline's too.
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -81,7 +82,7 @@ class MethodResult:
                 "status": "WRONG" if self.wrong else "ok"}
 
     @classmethod
-    def from_dict(cls, row: dict) -> "MethodResult":
+    def from_dict(cls, row: dict) -> MethodResult:
         """Inverse of ``to_dict`` (the derived keys are recomputed)."""
         return cls(**{k: v for k, v in row.items() if k not in ("step_time_s", "prediction_error", "status")})
 
@@ -134,7 +135,8 @@ def _run_workload(model, workload: Workload, methods: list[Method], repeats: int
     results = {m.name: MethodResult(
         workload=workload.name, method=m.name, step_times_s=[], executed_tokens=0,
         logical_tokens=workload.logical_tokens, comm_bytes=0, max_grad_rel_err=0.0,
-        plan=describe_plans(plans[m.name], m.flattened, world if m.verl else None), ideal_speedup=ideal_speedup(model.config, workload.groups),
+        plan=describe_plans(plans[m.name], m.flattened, world if m.verl else None),
+        ideal_speedup=ideal_speedup(model.config, workload.groups),
         tolerance=tolerance, predicted_s=m.predicted_s(trees, plans[m.name], profile),
         groups=[{"id": g.id, "prompt_len": g.prompt_len, "response_lens": list(g.response_lens)}
                 for g in workload.groups],
@@ -214,6 +216,11 @@ def _totals(stats: ReplayStats | None, logical: int, world: int, device) -> tupl
     return int(both[0]), int(both[1])
 
 
+def _as_tree(loss_fn, t: int, i: int, _t: int, _i: int, logp: torch.Tensor) -> torch.Tensor:
+    """``loss_fn`` of response ``i`` of tree ``t``, called for a one-response tree (its own indices 0, 0)."""
+    return loss_fn(t, i, logp)
+
+
 def _summed_grads(model, world: int) -> dict[str, torch.Tensor]:
     """Every parameter's gradient (zeros where none), summed over the CP ranks, in float32."""
     names, flat = [], []
@@ -237,7 +244,7 @@ def _split_flattened_grads(model, trees, loss_fn, rank: int, world: int) -> dict
     flat = [(t, i) for t, tree in enumerate(trees) for i in range(len(tree.responses))]
     for t, i in flat[rank::world]:
         one = ReplayTree(trees[t].prompt, [trees[t].responses[i]])
-        flattened_replay(model, [one], lambda _t, _i, logp, t=t, i=i: loss_fn(t, i, logp))
+        flattened_replay(model, [one], functools.partial(_as_tree, loss_fn, t, i))
     return _summed_grads(model, world)
 
 

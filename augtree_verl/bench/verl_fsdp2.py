@@ -22,8 +22,9 @@ the flattened baseline's log-probs (``max_logp_rel_err``).
 from __future__ import annotations
 
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -33,7 +34,7 @@ from augtree_verl.replay.baseline import flattened_replay
 from augtree_verl.replay.tree import ReplayTree
 
 # verl's micro-batch knobs for this method (see the module docstring).
-VERL_SETTINGS = dict(use_dynamic_bsz=False, micro_batch_size_per_gpu=1)
+VERL_SETTINGS: dict[str, Any] = dict(use_dynamic_bsz=False, micro_batch_size_per_gpu=1)
 
 
 def rank_rows(trees: Sequence[ReplayTree], seed: int, rank: int, world: int) -> tuple[list[dict], int]:
@@ -61,7 +62,7 @@ def _first_row(trees: Sequence[ReplayTree]) -> dict:
 @dataclass
 class VerlStep:
     """One workload's verl batch on this rank, ready to time; the other fields are over all ranks."""
-    batch: object
+    batch: Any
     max_logp_rel_err: float
     executed_tokens: int  # [prompt ‖ response] tokens run, padding rows included
 
@@ -73,7 +74,7 @@ class VerlFsdp2:
         self.engine, self.loss_fn, self.owns_group = engine, loss_fn, owns_group
 
     @classmethod
-    def build(cls, model) -> "VerlFsdp2":
+    def build(cls, model) -> VerlFsdp2:
         """verl's engine with ``model``'s weights (saved to a private folder and loaded the way verl loads them).
 
         ``model``: the bench's model, on CPU. Call on every rank after the process group is up (or with none:
@@ -95,8 +96,9 @@ class VerlFsdp2:
 
     def prepare(self, model, trees: Sequence[ReplayTree], seed: int, rank: int, world: int) -> VerlStep:
         """This rank's batch with old log-probs from verl's own forward, checked against the flattened baseline."""
-        from augtree_verl.testing import verl_batch
         from verl.utils import tensordict_utils as tu
+
+        from augtree_verl.testing import verl_batch
 
         rows, real = rank_rows(trees, seed, rank, world)
         batch = verl_batch.rows_to_batch(rows, **VERL_SETTINGS)

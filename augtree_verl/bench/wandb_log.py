@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 from augtree_verl.bench.runner import MethodResult
 
@@ -22,7 +22,8 @@ def log_runs(results: Sequence[MethodResult], config: dict) -> str:
     mode = os.environ.get("WANDB_MODE") or ("online" if wandb.login(prompt=False, verify=False) else "offline")
     group = f"bench-{time.strftime('%Y%m%d-%H%M%S')}"
     for method in dict.fromkeys(r.method for r in results):
-        run = wandb.init(project=PROJECT, group=group, name=method, job_type="bench", mode=mode,
+        run = wandb.init(project=PROJECT, group=group, name=method, job_type="bench",
+                         mode=mode,  # type: ignore[arg-type]  # WANDB_MODE: any mode wandb takes
                          config={**config, "method": method}, reinit="create_new",
                          settings=wandb.Settings(quiet=True))
         for r in (r for r in results if r.method == method):

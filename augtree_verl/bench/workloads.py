@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 import torch
@@ -60,7 +60,7 @@ class Workload:
         return sum(g.logical_tokens for g in self.groups)
 
 
-@lru_cache(maxsize=None)
+@cache
 def load_table(name: str) -> tuple[GroupShape, ...]:
     """All groups of workload ``name`` in corpus order, with every response they have."""
     _check_name(name)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -29,7 +30,7 @@ class Meter:
     """Adds bytes sent by this rank to ``stats.comm_bytes["<primitive>/<fwd|bwd>"]`` (``stats``: anything
     with ``add_bytes(primitive, direction, nbytes)``, e.g. ``replay.ReplayStats``)."""
 
-    stats: object
+    stats: Any
     primitive: str
 
     def add(self, direction: str, nbytes: int) -> None:

@@ -52,7 +52,12 @@ class RingContext:
 
 class LaneReplayContext:
     """TreeMoveKV replay step: the lane ring over the response (``layout``) carrying the lane's prompt
-    shards (``prompt``; ``prompt_kv[layer]`` = this rank's (pk, pv) leaves) as a fully visible prefix."""
+    shards (``prompt``; ``prompt_kv[layer]`` = this rank's (pk, pv) leaves) as a fully visible prefix.
+
+    TreeMoveKV at the attention level is exactly this: the K/V ring of ``ring.py`` over the lane's members
+    (``layout.lane_members``), the response as the causal sequence and the lane's prompt shards as the
+    prefix. Forward, backward (the prompt shards' dK/dV travel home with the ring into the prompt leaves)
+    and the byte count (``ring.ring_bytes``) are that ring's; lanes never talk to each other."""
 
     def __init__(self, ring: Ring, layout: ZigzagLayout, prompt: ZigzagLayout | None, prompt_kv: list,
                  meter: Meter):

@@ -1,7 +1,7 @@
 """The analytic count of what each CP primitive must move: bytes one rank sends for one replay tree.
 
-Composed from the per-layer formulas stated next to each primitive (``ring.ring_bytes``,
-``tree_move_kv.tree_move_kv_bytes``, ``move_q.move_q_bytes``) over the steps of ``schedule.cp_tree_schedule``
+Composed from the per-layer formulas stated next to each primitive (``ring.ring_bytes``, also TreeMoveKV's
+lane ring, and ``move_q.move_q_bytes``) over the steps of ``schedule.cp_tree_schedule``
 (exactly the steps the CP tree run executes), times the number of layers; forward and backward ("bwd" is 0
 for a forward-only replay). Used by the tests (measured == analytic) and by ``benchmarks/cp_comm.py``.
 """
@@ -27,7 +27,7 @@ class AttentionShape:
     lse_element_size: int = 4
 
     @staticmethod
-    def of(config, element_size: int) -> "AttentionShape":
+    def of(config, element_size: int) -> AttentionShape:
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         return AttentionShape(config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads,
                               head_dim, element_size)

@@ -16,7 +16,7 @@ rank (it only reads the trees and plans, which every rank of the group shares).
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch.distributed as dist
 
@@ -54,7 +54,7 @@ class CPMesh:
                 warm_up(self.subgroups[d])
 
     @classmethod
-    def whole_world(cls) -> "CPMesh":
+    def whole_world(cls) -> CPMesh:
         """The world as one CP group (no new process group: ``subgroups[world]`` is the world's group);
         what ``replay`` uses for context-parallel plans when it is given no mesh."""
         mesh = cls.__new__(cls)

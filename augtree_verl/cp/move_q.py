@@ -27,15 +27,16 @@ than this rank, S = queries this rank serves for other ranks, 0 if it owns no pr
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from augtree_verl.ops.attention import attention_backward, attention_forward
 from augtree_verl.cp.comm import Meter, all_to_all_rows
 from augtree_verl.cp.layout import ZigzagLayout
-from augtree_verl.ops.merge import accum_dtype, merge_into
 from augtree_verl.cp.ring import RingSpec, ring_backward, ring_bytes, ring_forward
+from augtree_verl.ops.attention import attention_backward, attention_forward
+from augtree_verl.ops.merge import accum_dtype, merge_into
 
 
 @dataclass(frozen=True)
@@ -44,7 +45,7 @@ class MoveQSpec:
     group rank); ``rank``: this rank in it; ``query_counts[j]``: queries group rank j holds in this step
     (0 for a rank whose lane is idle); ``lane``: the ring over this rank's lane for the response's own part."""
 
-    group: object
+    group: Any
     rank: int
     prompt: ZigzagLayout
     query_counts: tuple[int, ...]

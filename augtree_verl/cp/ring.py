@@ -27,9 +27,9 @@ from dataclasses import dataclass
 
 import torch
 
-from augtree_verl.ops.attention import attention_backward, attention_forward
 from augtree_verl.cp.comm import TAG_GRAD, TAG_KV, Meter, Ring, finish
 from augtree_verl.cp.layout import ZigzagLayout
+from augtree_verl.ops.attention import attention_backward, attention_forward
 from augtree_verl.ops.merge import accum_dtype, empty_state, merge_into
 
 

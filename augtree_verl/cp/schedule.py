@@ -97,7 +97,7 @@ def cp_tree_schedule(plan: Plan, prompt_len: int, response_lens: list[int], rank
                              ZigzagLayout(response_lens[i] - 1, len(members)) if response_lens[i] > 1 else None,
                              prompt_len, prefix, None, members) for _, i in mine)
         return CPTreeSchedule(rank, d, CPPrefill(members, prefix), steps, True)
-    steps = []
+    move_q_steps: list[CPStep] = []
     for rnd in range(plan.rounds):
         cells = [[i for i, cell in enumerate(plan.placement) if cell == (rnd, lane)] for lane in range(plan.lanes)]
         for k in range(max(len(c) for c in cells)):
@@ -105,7 +105,7 @@ def cp_tree_schedule(plan: Plan, prompt_len: int, response_lens: list[int], rank
             fed = [response_lens[i] - 1 if i is not None else 0 for i in per_lane]
             layouts = [ZigzagLayout(n, len(m)) for n, m in zip(fed, lanes)]
             counts = tuple(layouts[lane].size(j) for lane, m in enumerate(lanes) for j in range(len(m)))
-            steps.append(CPStep("move_q", tuple(i for i in per_lane if i is not None), per_lane[my_lane], members,
-                                layouts[my_lane] if any(fed) else None, prompt_len, None,
-                                counts if any(fed) else None, everyone))
-    return CPTreeSchedule(rank, d, CPPrefill(everyone, ZigzagLayout(prompt_len, d)), tuple(steps), False)
+            move_q_steps.append(CPStep("move_q", tuple(i for i in per_lane if i is not None), per_lane[my_lane],
+                                       members, layouts[my_lane] if any(fed) else None, prompt_len, None,
+                                       counts if any(fed) else None, everyone))
+    return CPTreeSchedule(rank, d, CPPrefill(everyone, ZigzagLayout(prompt_len, d)), tuple(move_q_steps), False)

@@ -10,13 +10,13 @@ Selected in a verl run with::
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
 
 from verl.workers.config import FSDPEngineConfig
 
 from augtree_verl.integration import verl_compat
-from augtree_verl.integration.registration import STRATEGY
+from augtree_verl.integration.strategy import STRATEGY
 from augtree_verl.plan import PRIMITIVES
+from augtree_verl.planner.client import DEFAULT_TIMEOUT_S
 from augtree_verl.planner.service import DEFAULT_MAX_ENTRIES, DEFAULT_TTL_S
 from augtree_verl.replay.engine import DEFAULT_MICRO_BATCH_TOKENS
 
@@ -34,11 +34,18 @@ class AugTreeEngineConfig(FSDPEngineConfig):
     cp_degrees: context-parallel degrees the planner may choose from (1 = one device per tree). Ranks form
         CP groups of max(cp_degrees) ranks that share their samples (data-parallel size = world / max); a
         tree planned with degree d runs on d ranks of its group. Each degree must divide the largest.
-    use_planner: run plans from the planner; False runs every tree on one device, ignoring plans in the batch.
+    The planner knobs below (``use_planner`` to ``planner_max_entries``) are read by the AugTree trainer modes
+    from the actor's config; the trainer plans every group and puts the plans in the batch, which the actor
+    and the reference model both apply (a plain verl trainer puts none: every tree runs on one device).
+
+    use_planner: True: plans come from the planner service (a named Ray actor, fed by the rollout workers
+        while the rollout runs; the trainer plans in-process what it cannot hand over). False: no service;
+        the trainer plans every group in-process, with the same planner (the same plans, CP included).
     force_primitive: pin the planner to one primitive ("ring", "tree_move_kv", "move_q"); None lets it choose.
     fallback_threshold_tokens: a group whose prompt + longest response is shorter than this runs without CP.
-    planner_name: name of the planner service (a named Ray actor) the trainer hook sends group lengths to.
-    planner_timeout_s: how long to wait for a plan before falling back to no CP (counted as a fallback).
+    planner_name: name of the planner service the rollout workers report group lengths to.
+    planner_timeout_s: how long the trainer waits for the planner service's answer before planning the
+        groups in-process (counted as ``planner/unreachable``).
     planner_ttl_s: how long the planner service keeps a reported group's plan that no step has used (an
         async trainer uses a group a few steps after its rollout; DAPO drops some groups for good).
     planner_max_entries: the most unused plans the service keeps; the oldest leave first (counted as evicted).
@@ -52,10 +59,10 @@ class AugTreeEngineConfig(FSDPEngineConfig):
     micro_batch_tokens: int = DEFAULT_MICRO_BATCH_TOKENS
     cp_degrees: list[int] = field(default_factory=lambda: [1])
     use_planner: bool = True
-    force_primitive: Optional[str] = None
+    force_primitive: str | None = None
     fallback_threshold_tokens: int = 0
     planner_name: str = "augtree_planner"
-    planner_timeout_s: float = 5.0
+    planner_timeout_s: float = DEFAULT_TIMEOUT_S
     planner_ttl_s: float = DEFAULT_TTL_S
     planner_max_entries: int = DEFAULT_MAX_ENTRIES
     offload_prompt_activations: bool = False
@@ -64,13 +71,15 @@ class AugTreeEngineConfig(FSDPEngineConfig):
         # FSDPEngineConfig.__post_init__ only adds a strategy assertion that rejects "augtree".
         verl_compat.engine_config_post_init(self)
         if self.strategy not in ACCEPTED_STRATEGIES:
-            raise ValueError(f"AugTreeEngineConfig.strategy must be one of {ACCEPTED_STRATEGIES}, got {self.strategy!r}")
+            raise ValueError(
+                f"AugTreeEngineConfig.strategy must be one of {ACCEPTED_STRATEGIES}, got {self.strategy!r}")
         _check_int("micro_batch_tokens", self.micro_batch_tokens, minimum=1)
         _check_int("fallback_threshold_tokens", self.fallback_threshold_tokens, minimum=0)
         _check_int("planner_max_entries", self.planner_max_entries, minimum=1)
         degrees = list(self.cp_degrees) if not isinstance(self.cp_degrees, (str, bytes)) else None
         if not degrees:
-            raise ValueError(f"AugTreeEngineConfig.cp_degrees must be a non-empty list of ints, got {self.cp_degrees!r}")
+            raise ValueError(
+                f"AugTreeEngineConfig.cp_degrees must be a non-empty list of ints, got {self.cp_degrees!r}")
         if any(isinstance(d, bool) or not isinstance(d, int) or d < 1 for d in degrees):
             raise ValueError(f"AugTreeEngineConfig.cp_degrees must hold ints >= 1, got {degrees!r}")
         if any(max(degrees) % d for d in degrees):
@@ -78,7 +87,8 @@ class AugTreeEngineConfig(FSDPEngineConfig):
         verl_compat.set_frozen_field(self, "cp_degrees", sorted(set(degrees)))
         if self.force_primitive is not None and self.force_primitive not in PRIMITIVES:
             raise ValueError(
-                f"AugTreeEngineConfig.force_primitive must be None or one of {PRIMITIVES}, got {self.force_primitive!r}")
+                f"AugTreeEngineConfig.force_primitive must be None or one of {PRIMITIVES}, "
+                f"got {self.force_primitive!r}")
         for name in ("use_planner", "offload_prompt_activations"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"AugTreeEngineConfig.{name} must be a bool, got {getattr(self, name)!r}")
@@ -86,7 +96,8 @@ class AugTreeEngineConfig(FSDPEngineConfig):
             raise ValueError(f"AugTreeEngineConfig.planner_name must be a non-empty string, got {self.planner_name!r}")
         if isinstance(self.planner_timeout_s, bool) or not isinstance(self.planner_timeout_s, (int, float)) \
                 or not self.planner_timeout_s > 0:
-            raise ValueError(f"AugTreeEngineConfig.planner_timeout_s must be a number > 0, got {self.planner_timeout_s!r}")
+            raise ValueError(
+                f"AugTreeEngineConfig.planner_timeout_s must be a number > 0, got {self.planner_timeout_s!r}")
         if isinstance(self.planner_ttl_s, bool) or not isinstance(self.planner_ttl_s, (int, float)) \
                 or not self.planner_ttl_s > 0:
             raise ValueError(f"AugTreeEngineConfig.planner_ttl_s must be a number > 0, got {self.planner_ttl_s!r}")

@@ -192,15 +192,12 @@ def _plain_gloo_on_cpu(initialize):
             backend = "gloo"
         return initialize(timeout_second=timeout_second, backend=backend)
 
-    wrapper.augtree_cpu_backend = True
     return wrapper
 
 
 def _patch_process_group_init(distributed_module) -> None:
     """Install the wrapper before verl's workers bind the function by name (``from ... import``)."""
-    initialize = distributed_module.initialize_global_process_group_ray
-    if not getattr(initialize, "augtree_cpu_backend", False):
-        distributed_module.initialize_global_process_group_ray = _plain_gloo_on_cpu(initialize)
+    verl_compat.wrap_module_function(distributed_module, "initialize_global_process_group_ray", _plain_gloo_on_cpu)
 
 
 @dataclass
@@ -213,7 +210,7 @@ class HostOffloadPolicy(CPUOffloadPolicy):
 
 
 def _patch_offload_policy(transformer_impl) -> None:
-    transformer_impl.CPUOffloadPolicy = HostOffloadPolicy
+    verl_compat.replace_module_name(transformer_impl, "CPUOffloadPolicy", HostOffloadPolicy)
 
 
 after_import("verl.utils.distributed", _patch_process_group_init)

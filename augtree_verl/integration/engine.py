@@ -30,7 +30,7 @@ scaled by C (FSDP averages over the world, and a CP group is one data-parallel r
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from tensordict import TensorDict
@@ -40,10 +40,10 @@ from verl.utils.device import get_device_id
 from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 from verl.workers.engine.utils import postprocess_batch_func, prepare_micro_batches
 
+from augtree_verl.cp.mesh import CPMesh, schedule_trees
 from augtree_verl.integration import verl_compat
 from augtree_verl.integration.batch_trees import BatchTrees, build_trees, sequence_lengths
 from augtree_verl.integration.config import FSDP_STRATEGY, AugTreeEngineConfig
-from augtree_verl.cp.mesh import CPMesh, schedule_trees
 from augtree_verl.integration.fsdp_model import FSDPReplayModel
 from augtree_verl.integration.metrics import group_totals, step_metrics
 from augtree_verl.integration.plans import plans_for_trees
@@ -120,16 +120,16 @@ class AugTreeEngine(FSDPEngineWithLMHead):
                                                    plan_fallbacks=step.plan_fallbacks)}
         return postprocess_batch_func(output_lst=output_lst, indices=indices, data=data)
 
-    def _stream(self, step: "_Step", micro_batches: list[TensorDict], loss_function, forward_only: bool,
+    def _stream(self, step: _Step, micro_batches: list[TensorDict], loss_function, forward_only: bool,
                 return_model_output: bool) -> list[dict]:
         """One step (``replay``'s streamed schedule, see the module docstring), then verl's reported losses
         and metrics per verl micro-batch on the detached outputs."""
         train = not forward_only
         dp_group = self.get_data_parallel_group()
         grouped = build_trees(micro_batches)
-        plans, fallbacks = (plans_for_trees(micro_batches, grouped, self.cp_mesh.degrees,
-                                            min_cp_tokens=self.engine_config.fallback_threshold_tokens)
-                            if self.engine_config.use_planner else ([None] * len(grouped.trees), 0))
+        # The trainer's plans (``use_planner`` says only where the trainer got them); none without them.
+        plans, fallbacks = plans_for_trees(micro_batches, grouped, self.cp_mesh.degrees,
+                                           min_cp_tokens=self.engine_config.fallback_threshold_tokens)
         mesh, placement = None, None
         if self.cp_mesh.cp_size > 1:
             mesh = self.cp_mesh
@@ -139,7 +139,8 @@ class AugTreeEngine(FSDPEngineWithLMHead):
                      for plan, d in zip(plans, degrees)]
         step.plans += plans
         step.plan_fallbacks += fallbacks
-        flat_rows = {row: r for r, row in enumerate((m, k) for m, mb in enumerate(micro_batches) for k in range(len(mb)))}
+        flat_rows = {row: r for r, row in
+                     enumerate((m, k) for m, mb in enumerate(micro_batches) for k in range(len(mb)))}
         flat = tu.concat_tensordict(micro_batches) if train else None
 
         def micro_batch_loss(t, rows, scores):

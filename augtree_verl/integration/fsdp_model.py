@@ -16,7 +16,7 @@ norm; with tied embeddings also the embedding / LM head weight):
 from __future__ import annotations
 
 import contextlib
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

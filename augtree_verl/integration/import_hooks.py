@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib.abc
 import importlib.machinery
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 _callbacks: dict[str, list[Callable]] = {}
 

@@ -86,7 +86,7 @@ class UnshardedGroups:
         self._sample()
         return x
 
-    def __enter__(self) -> "UnshardedGroups":
+    def __enter__(self) -> UnshardedGroups:
         self._handles = [m.register_forward_pre_hook(self._sample) for m in self._leaves]
         self._saved.__enter__()
         return self

@@ -9,6 +9,8 @@ tokens, trees and bytes summed, times those of the slowest rank.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 from verl.utils.metric import AggregationType, Metric
@@ -36,9 +38,10 @@ def group_totals(stats: ReplayStats, group, device) -> ReplayStats:
     times = torch.tensor([getattr(stats, phase) for phase in PHASES], dtype=torch.float64, device=device)
     dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=group)
     dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
-    counts = [int(x) for x in counts.tolist()]
-    total = ReplayStats(**dict(zip(PHASES, times.tolist())), **dict(zip(COUNTERS, counts)))
-    for k, value in zip(byte_keys + list(PLAN_KINDS), counts[len(COUNTERS):]):
+    summed = [int(x) for x in counts.tolist()]
+    counters: dict[str, Any] = dict(zip(COUNTERS, summed))
+    total = ReplayStats(**dict(zip(PHASES, times.tolist())), **counters)
+    for k, value in zip(byte_keys + list(PLAN_KINDS), summed[len(COUNTERS):]):
         (total.comm_bytes if k in byte_keys else total.plans)[k] = value
     return total
 

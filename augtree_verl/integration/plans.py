@@ -33,7 +33,8 @@ def plans_for_trees(micro_batches: list[TensorDict], grouped: BatchTrees,
         tree_entries = [entries[m][k] for m, k in rows]
         tree_ids = {e["tree_id"] for e in tree_entries}
         if len(tree_ids) != 1:
-            raise ValueError(f"tree {t} (uid {grouped.uids[t]!r}) has samples planned as different trees {sorted(tree_ids)}")
+            raise ValueError(
+                f"tree {t} (uid {grouped.uids[t]!r}) has samples planned as different trees {sorted(tree_ids)}")
         plan = Plan.from_dict(tree_entries[0])
         tree = grouped.trees[t]
         one_device = Plan(est_time_s=plan.est_single_s)

@@ -1,14 +1,13 @@
-"""Registering with verl (idempotently): ``AugTreeEngine`` in ``EngineRegistry`` (whose ``register`` asserts on
-repeats) and the CPU rollout backend ``hf`` (``augtree_verl.rollout.hf``) for ``rollout.name=hf``.
+"""Registering ``AugTreeEngine`` with verl's ``EngineRegistry`` (idempotently: its ``register`` asserts on
+repeats). The CPU rollout backend registers itself from the rollout layer (``augtree_verl.rollout.registration``).
 """
 
 from __future__ import annotations
 
 from augtree_verl.integration import verl_compat
 from augtree_verl.integration.import_hooks import after_import
+from augtree_verl.integration.strategy import STRATEGY
 
-# The backend name users select with actor_rollout_ref.actor.strategy.
-STRATEGY = "augtree"
 MODEL_TYPE = "language_model"
 # verl resolves the engine by its platform's device name: "cuda" (NVIDIA and ROCm), "npu", or "cpu" with our
 # CPU platform. The replay runs on CUDA and CPU (SDPA); NPU is not tested, so it is not claimed.
@@ -28,27 +27,3 @@ def register_engine(engine_package) -> None:
 
 def register_engine_when_verl_loads() -> None:
     after_import("verl.workers.engine", register_engine)
-
-
-# The CPU rollout backend, selected with actor_rollout_ref.rollout.name.
-ROLLOUT = "hf"
-ROLLOUT_ADAPTER = "augtree_verl.rollout.hf.HFServerAdapter"
-
-
-def _load_hf_replica():
-    from augtree_verl.rollout.hf import HFReplica
-
-    return HFReplica
-
-
-def register_rollout_replica(replica_module) -> None:
-    replica_module.RolloutReplicaRegistry.register(ROLLOUT, _load_hf_replica)
-
-
-def register_rollout_adapter(base_module) -> None:
-    verl_compat.register_rollout_adapter(base_module, ROLLOUT, ROLLOUT_ADAPTER)
-
-
-def register_rollout_when_verl_loads() -> None:
-    after_import("verl.workers.rollout.replica", register_rollout_replica)
-    after_import("verl.workers.rollout.base", register_rollout_adapter)

@@ -4,8 +4,9 @@ verl's public API does not cover all an engine backend and a trainer mode need: 
 group's dispatch cache, a config's frozen fields, a trainer's private helpers. Each use of one is a small
 function here (its docstring names the verl file and name it touches, and why), so that moving to a new verl
 means reading this file. Private methods of verl classes that our subclasses override (verl calls them) are
-listed in ``PRIVATE_OVERRIDES``. ``tests/integration/test_verl_compat.py`` fails if any other module of the
-package touches a verl private name.
+listed in ``PRIVATE_OVERRIDES``; the public verl names the other modules use are listed in ``VERL_NAMES``.
+``tests/integration/test_verl_compat.py`` fails if any other module of the package touches a verl private
+name, patches a verl module, spells a verl dunder key, or uses a verl name ``VERL_NAMES`` lacks.
 
 Importing this module checks the installed verl against ``TESTED_VERL`` and raises ``VerlVersionError``
 naming both versions when they differ; ``AUGTREE_ALLOW_VERL_VERSION=1`` turns that into a warning (at your
@@ -39,6 +40,102 @@ PRIVATE_OVERRIDES = {
     "_agent_loop_postprocess": "verl/trainer/ppo/v1/agent_loop_tq.py AgentLoopWorkerTQ._agent_loop_postprocess "
                                "puts one session's samples into the TransferQueue: PlannerFeedWorker records their "
                                "lengths and reports the group to the planner once its n sessions are in",
+}
+
+# The public verl names every other module of the package uses (imports, and attributes of verl modules it
+# imported), by module: moving to a new verl, check these too. tests/integration/test_verl_compat.py fails on a
+# verl name used anywhere else and not listed here, on a listed name no module uses, and on a listed name the
+# installed verl lacks.
+VERL_NAMES = {
+    "bench/verl_fsdp2.py": (
+        "verl.utils.tensordict_utils",
+        "verl.utils.tensordict_utils.assign_non_tensor",
+    ),
+    "cpu_loop/reward.py": (
+        "verl.utils.reward_score.default_compute_score",
+    ),
+    "groups.py": (
+        "verl.utils.seqlen_balancing.calculate_workload",
+    ),
+    "integration/config.py": (
+        "verl.workers.config.FSDPEngineConfig",
+    ),
+    "integration/cpu_platform.py": (
+        "verl.plugin.platform.PlatformBase",
+        "verl.plugin.platform.PlatformRegistry",
+        "verl.plugin.platform.get_platform",
+    ),
+    "integration/engine.py": (
+        "verl.utils.dataset.dataset_utils.DatasetPadMode",
+        "verl.utils.device.get_device_id",
+        "verl.utils.tensordict_utils",
+        "verl.utils.tensordict_utils.assign_non_tensor",
+        "verl.utils.tensordict_utils.concat_tensordict",
+        "verl.utils.tensordict_utils.get",
+        "verl.utils.tensordict_utils.get_non_tensor_data",
+        "verl.utils.tensordict_utils.index_select_tensor_dict",
+        "verl.workers.engine.fsdp.transformer_impl.FSDPEngineWithLMHead",
+        "verl.workers.engine.utils.postprocess_batch_func",
+        "verl.workers.engine.utils.prepare_micro_batches",
+    ),
+    "integration/metrics.py": (
+        "verl.utils.metric.AggregationType",
+        "verl.utils.metric.Metric",
+    ),
+    "rollout/agent_loop.py": (
+        "verl.trainer.ppo.v1.agent_loop_tq.AgentLoopManagerTQ",
+        "verl.trainer.ppo.v1.agent_loop_tq.AgentLoopWorkerTQ",
+    ),
+    "rollout/hf.py": (
+        "verl.workers.rollout.base.BaseRollout",
+        "verl.workers.rollout.replica.RolloutReplica",
+    ),
+    "rollout/hf_server.py": (
+        "verl.utils.config.omega_conf_to_dataclass",
+        "verl.workers.config.HFModelConfig",
+        "verl.workers.rollout.replica.TokenOutput",
+    ),
+    "rollout/planner_config.py": (
+        "verl.utils.config.omega_conf_to_dataclass",
+    ),
+    "testing/harness.py": (
+        "verl",
+        "verl.trainer.config.CheckpointConfig",
+        "verl.utils.device.get_device_name",
+        "verl.workers.config.FSDPActorConfig",
+        "verl.workers.config.FSDPEngineConfig",
+        "verl.workers.config.FSDPOptimizerConfig",
+        "verl.workers.config.HFModelConfig",
+        "verl.workers.engine.EngineRegistry",
+        "verl.workers.utils.losses.ppo_loss",
+    ),
+    "testing/verl_batch.py": (
+        "verl.utils.tensordict_utils",
+        "verl.utils.tensordict_utils.get_tensordict",
+    ),
+    "trainer/augtree_async.py": (
+        "verl.trainer.ppo.v1.PPOTrainerColocateAsync",
+        "verl.trainer.ppo.v1.PPOTrainerSeparateAsync",
+        "verl.trainer.ppo.v1.register_trainer",
+    ),
+    "trainer/augtree_sync.py": (
+        "verl.trainer.ppo.v1.PPOTrainerSync",
+        "verl.trainer.ppo.v1.register_trainer",
+    ),
+    "trainer/group_aware.py": (
+        "transfer_queue",
+        "transfer_queue.KVBatchMeta",
+        "transfer_queue.kv_batch_get",
+        "transfer_queue.kv_batch_put",
+        "verl.trainer.ppo.padding_utils.upsample_batch_to_divisible_size",
+        "verl.utils.debug.marked_timer",
+        "verl.utils.seqlen_balancing.log_seqlen_unbalance",
+        "verl.utils.tensordict_utils",
+        "verl.utils.tensordict_utils.get_tensordict",
+    ),
+    "trainer/group_balance.py": (
+        "verl.utils.seqlen_balancing.get_seqlen_balanced_partitions",
+    ),
 }
 
 
@@ -90,7 +187,8 @@ def dispatch_dp_size(worker_group, mesh_name: str) -> int:
 
 
 def required_batch_multiple(trainer, dp_size: int) -> int:
-    """verl/trainer/ppo/v1/trainer_base.py PPOTrainer._get_required_batch_multiple: what verl's _balance_batch pads the batch to."""
+    """verl/trainer/ppo/v1/trainer_base.py PPOTrainer._get_required_batch_multiple: what verl's _balance_batch
+    pads the batch to."""
     return trainer._get_required_batch_multiple(dp_size)
 
 
@@ -130,7 +228,7 @@ def serve_strategy_in_detach_actor_worker(engine_workers_module, strategy: str) 
             self._strategy_handlers = (fsdp2_sharded_save_to_cpu, fsdp2_sharded_load_from_cpu)
         return original(self)
 
-    _get_strategy_handlers.served_strategy = strategy
+    _get_strategy_handlers.served_strategy = strategy  # type: ignore[attr-defined]  # a marker on the function
     worker_cls._get_strategy_handlers = _get_strategy_handlers
 
 
@@ -146,6 +244,40 @@ def set_replica_server(replica, server, address: str) -> None:
     replica.servers = [server]
     replica._server_handle = server
     replica._server_address = address
+
+
+
+def rollout_sessions(prompt: dict, default: int) -> int:
+    """verl/trainer/ppo/v1/agent_loop_tq.py AgentLoopWorkerTQ._run_prompt runs ``prompt["__rollout_n__"]``
+    sessions of a uid (and pops the key), else ``rollout.n``: how many sessions the group has."""
+    return prompt.get("__rollout_n__", default)
+
+
+def tq_session_and_index(key: str, uid: str) -> tuple[int, int] | None:
+    """verl/trainer/ppo/v1/agent_loop_tq.py names a sample's TransferQueue key ``{uid}_{session}_{index}``
+    (session of the uid, index of the output within the session): (session, index), or None for another form."""
+    session, _, index = key[len(uid) + 1:].partition("_")
+    if not key.startswith(uid + "_") or not (session.isdigit() and index.isdigit()):
+        return None
+    return int(session), int(index)
+
+
+def wrap_module_function(module, name: str, wrap) -> None:
+    """Replace ``module.<name>`` (a verl function) by ``wrap(original)`` once (``wrap``'s result carries
+    ``augtree_wrapped = True``), before verl's own modules bind it by name (``from ... import``). Used by the
+    CPU platform on verl/utils/distributed.py initialize_global_process_group_ray (its backend string)."""
+    original = getattr(module, name)
+    if not getattr(original, "augtree_wrapped", False):
+        wrapped = wrap(original)
+        wrapped.augtree_wrapped = True
+        setattr(module, name, wrapped)
+
+
+def replace_module_name(module, name: str, replacement) -> None:
+    """Rebind ``module.<name>`` (a name a verl module imported) to ``replacement``, for verl's code in that module.
+    Used by the CPU platform on verl/workers/engine/fsdp/transformer_impl.py CPUOffloadPolicy (pinned memory)."""
+    getattr(module, name)          # AttributeError if verl no longer has it
+    setattr(module, name, replacement)
 
 
 check_verl_version()

@@ -16,6 +16,7 @@ Every argument is passed positionally, up to the last one all three releases sha
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -32,12 +33,12 @@ class FlashAttn:
     """The varlen functions of one flash-attn release; ``split_window``: window as two ints (>= 2.7)."""
 
     version: str
-    fwd: object
-    bwd: object
+    fwd: Callable
+    bwd: Callable
     split_window: bool
 
     @classmethod
-    def from_module(cls, flash_attn) -> "FlashAttn":
+    def from_module(cls, flash_attn) -> FlashAttn:
         version = str(flash_attn.__version__)
         minor = ".".join(version.split(".")[:2])
         if minor not in SUPPORTED:

@@ -39,7 +39,7 @@ class Segments:
             raise ValueError(f"Segments with no queries or no keys: q_lens {self.q_lens}, k_lens {self.k_lens}")
 
     @staticmethod
-    def uniform(count: int, q_len: int, k_len: int) -> "Segments":
+    def uniform(count: int, q_len: int, k_len: int) -> Segments:
         """``count`` segments of ``q_len`` queries against ``k_len`` keys each (memoised by shape)."""
         return _uniform(count, q_len, k_len)
 

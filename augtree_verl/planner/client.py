@@ -1,6 +1,6 @@
 """The trainer side of the planner service: the plans of a batch's groups, from the actor or in-process.
 
-    client = PlannerClient("augtree_planner", degrees=(1, 2, 4, 8), timeout_s=5.0)
+    client = PlannerClient("augtree_planner", degrees=(1, 2, 4, 8), timeout_s=2.0)
     plans = client.plans({"uid-17|3000": ("uid-17", 3000, [40, 900, 15, 300]), ...},
                          from_rollout={"uid-17|3000", ...})          # tree_id -> Plan
 
@@ -8,9 +8,11 @@ A tree in ``from_rollout`` whose group the rollout reported with exactly these l
 rollout's (session, index) order) gets the actor's plan, computed while the rollout ran. Every other tree
 (not reported, reported with other lengths, lost to a planner restart, the actor missing, dead or late,
 and the trees the caller does not ask about, e.g. padding) is planned here, logged and counted. The planner is
-deterministic, so both paths give the same plan for the same lengths, degrees and profile; the client checks
-on first contact that the actor uses the same ones. A group no plan fits (``plan_tree`` raises: too large
-for every allowed degree) gets the one-device plan ``Plan()`` and is counted as unplannable, never raised.
+deterministic, so both paths give the same plan for the same lengths, degrees, profile and ``force_primitive``;
+the client checks on first contact that the actor uses the same ones. ``PlannerClient(None, ...)`` has no
+actor: it plans every tree in-process (the engine config's ``use_planner=false``). A group no plan fits
+(``plan_tree`` raises: too large for every allowed degree) gets the one-device plan ``Plan()`` and is counted
+as unplannable, never raised.
 
 ``metrics(reset=True)`` (once per step) gives the counters since the last read, under ``planner/``:
 ``plans_from_rollout``, ``plans_in_process``, ``plan_wait_s`` (time spent in ``plans``), ``queue_depth``
@@ -38,31 +40,37 @@ logger = logging.getLogger(__name__)
 # finished, and Ray orders calls per caller only, so a report may trail the trainer's request by a moment.
 REPORT_IN_FLIGHT_WAIT_S = 0.05
 ACTOR_COUNTERS = ("evicted", "reported_twice", "rejected")   # cumulative on the actor; reported as deltas
+# How long the trainer waits for the actor (``AugTreeEngineConfig.planner_timeout_s`` defaults to this).
+DEFAULT_TIMEOUT_S = 2.0
 
 
 class PlannerClient:
-    """Client of the planner actor ``name``; plans in-process whatever the actor cannot hand over."""
+    """Client of the planner actor ``name`` (None: no actor); plans in-process whatever the actor cannot hand
+    over. ``force_primitive`` pins every plan to one primitive, as ``plan_tree``'s argument."""
 
-    def __init__(self, name: str = "augtree_planner", *, degrees=(1, 2, 4, 8),
-                 profile: ClusterProfile | None = None, timeout_s: float = 2.0, namespace: str | None = None):
+    def __init__(self, name: str | None = "augtree_planner", *, degrees=(1, 2, 4, 8),
+                 profile: ClusterProfile | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 namespace: str | None = None, force_primitive: str | None = None):
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
             raise ValueError(f"timeout_s must be a number > 0, got {timeout_s!r}")
         self.name, self.namespace, self.timeout_s = name, namespace, float(timeout_s)
         self.degrees = tuple(degrees)
         self.profile = profile if profile is not None else ClusterProfile.default()
-        plan_tree(1, [1], degrees=self.degrees, profile=self.profile)     # fail now on bad degrees/profile
+        self.force_primitive = force_primitive
+        # fail now on bad degrees, profile or primitive
+        plan_tree(1, [1], degrees=self.degrees, profile=self.profile, force_primitive=force_primitive)
         self._actor = None
         self._checked = False
         self._instance = None                       # the actor instance last heard from
         self._seen = dict.fromkeys(ACTOR_COUNTERS, 0)
-        self._counts = defaultdict(float)
+        self._counts: defaultdict[str, float] = defaultdict(float)
         self._queue_depth = 0.0
 
     def plans(self, groups: Mapping[str, tuple], from_rollout: Collection[str] = ()) -> dict[str, Plan]:
         """``tree_id -> Plan`` for ``groups`` (tree_id -> (uid, prompt_len, response_lens)), in their order.
 
-        ``from_rollout``: the tree ids to ask the actor for (at most one tree per uid); ValueError names a
-        tree whose lengths are not positive ints.
+        ``from_rollout``: the tree ids to ask the actor for (at most one tree per uid; ignored without an
+        actor); ValueError names a tree whose lengths are not positive ints.
         """
         start = time.perf_counter()
         clean = {}
@@ -71,11 +79,11 @@ class PlannerClient:
                 raise ValueError(f"tree {tree_id!r}: expected (uid, prompt_len, response_lens), got {value!r}")
             uid, prompt_len, response_lens = value
             try:
-                P, R = check_tree_lengths(prompt_len, response_lens)
+                P, lens = check_tree_lengths(prompt_len, response_lens)
             except ValueError as err:
                 raise ValueError(f"tree {tree_id!r} (group {uid!r}): {err}") from None
-            clean[tree_id] = (uid, P, [int(r) for r in R])
-        wanted = set(from_rollout)
+            clean[tree_id] = (uid, P, [int(r) for r in lens])
+        wanted = set(from_rollout) if self.name is not None else set()
         asked = [t for t in clean if t in wanted]
         uids = [clean[t][0] for t in asked]
         if len(set(uids)) != len(uids):
@@ -123,7 +131,7 @@ class PlannerClient:
     def _plan_here(self, tree_id: str, uid: str, P: int, R: list[int]) -> Plan:
         start = time.perf_counter()
         try:
-            plan = plan_tree(P, R, degrees=self.degrees, profile=self.profile)
+            plan = plan_tree(P, R, degrees=self.degrees, profile=self.profile, force_primitive=self.force_primitive)
         except ValueError as err:
             logger.warning("planner: tree %r (group %r) gets the one-device plan: %s", tree_id, uid, err)
             self._counts["planner/unplannable"] += 1
@@ -173,7 +181,7 @@ class PlannerClient:
         """The actor handle, looked up (and its configuration checked) on first use and after a failure."""
         if self._actor is not None:
             return self._actor
-        if not ray.is_initialized():
+        if self.name is None or not ray.is_initialized():
             return None
         try:
             actor = ray.get_actor(self.name, namespace=self.namespace)
@@ -184,10 +192,14 @@ class PlannerClient:
                 config = ray.get(actor.config.remote(), timeout=self.timeout_s)
             except (ray.exceptions.RayError, TimeoutError):
                 return None
-            if tuple(config["degrees"]) != self.degrees or config["profile"] != self.profile.to_dict():
-                raise ValueError(f"planner actor {self.name!r} runs degrees={tuple(config['degrees'])} and a "
-                                 f"different profile than this client (degrees={self.degrees}); plans would "
-                                 f"differ between the actor and the in-process fallback")
+            if (tuple(config["degrees"]) != self.degrees or config["profile"] != self.profile.to_dict()
+                    or config["force_primitive"] != self.force_primitive):
+                raise ValueError(f"planner actor {self.name!r} runs degrees={tuple(config['degrees'])}, "
+                                 f"force_primitive={config['force_primitive']!r} and "
+                                 f"{'the same' if config['profile'] == self.profile.to_dict() else 'a different'} "
+                                 f"profile, this client degrees={self.degrees}, force_primitive="
+                                 f"{self.force_primitive!r}; plans would differ between the actor and the "
+                                 f"in-process fallback")
             self._checked = True
         self._actor = actor
         return actor

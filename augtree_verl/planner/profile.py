@@ -67,7 +67,7 @@ class ClusterProfile:
             raise ValueError(f"ClusterProfile.min_parallel_efficiency must be in [0, 1], got {eff!r}")
 
     @classmethod
-    def default(cls) -> "ClusterProfile":
+    def default(cls) -> ClusterProfile:
         """An 8 x H100 SXM node (HGX/DGX H100) training a Qwen2.5-7B-shaped model in bf16.
 
         Sources (an H200 has the same compute and NVLink, 141 GB and 4.8 TB/s HBM3e):
@@ -94,7 +94,7 @@ class ClusterProfile:
                    ranks_per_node=8, num_layers=28, num_heads=28, num_kv_heads=4, head_dim=128,
                    hidden_size=3584, intermediate_size=18944, vocab_size=152064)
 
-    def with_model(self, config) -> "ClusterProfile":
+    def with_model(self, config) -> ClusterProfile:
         """This profile with the model shape read from a Hugging Face config (``LlamaConfig``, ``Qwen2Config``...)."""
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
@@ -104,7 +104,7 @@ class ClusterProfile:
             hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
             vocab_size=config.vocab_size)
 
-    def calibrate(self, group=None, device=None, model=None) -> "ClusterProfile":
+    def calibrate(self, group=None, device=None, model=None) -> ClusterProfile:
         """This profile with compute, bandwidth, latency (and, on CUDA, memory) measured here, on this
         profile's model shapes; ``model`` (optional, the unwrapped HF model the replay runs) sets the per-pass
         overhead from the real thing; see calibrate.py.
@@ -120,7 +120,7 @@ class ClusterProfile:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "ClusterProfile":
+    def from_dict(cls, d: dict) -> ClusterProfile:
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - names)
         if unknown:
@@ -131,5 +131,5 @@ class ClusterProfile:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
 
     @classmethod
-    def load(cls, path) -> "ClusterProfile":
+    def load(cls, path) -> ClusterProfile:
         return cls.from_dict(json.loads(Path(path).read_text()))

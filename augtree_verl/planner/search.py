@@ -298,7 +298,7 @@ class _Search:
         if c.primitive == "ring":
             return Plan(degree=c.degree, primitive="ring", rounds=0, lanes=1, placement=(),
                         est_time_s=c.time, est_parts=parts)
-        placement = [None] * self.G
+        placement: list[tuple[int, int] | None] = [None] * self.G
         if c.primitive == "move_q":
             for position, i in enumerate(self.by_length.tolist()):
                 placement[i] = (position // c.lanes, position % c.lanes)

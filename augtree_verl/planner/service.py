@@ -43,11 +43,12 @@ class _Entry:
     arrived_s: float       # time.monotonic() at report
 
 
-def plan_group(prompt_len: int, response_lens, degrees, profile: ClusterProfile) -> dict:
+def plan_group(prompt_len: int, response_lens, degrees, profile: ClusterProfile,
+               force_primitive: str | None = None) -> dict:
     """``{"plan": Plan dict, "solve_ms": float}``, or ``{"error": message}`` when no plan fits the group."""
     start = time.perf_counter()
     try:
-        plan = plan_tree(prompt_len, response_lens, degrees=degrees, profile=profile)
+        plan = plan_tree(prompt_len, response_lens, degrees=degrees, profile=profile, force_primitive=force_primitive)
     except ValueError as err:
         return {"error": str(err)}
     return {"plan": plan.to_dict(), "solve_ms": (time.perf_counter() - start) * 1e3}
@@ -57,23 +58,25 @@ class PlannerService:
     """Async actor holding one entry per reported uid: its lengths and plan, until taken or evicted."""
 
     def __init__(self, degrees=(1, 2, 4, 8), profile: dict | None = None, ttl_s: float = DEFAULT_TTL_S,
-                 max_entries: int = DEFAULT_MAX_ENTRIES):
+                 max_entries: int = DEFAULT_MAX_ENTRIES, force_primitive: str | None = None):
         if not ttl_s > 0:
             raise ValueError(f"ttl_s must be > 0, got {ttl_s!r}")
         if isinstance(max_entries, bool) or not isinstance(max_entries, int) or max_entries < 1:
             raise ValueError(f"max_entries must be an int >= 1, got {max_entries!r}")
         self.degrees = tuple(degrees)
         self.profile = ClusterProfile.from_dict(profile) if profile else ClusterProfile.default()
+        self.force_primitive = force_primitive
+        plan_tree(1, [1], degrees=self.degrees, profile=self.profile, force_primitive=force_primitive)  # bad input
         self.ttl_s, self.max_entries = float(ttl_s), max_entries
         self.instance = uuid.uuid4().hex       # a restarted actor has a new one (and no entries)
         self.entries: OrderedDict[str, _Entry] = OrderedDict()   # oldest report first
         self.arrived = asyncio.Event()         # set and replaced whenever a report arrives
         self.counts = {"reported": 0, "reported_twice": 0, "rejected": 0, "evicted": 0}
-        self.last_planned_s = None             # time.monotonic() when the latest report's plan was done
+        self.last_planned_s: float | None = None             # time.monotonic() when the latest report's plan was done
 
     async def config(self) -> dict:
         return {"degrees": list(self.degrees), "profile": self.profile.to_dict(), "ttl_s": self.ttl_s,
-                "max_entries": self.max_entries}
+                "max_entries": self.max_entries, "force_primitive": self.force_primitive}
 
     async def report(self, uid: str, prompt_len, response_lens) -> None:
         """A finished group's lengths, responses in (session, index) order; planned now, kept until taken."""
@@ -90,7 +93,8 @@ class PlannerService:
             self.counts["reported_twice"] += 1
             del self.entries[uid]
         self.counts["reported"] += 1
-        self.entries[uid] = _Entry(P, lens, plan_group(P, lens, self.degrees, self.profile), time.monotonic())
+        result = plan_group(P, lens, self.degrees, self.profile, self.force_primitive)
+        self.entries[uid] = _Entry(P, lens, result, time.monotonic())
         self.last_planned_s = time.monotonic()
         self._evict()
         self.arrived.set()
@@ -149,8 +153,10 @@ class PlannerService:
 
 def start_planner_service(name: str = "augtree_planner", *, degrees=(1, 2, 4, 8),
                           profile: ClusterProfile | None = None, namespace: str | None = None,
-                          ttl_s: float = DEFAULT_TTL_S, max_entries: int = DEFAULT_MAX_ENTRIES):
-    """The named planner actor (created unless it exists). Needs ``ray.init`` first.
+                          ttl_s: float = DEFAULT_TTL_S, max_entries: int = DEFAULT_MAX_ENTRIES,
+                          force_primitive: str | None = None):
+    """The named planner actor (created unless it exists). Needs ``ray.init`` first. ``force_primitive`` pins
+    its plans to one primitive (``plan_tree``'s argument).
 
     Not detached: keep the returned handle for the whole run (Ray ends a non-detached actor once no handle
     refers to it). It reserves no CPU, so it never blocks training placement. Ray restarts it if its
@@ -160,4 +166,4 @@ def start_planner_service(name: str = "augtree_planner", *, degrees=(1, 2, 4, 8)
     return ray.remote(PlannerService).options(
         name=name, namespace=namespace, get_if_exists=True, num_cpus=0, max_concurrency=1000,
         max_restarts=-1, max_task_retries=0,
-    ).remote(tuple(degrees), profile.to_dict(), ttl_s, max_entries)
+    ).remote(tuple(degrees), profile.to_dict(), ttl_s, max_entries, force_primitive)

@@ -1,16 +1,19 @@
-"""The oracle: the flattened baseline, each [prompt || response] run as its own full sequence."""
+"""The oracle: the flattened baseline, each [prompt || response] run as its own full sequence.
+
+It shares nothing with the engine it checks but the tree type: its model calls, log-probs and losses are
+its own (plain Hugging Face calls and ``torch.log_softmax``).
+"""
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
-from augtree_verl.replay.engine import LossFn
-from augtree_verl.replay.scoring import logps_from_logits
 from augtree_verl.replay.tree import ReplayTree
 
 LogitsHook = Callable[[int, int, torch.Tensor], None]  # on_logits(t, i, tempered float32 logits [R_i, V])
+LossFn = Callable[[int, int, torch.Tensor], torch.Tensor]  # loss_fn(t, i, log-probs [R_i]) -> scalar loss
 
 
 def flattened_replay(model, trees: Sequence[ReplayTree], loss_fn: LossFn | None = None, *,
@@ -26,7 +29,10 @@ def flattened_replay(model, trees: Sequence[ReplayTree], loss_fn: LossFn | None 
                 # Keep the logits of positions P-1 .. P+R-2, the ones that score the response.
                 logits = model(input_ids=ids, logits_to_keep=len(resp) + 1, use_cache=False).logits[0, :-1]
                 hook = None if on_logits is None else (lambda x, t=t, i=i: on_logits(t, i, x))
-                logp = logps_from_logits(logits, resp, temperature, hook)
+                logits = logits.float() / temperature
+                if hook is not None:
+                    hook(logits)
+                logp = torch.log_softmax(logits, dim=-1).gather(-1, resp.unsqueeze(-1)).squeeze(-1)
                 if loss_fn is not None:
                     loss_fn(t, i, logp).backward()
                 row.append(logp if keep_graph else logp.detach())

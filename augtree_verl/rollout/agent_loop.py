@@ -10,7 +10,8 @@ session's (prompt, response) lengths as it is post-processed; when the n-th sess
 marked finished, so the plan is usually ready before the trainer samples the group. Fire and forget
 (``planner.feed``): a slow or dead planner never slows the rollout. Not reported: validation prompts, failed
 groups (a session raised: verl marks the group failed), groups whose outputs have several prompt lengths
-(multi-output agent loops: several trees), and everything when the actor's engine does not plan.
+(multi-output agent loops: several trees), and everything without the planner service (the actor's
+engine is not AugTree's, or ``use_planner=false``).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from verl.trainer.ppo.v1.agent_loop_tq import AgentLoopManagerTQ, AgentLoopWorke
 
 from augtree_verl.integration import verl_compat
 from augtree_verl.planner.feed import PlannerFeed
-from augtree_verl.rollout.planner_config import planner_engine_config
+from augtree_verl.rollout.planner_config import planner_service_config
 
 
 class GroupLengths:
@@ -44,20 +45,20 @@ class GroupLengths:
         return prompt_lens.pop(), [r for _, r in lengths]
 
 
-class PlannerFeedWorker(verl_compat.ray_actor_class(AgentLoopWorkerTQ)):
+class PlannerFeedWorker(verl_compat.ray_actor_class(AgentLoopWorkerTQ)):  # type: ignore[misc]
     """verl's TransferQueue agent-loop worker, reporting each finished training group to the planner."""
 
     def __init__(self, config, *args, **kwargs):
         super().__init__(config, *args, **kwargs)
-        engine_config = planner_engine_config(config)
+        engine_config = planner_service_config(config)
         self.planner_feed = PlannerFeed(engine_config.planner_name) if engine_config is not None else None
         self.open_groups: dict[str, GroupLengths] = {}
 
     async def _run_prompt(self, prompt: dict, sampling_params: dict, trajectory: dict, trace: bool = False) -> None:
         uid = prompt["uid"]
         if self.planner_feed is not None and not trajectory["validate"]:
-            # verl's _run_prompt reads (and pops) the same key for the number of sessions.
-            self.open_groups[uid] = GroupLengths(prompt.get("__rollout_n__", self.config.actor_rollout_ref.rollout.n))
+            sessions = verl_compat.rollout_sessions(prompt, self.config.actor_rollout_ref.rollout.n)
+            self.open_groups[uid] = GroupLengths(sessions)
         try:
             await super()._run_prompt(prompt, sampling_params, trajectory, trace)
         finally:

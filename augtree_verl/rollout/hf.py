@@ -18,7 +18,7 @@ spreads a group's requests by load, so which replica (and seed) serves which req
 from __future__ import annotations
 
 import os
-from typing import Generator
+from collections.abc import Generator
 
 import ray
 import torch

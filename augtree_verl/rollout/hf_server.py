@@ -30,7 +30,7 @@ from augtree_verl.rollout.sampling import SamplingConfig, sample
 
 def _stop_ids(model_config: HFModelConfig) -> set[int]:
     """EOS ids of the generation config and the tokenizer (vLLM stops on both)."""
-    ids = set()
+    ids: set[int] = set()
     for source in (model_config.generation_config, model_config.tokenizer):
         eos = getattr(source, "eos_token_id", None)
         ids.update(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])

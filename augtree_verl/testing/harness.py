@@ -11,6 +11,7 @@ import os
 import socket
 import tempfile
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -20,7 +21,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from augtree_verl.testing import verl_batch
 
 VOCAB = 128
-MODEL_SHAPE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+MODEL_SHAPE: dict[str, Any] = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                    tie_word_embeddings=False, architectures=["Qwen2ForCausalLM"])
 FP32 = {"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"}
@@ -121,7 +122,7 @@ def build_engine(strategy: str, model_path: str, *, loss_agg_mode: str = "token-
     model_config = HFModelConfig(path=model_path, load_tokenizer=False, use_remove_padding=True,
                                  enable_gradient_checkpointing=gradient_checkpointing,
                                  override_config={"attn_implementation": "sdpa"})
-    common = dict(mixed_precision=FP32, use_torch_compile=False, forward_only=forward_only)
+    common: dict[str, Any] = dict(mixed_precision=FP32, use_torch_compile=False, forward_only=forward_only)
     if strategy == "augtree":
         fsdp_config = AugTreeEngineConfig(**common, **(engine_knobs or {}))
     else:

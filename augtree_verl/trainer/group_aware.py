@@ -8,9 +8,11 @@ separate_async) the mixin
    ``{uid}_{session}_{index}``), the order the rollout workers reported the group's lengths in;
 2. orders the batch so each group's samples sit on one data-parallel rank, balanced by estimated work
    with the prompt counted once (``group_balance.balance_groups``);
-3. when the AugTree engine plans, takes the plans the planner service made while the rollout ran (groups
-   reported by ``rollout.agent_loop``), plans the rest here (padding rows, unreported groups, lengths that
-   differ from the report), and writes them into the batch as ``PLAN_FIELD``, so they reach the workers.
+3. when the actor runs the AugTree engine, plans every tree and writes the plans into the batch as
+   ``PLAN_FIELD``, so they reach the workers: with ``use_planner`` it takes the plans the planner service
+   made while the rollout ran (groups reported by ``rollout.agent_loop``) and plans the rest here (padding
+   rows, unreported groups, lengths that differ from the report); without, it plans every tree here. Either
+   way with the engine config's ``cp_degrees`` and ``force_primitive``.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Sequence
+from typing import Any
 
 import transfer_queue as tq
 from transfer_queue import KVBatchMeta
@@ -31,7 +34,7 @@ from augtree_verl.integration import verl_compat
 from augtree_verl.plan_field import PLAN_FIELD, plan_entries
 from augtree_verl.planner.client import PlannerClient
 from augtree_verl.planner.service import start_planner_service
-from augtree_verl.rollout.planner_config import planner_engine_config
+from augtree_verl.rollout.planner_config import augtree_engine_config
 from augtree_verl.trainer.group_balance import WorkModel, balance_groups, split_groups
 
 logger = logging.getLogger(__name__)
@@ -45,10 +48,10 @@ def in_rollout_order(tree: Tree, keys: Sequence[str]) -> Tree:
     """
     order = []
     for sample in tree.samples:
-        session, _, index = keys[sample][len(tree.uid) + 1:].partition("_")
-        if not keys[sample].startswith(tree.uid + "_") or not (session.isdigit() and index.isdigit()):
+        position = verl_compat.tq_session_and_index(keys[sample], tree.uid)
+        if position is None:
             return tree
-        order.append(((int(session), int(index)), sample))
+        order.append((position, sample))
     order.sort()
     lens = dict(zip(tree.samples, tree.response_lens))
     samples = tuple(s for _, s in order)
@@ -64,6 +67,12 @@ class AugTreeTrainerMixin:
     those checks and keeps the registered name as ``registered_trainer_mode``.
     """
 
+    # What the mixin reads from verl's trainer (set by verl's __init__/init; declared for the type checker).
+    config: Any
+    actor_rollout_wg: Any
+    tokenizer: Any
+    global_steps: int
+
     def __init__(self, config):
         super().__init__(config)
         self.planner = None
@@ -78,17 +87,20 @@ class AugTreeTrainerMixin:
         super().init()
 
     def _start_planner(self):
-        """A ``PlannerClient`` when the actor runs the AugTree engine with its planner on, else None."""
-        engine_config = planner_engine_config(self.config)
+        """A ``PlannerClient`` when the actor runs the AugTree engine, else None; with ``use_planner`` it
+        starts the planner service and the client asks it, without it the client plans in-process only."""
+        engine_config = augtree_engine_config(self.config)
         if engine_config is None:
             return None
         degrees = tuple(engine_config.cp_degrees)
-        # Keep the handle: Ray destroys a non-detached named actor once its creator's handles are gone.
-        self.planner_actor = start_planner_service(engine_config.planner_name, degrees=degrees,
-                                                   ttl_s=engine_config.planner_ttl_s,
-                                                   max_entries=engine_config.planner_max_entries)
-        return PlannerClient(engine_config.planner_name, degrees=degrees,
-                             timeout_s=engine_config.planner_timeout_s)
+        name = engine_config.planner_name if engine_config.use_planner else None
+        if name is not None:
+            # Keep the handle: Ray destroys a non-detached named actor once its creator's handles are gone.
+            self.planner_actor = start_planner_service(name, degrees=degrees, ttl_s=engine_config.planner_ttl_s,
+                                                       max_entries=engine_config.planner_max_entries,
+                                                       force_primitive=engine_config.force_primitive)
+        return PlannerClient(name, degrees=degrees, timeout_s=engine_config.planner_timeout_s,
+                             force_primitive=engine_config.force_primitive)
 
     def _actor_dp_size(self) -> int:
         """Data-parallel size of the actor worker group (as verl's own ``_balance_batch`` finds it)."""
@@ -140,7 +152,7 @@ class AugTreeTrainerMixin:
 
         entries = None
         if self.planner is not None:
-            trees_per_uid = {}
+            trees_per_uid: dict[str, int] = {}
             for t in trees:
                 trees_per_uid[t.uid] = trees_per_uid.get(t.uid, 0) + 1
             # The rollout reported whole groups of sampled rows, one prompt length each.

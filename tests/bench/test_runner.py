@@ -5,11 +5,10 @@ import math
 import statistics
 
 import pytest
+import torch
 
 from augtree_verl.bench.report import JSON_KEYS, format_ideal, format_prediction, format_table, write_json, write_plot
 from augtree_verl.bench.runner import FLOAT32_GRAD_RTOL, MethodResult, max_rel_err, paired_ratio
-
-import torch
 
 
 @pytest.mark.slow
@@ -89,7 +88,8 @@ def test_cp_plans_of_the_fixed_methods():
     assert (megar.primitive, megar.lanes, megar.rounds, megar.placement) == ("tree_move_kv", 1, 2, ((0, 0), (1, 0)))
     (forced,) = by["AugTree[move_q]"].plans(trees, 4)
     assert forced.primitive == "move_q" and forced.degree == 4
-    assert [m.name for m in methods_for(1)] == ["MegaN", "AugTree", "verl-fsdp2"] and by["MegaN"].plans(trees, 1) is None
+    assert [m.name for m in methods_for(1)] == ["MegaN", "AugTree", "verl-fsdp2"]
+    assert by["MegaN"].plans(trees, 1) is None
 
 
 def _timed(method, times, plan="p"):

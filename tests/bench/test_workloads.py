@@ -4,8 +4,16 @@ import math
 import pytest
 import torch
 
-from augtree_verl.bench.workloads import (TABLES_DIR, WORKLOADS, GroupShape, build_workload, fit_group_size,
-                                          load_table, rank_groups, select_groups)
+from augtree_verl.bench.workloads import (
+    TABLES_DIR,
+    WORKLOADS,
+    GroupShape,
+    build_workload,
+    fit_group_size,
+    load_table,
+    rank_groups,
+    select_groups,
+)
 
 
 def shape(i, p, lens):

@@ -12,8 +12,8 @@ import torch.distributed as dist
 from augtree_verl import Plan, ReplayStats, replay
 from augtree_verl.cp.cost import AttentionShape, analytic_bytes
 from augtree_verl.cp.layout import ZigzagLayout
-from augtree_verl.replay import held_prompt_tensors
 from augtree_verl.planner import plan_tree
+from augtree_verl.replay import held_prompt_tensors
 from augtree_verl.replay.baseline import flattened_replay
 from augtree_verl.replay.offload import Offload
 from tests.cp.distributed import run_distributed

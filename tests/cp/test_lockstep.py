@@ -17,8 +17,14 @@ import torch.distributed as dist
 from augtree_verl import Plan, replay
 from augtree_verl.cp.mesh import CPMesh
 from tests.cp.distributed import run_distributed
-from tests.cp.test_engine import (assert_scores_match_flattened, entropy, grpo_like_loss, ring_plan, split_plan,
-                                  summed_grads)
+from tests.cp.test_engine import (
+    assert_scores_match_flattened,
+    entropy,
+    grpo_like_loss,
+    ring_plan,
+    split_plan,
+    summed_grads,
+)
 from tests.parity import random_trees, tiny_model
 
 pytestmark = pytest.mark.slow  # spawns process groups

@@ -9,8 +9,16 @@ from augtree_verl.cp.layout import ZigzagLayout, lane_members
 from augtree_verl.cp.move_q import MoveQSpec, move_q_attention, move_q_bytes
 from augtree_verl.cp.ring import RingSpec
 from augtree_verl.replay.stats import ReplayStats
-from tests.cp.attention_reference import (HEAD_DIM, HEADS, KV_HEADS, RTOL, SCALE, prefix_causal_reference,
-                                          random_heads, rel)
+from tests.cp.attention_reference import (
+    HEAD_DIM,
+    HEADS,
+    KV_HEADS,
+    RTOL,
+    SCALE,
+    prefix_causal_reference,
+    random_heads,
+    rel,
+)
 from tests.cp.distributed import run_distributed
 
 pytestmark = pytest.mark.slow  # spawns process groups, Ray, verl engines or subprocesses

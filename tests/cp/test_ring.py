@@ -8,7 +8,7 @@ from augtree_verl.cp.comm import Meter, Ring
 from augtree_verl.cp.layout import ZigzagLayout
 from augtree_verl.cp.ring import RingSpec, ring_attention, ring_bytes
 from augtree_verl.replay.stats import ReplayStats
-from tests.cp.attention_reference import HEAD_DIM, KV_HEADS, SCALE, RTOL, prefix_causal_reference, rel
+from tests.cp.attention_reference import HEAD_DIM, KV_HEADS, RTOL, SCALE, prefix_causal_reference, rel
 from tests.cp.distributed import run_distributed
 
 pytestmark = pytest.mark.slow  # spawns process groups, Ray, verl engines or subprocesses

@@ -1,11 +1,14 @@
-"""TreeMoveKV at the attention level: s lanes replay different responses at the same time, each lane's
-ring carrying its prompt shards and its response only; shards and bytes vs plain attention."""
+"""TreeMoveKV at the attention level, through the context the CP tree run uses (``cp.context.LaneReplayContext``):
+s lanes replay different responses at the same time, each lane's ring carrying its prompt shards and its
+response only; shards and bytes vs plain attention."""
 
 import pytest
 import torch
 
-from augtree_verl.cp.comm import Meter
-from augtree_verl.cp.tree_move_kv import lane_of, lane_ring_spec, tree_move_kv_attention, tree_move_kv_bytes
+from augtree_verl.cp.comm import Meter, Ring
+from augtree_verl.cp.context import LaneReplayContext
+from augtree_verl.cp.layout import ZigzagLayout, lane_members
+from augtree_verl.cp.ring import RingSpec, ring_bytes
 from augtree_verl.replay.stats import ReplayStats
 from tests.cp.attention_reference import HEAD_DIM, KV_HEADS, RTOL, SCALE, prefix_causal_reference, rel
 from tests.cp.distributed import run_distributed
@@ -14,21 +17,23 @@ pytestmark = pytest.mark.slow  # spawns process groups, Ray, verl engines or sub
 
 
 def _lane_member(rank, world, lanes, prompt_len, response_lens):
-    lane = lane_of(rank, world, lanes)
+    lane = next(lane for lane in range(lanes) if rank in lane_members(world, lanes, lane))
+    members = lane_members(world, lanes, lane)
     ref = prefix_causal_reference(prompt_len, response_lens[lane], torch.float32, seed=lane * 13 + prompt_len)
-    spec = lane_ring_spec(None, rank, world, lanes, response_lens[lane], prompt_len, SCALE)
-    pos = spec.layout.positions(spec.ring.index)
-    ppos = spec.prefix.positions(spec.ring.index)
+    ring = Ring(None, members, members.index(rank))
+    layout, prompt = ZigzagLayout(response_lens[lane], len(members)), ZigzagLayout(prompt_len, len(members))
+    pos, ppos = layout.positions(ring.index), prompt.positions(ring.index)
     q, k, v = (t[:, pos].clone().requires_grad_() for t in (ref.q, ref.k, ref.v))
     pk, pv = (t[:, ppos].clone().requires_grad_() for t in (ref.pk, ref.pv))
     stats = ReplayStats()
-    out = tree_move_kv_attention(q, k, v, (pk, pv), spec, Meter(stats, "tree_move_kv"))
+    context = LaneReplayContext(ring, layout, prompt, [(pk, pv)], Meter(stats, "tree_move_kv"))
+    out = context.attend(0, q[None], k[None], v[None], SCALE)[0]
     out.backward(ref.dout[:, pos])
     for name, got, want in [("out", out, ref.out[:, pos]), ("dq", q.grad, ref.dq[:, pos]),
                             ("dk", k.grad, ref.dk[:, pos]), ("dv", v.grad, ref.dv[:, pos]),
                             ("dpk", pk.grad, ref.dpk[:, ppos]), ("dpv", pv.grad, ref.dpv[:, ppos])]:
         assert rel(got, want) <= RTOL, (rank, name, rel(got, want))
-    want = tree_move_kv_bytes(spec, KV_HEADS, HEAD_DIM, 4)
+    want = ring_bytes(RingSpec(ring, layout, prompt, SCALE), KV_HEADS, HEAD_DIM, 4)
     got = {d: stats.comm_bytes.get(f"tree_move_kv/{d}", 0) for d in ("fwd", "bwd")}
     assert got == want, (rank, got, want)
 

@@ -14,7 +14,8 @@ def _write(path, steps):
 
 
 def _step(scale, reward=0.1):
-    return {**{key: scale * (i + 1) for i, key in enumerate(TIMINGS)}, "critic/score/mean": reward, "actor/pg_loss": 0.0}
+    return {**{key: scale * (i + 1) for i, key in enumerate(TIMINGS)}, "critic/score/mean": reward,
+            "actor/pg_loss": 0.0}
 
 
 def test_medians_skip_the_first_step_and_ratios_are_to_the_first_run(tmp_path, capsys):

@@ -32,7 +32,8 @@ LR = 1e-3
 ROLLOUT_PROB_ATOL = 1e-5
 # Metrics our engine and trainer mode add (timing_s/balance: the trainer mode's group-aware balance).
 OURS = ("timing_s/balance", "actor/augtree/prefill_s", "actor/augtree/delayed_backward_s",
-        "actor/augtree/logical_tokens", "actor/augtree/executed_tokens", "actor/augtree/predicted_replay_s", "augtree/planner/plans",
+        "actor/augtree/logical_tokens", "actor/augtree/executed_tokens", "actor/augtree/predicted_replay_s",
+        "augtree/planner/plans",
         "augtree/planner/plans_from_rollout", "augtree/planner/plans_in_process", "augtree/planner/plan_wait_s",
         "augtree/balance/groups")
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from verl.utils import tensordict_utils as tu
 
 from augtree_verl.integration.batch_trees import build_trees
 from augtree_verl.testing import harness as H
-from verl.utils import tensordict_utils as tu
 
 
 def _row(uid, prompt, response):

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 from omegaconf import OmegaConf
-
-from augtree_verl.integration.config import AugTreeEngineConfig
 from verl.utils.config import omega_conf_to_dataclass
 from verl.workers.config import FSDPEngineConfig
+
+from augtree_verl.integration.config import AugTreeEngineConfig
 
 TARGET = "augtree_verl.integration.config.AugTreeEngineConfig"
 
@@ -19,9 +19,16 @@ def test_defaults_subclass_verl_fsdp_config():
     assert not config.offload_prompt_activations
 
 
+def test_planner_timeout_has_one_default():
+    from augtree_verl.planner.client import DEFAULT_TIMEOUT_S, PlannerClient
+
+    assert AugTreeEngineConfig().planner_timeout_s == PlannerClient(None, degrees=(1,)).timeout_s == DEFAULT_TIMEOUT_S
+
+
 @pytest.mark.parametrize("knob, bad", [
     ("micro_batch_tokens", 0), ("micro_batch_tokens", 2.5), ("fallback_threshold_tokens", -1),
-    ("cp_degrees", []), ("cp_degrees", [2, 0]), ("cp_degrees", [2, 3]), ("force_primitive", "ulysses"), ("use_planner", "yes"),
+    ("cp_degrees", []), ("cp_degrees", [2, 0]), ("cp_degrees", [2, 3]), ("force_primitive", "ulysses"),
+    ("use_planner", "yes"),
     ("planner_name", ""), ("planner_timeout_s", 0), ("planner_ttl_s", -1.0),
     ("planner_max_entries", 0), ("strategy", "megatron"), ("offload_prompt_activations", 1),
 ])

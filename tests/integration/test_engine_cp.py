@@ -93,7 +93,8 @@ def _rank_main(rank: int, world: int, port: int, model_path: str, cp_degrees: li
     assert (stock.get_data_parallel_size(), stock.get_data_parallel_rank()) == (world, rank)
     for step in range(STEPS):
         rows = H.group_rows(GROUPS, seed=step)
-        # verl's dispatch: our data-parallel rank j gets whole groups j, j + dp, ...; stock rank r rows r, r + world, ...
+        # verl's dispatch: our data-parallel rank j gets whole groups j, j + dp, ...;
+        # stock rank r rows r, r + world, ...
         ours_idx = [k for k, row in enumerate(rows) if int(row["uid"].split("-")[1]) % dp_size == dp_rank]
         stock_idx = list(range(rank, len(rows), world))
         our_rows = [rows[k] for k in ours_idx]

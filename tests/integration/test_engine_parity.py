@@ -6,7 +6,6 @@ import random
 
 import pytest
 import torch
-
 from verl.utils import tensordict_utils as tu
 
 from augtree_verl.replay import offload as offload_module
@@ -55,7 +54,8 @@ def _assert_params_match(ours, stock, step):
 
 def _run_steps(model_path, *, loss_agg_mode, order, entropy_coeff=0.0, knobs=None, gradient_checkpointing=False):
     """STEPS optimizer steps of both engines; ours sees the rows permuted by ``order``."""
-    common = dict(loss_agg_mode=loss_agg_mode, entropy_coeff=entropy_coeff, gradient_checkpointing=gradient_checkpointing)
+    common = dict(loss_agg_mode=loss_agg_mode, entropy_coeff=entropy_coeff,
+                  gradient_checkpointing=gradient_checkpointing)
     stock, stock_loss = H.build_engine("fsdp2", model_path, **common)
     ours, our_loss = H.build_engine("augtree", model_path, **common, engine_knobs=knobs)
     inverse = sorted(range(ROWS), key=lambda k: order[k])

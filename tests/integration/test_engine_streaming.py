@@ -100,7 +100,8 @@ def _skewed_main(rank: int, world: int, port: int, model_path: str, setting: str
     H.init_process_group(rank=rank, world_size=world, port=port)
     common = dict(loss_agg_mode="token-mean", gradient_checkpointing=checkpointing)
     stock, stock_loss = H.build_engine("fsdp2", model_path, **common)
-    ours, our_loss = H.build_engine("augtree", model_path, **common, engine_knobs={"micro_batch_tokens": MICRO_BATCH_TOKENS})
+    ours, our_loss = H.build_engine("augtree", model_path, **common,
+                                    engine_knobs={"micro_batch_tokens": MICRO_BATCH_TOKENS})
     rows = H.group_rows(SKEWED_GROUPS)
     group_of = [int(row["uid"].split("-")[1]) for row in rows]
     our_rows = [k for k, g in enumerate(group_of) if g in SKEW[world][rank]]

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from verl.utils import tensordict_utils as tu  # noqa: I001  (after the harness: it selects the CPU platform)
 
 from augtree_verl.testing import harness as H
-from verl.utils import tensordict_utils as tu  # noqa: I001  (after the harness: it selects the CPU platform)
 from tests.parity import RTOL, rel_err
 
 pytestmark = pytest.mark.slow  # spawns process groups, Ray, verl engines or subprocesses

@@ -10,15 +10,15 @@ import time
 
 import pytest
 import torch
+from verl.utils.metric import reduce_metrics
+from verl.workers.engine.utils import prepare_micro_batches
 
 from augtree_verl.integration.batch_trees import build_trees
 from augtree_verl.integration.plans import plans_for_trees
 from augtree_verl.plan import Plan
-from augtree_verl.replay.microbatch import split_micro_batches
 from augtree_verl.plan_field import PLAN_FIELD
+from augtree_verl.replay.microbatch import split_micro_batches
 from augtree_verl.testing import harness as H
-from verl.utils.metric import reduce_metrics
-from verl.workers.engine.utils import prepare_micro_batches
 
 pytestmark = pytest.mark.slow  # spawns process groups, Ray, verl engines or subprocesses
 
@@ -92,7 +92,8 @@ def _logged_history(path: str) -> dict:
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory, single_process_group):
     path = H.save_tiny_qwen2(str(tmp_path_factory.mktemp("tiny-qwen2")))
-    return H.build_engine("augtree", path, engine_knobs={"micro_batch_tokens": 8})
+    # use_planner=false says only that the trainer planned in-process: the batch's plans still apply.
+    return H.build_engine("augtree", path, engine_knobs={"micro_batch_tokens": 8, "use_planner": False})
 
 
 @pytest.mark.timeout(300)

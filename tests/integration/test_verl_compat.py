@@ -1,5 +1,6 @@
-"""verl's private names live in ``integration/verl_compat.py`` only, that module checks verl's version, and
-the verl internals it names still exist in the installed verl.
+"""verl's internals live in ``integration/verl_compat.py`` only, that module checks verl's version, the verl
+internals it names still exist in the installed verl, and it lists every public verl name the other modules
+use (``VERL_NAMES``), each of which exists in the installed verl.
 
 The scan reads every module of ``augtree_verl`` (but ``verl_compat.py`` and ``testing/``) and reports:
 - any attribute starting with ``_`` of a name imported from verl (``EngineConfig.__post_init__``, ``verl._x``),
@@ -8,7 +9,11 @@ The scan reads every module of ``augtree_verl`` (but ``verl_compat.py`` and ``te
   ``worker_group._dispatch_info``), except ``super()._name`` inside an override listed in
   ``verl_compat.PRIVATE_OVERRIDES``;
 - a method of a verl subclass that overrides a verl private name not listed in ``PRIVATE_OVERRIDES``;
-- ``object.__setattr__`` (a detour around verl's frozen config fields) in a module that imports verl.
+- ``object.__setattr__`` (a detour around verl's frozen config fields) in a module that imports verl;
+- a monkeypatch: ``x.name = ...`` or ``setattr(x, "name", ...)`` (x not ``self``/``cls``) where ``name`` is a
+  module-level name of verl's, and verl's own dunder keys (``"__rollout_n__"``) as string literals;
+- and, over every module but ``verl_compat.py`` (``testing/`` included), every verl name it imports or reads
+  from a verl module, against ``verl_compat.VERL_NAMES`` (nothing unlisted, nothing stale).
 """
 
 from __future__ import annotations
@@ -322,3 +327,184 @@ def test_worker_groups_keep_their_dispatch_cache():
 
     assert "self._dispatch_info = {}" in inspect.getsource(WorkerGroup.__init__)
     assert callable(getattr(Worker, "_query_dispatch_info", None))
+
+
+# ---- verl internals that are not private names: monkeypatches and verl's own dunder keys -----------------
+# Dunder names of Python itself (and of the module system), which verl's source also spells as strings.
+PYTHON_DUNDERS = (set(dir(object)) | set(dir(type)) | set(dir(lambda: 0)) | set(dir(ast))
+                  | {"__main__", "__wrapped__", "__dataclass_fields__", "__version__", "__aiter__", "__anext__",
+                     "__path__", "__all__", "__file__"})
+
+
+@pytest.fixture(scope="module")
+def verl_module_names() -> set[str]:
+    """Names verl's modules bind at module level (functions, classes, assignments, imports)."""
+    names = set()
+    for path in _package_root("verl").rglob("*.py"):
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+        except (SyntaxError, UnicodeDecodeError):
+            continue
+        for node in tree.body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(node.name)
+            elif isinstance(node, ast.Assign):
+                names.update(t.id for t in node.targets if isinstance(t, ast.Name))
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                names.update((a.asname or a.name).split(".")[0] for a in node.names)
+    return names
+
+
+@pytest.fixture(scope="module")
+def verl_keys() -> set[str]:
+    """verl's own dunder string keys (``"__rollout_n__"``): dunder literals of verl's source that are not Python's."""
+    keys = set()
+    for path in _package_root("verl").rglob("*.py"):
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+        except (SyntaxError, UnicodeDecodeError):
+            continue
+        keys |= {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)
+                 and n.value.startswith("__") and n.value.endswith("__") and n.value[2:-2].isidentifier()}
+    return keys - PYTHON_DUNDERS
+
+
+def verl_internal_uses(tree: ast.AST, verl_module_names: set[str], verl_keys: set[str]) -> list[tuple[int, str]]:
+    """(line, what) for each monkeypatch of a verl name (``module.name = ...`` or ``setattr(module, "name", ...)``
+    on anything but ``self``/``cls``, ``name`` a module-level name of verl) and each verl dunder key."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.ctx, (ast.Store, ast.Del)) \
+                and _root_name(node.value) not in ("self", "cls") and node.attr in verl_module_names:
+            found.append((node.lineno, f"rebinds {node.attr}, a name verl's modules define (a monkeypatch)"))
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("setattr", "delattr") \
+                and len(node.args) >= 2 and _root_name(node.args[0]) not in ("self", "cls") \
+                and isinstance(node.args[1], ast.Constant) and node.args[1].value in verl_module_names:
+            found.append((node.lineno, f"{node.func.id} of {node.args[1].value}, a name verl's modules define"))
+        elif isinstance(node, ast.Constant) and node.value in verl_keys:
+            found.append((node.lineno, f"verl's key {node.value!r}"))
+    return sorted(set(found))
+
+
+def test_no_module_but_verl_compat_patches_verl_or_reads_its_keys(verl_module_names, verl_keys):
+    assert "__rollout_n__" in verl_keys and "initialize_global_process_group_ray" in verl_module_names
+    found = [f"{path.relative_to(PACKAGE.parent)}:{line}: {what}" for path, tree in _package_modules().items()
+             for line, what in verl_internal_uses(tree, verl_module_names, verl_keys)]
+    assert not found, "verl internals outside integration/verl_compat.py:\n" + "\n".join(found)
+
+
+PLANTED_INTERNALS = {
+    "a verl module's function replaced": "def patch(m):\n    m.initialize_global_process_group_ray = None\n",
+    "a name verl imported rebound": "def patch(transformer_impl, cls):\n    transformer_impl.CPUOffloadPolicy = cls\n",
+    "setattr on a verl module": "def patch(m, f):\n    setattr(m, 'initialize_global_process_group_ray', f)\n",
+    "verl's session-count key": "def n(prompt):\n    return prompt.get('__rollout_n__', 1)\n",
+}
+
+
+@pytest.mark.parametrize("what", sorted(PLANTED_INTERNALS))
+def test_the_internals_scan_catches_a_planted_one(verl_module_names, verl_keys, what):
+    assert verl_internal_uses(ast.parse(PLANTED_INTERNALS[what]), verl_module_names, verl_keys), what
+
+
+def test_the_internals_scan_passes_our_own_attributes(verl_module_names, verl_keys):
+    clean = ("class A:\n    def f(self, x):\n        self.config = x\n        x.count = 1\n"
+             "if __name__ == '__main__':\n    setattr(A, 'count', 2)\n")
+    assert verl_internal_uses(ast.parse(clean), verl_module_names, verl_keys) == []
+
+
+# ---- every verl name outside verl_compat.py, public ones included ------------------------------------------
+# verl's family: verl itself and its TransferQueue package.
+VERL_ROOTS = {"verl", "transfer_queue"}
+
+
+def _is_verl(dotted: str) -> bool:
+    return dotted.split(".")[0] in VERL_ROOTS
+
+
+@functools.cache
+def _package_root(root: str) -> Path:
+    return Path(importlib.util.find_spec(root).origin).parent
+
+
+def _is_module(dotted: str) -> bool:
+    """Whether ``dotted`` names a module (a file or package) of verl's family, read from its files."""
+    root, *rest = dotted.split(".")
+    path = _package_root(root).joinpath(*rest)
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+
+def verl_names_used(tree: ast.AST) -> set[str]:
+    """Every verl name a module uses: what it imports from verl (``verl.x.y.Name``), and the attributes it
+    reads of a verl module it imported (``tu.get`` of ``from verl.utils import tensordict_utils as tu``)."""
+    names, modules = set(), {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if _is_verl(alias.name):
+                    names.add(alias.name)
+                    if alias.asname:
+                        modules[alias.asname] = alias.name
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level and _is_verl(node.module):
+            for alias in node.names:
+                dotted = f"{node.module}.{alias.name}"
+                names.add(dotted)
+                if _is_module(dotted):
+                    modules[alias.asname or alias.name] = dotted
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in modules:
+            names.add(f"{modules[node.value.id]}.{node.attr}")
+    return names
+
+
+def _verl_name_modules() -> dict[str, ast.AST]:
+    """Every module of the package but verl_compat.py (testing/ included: it is shipped)."""
+    return {path.relative_to(PACKAGE).as_posix(): ast.parse(path.read_text(encoding="utf-8"))
+            for path in sorted(PACKAGE.rglob("*.py")) if path != EXEMPT[0]}
+
+
+def test_every_verl_name_outside_verl_compat_is_listed_there():
+    used = {rel: frozenset(verl_names_used(tree)) for rel, tree in _verl_name_modules().items()}
+    used = {rel: names for rel, names in used.items() if names}
+    listed = {rel: frozenset(names) for rel, names in verl_compat.VERL_NAMES.items()}
+    unlisted = {rel: sorted(used[rel] - listed.get(rel, frozenset())) for rel in used
+                if used[rel] - listed.get(rel, frozenset())}
+    stale = {rel: sorted(listed[rel] - used.get(rel, frozenset())) for rel in listed
+             if listed[rel] - used.get(rel, frozenset())}
+    assert not unlisted, f"verl names used but not in verl_compat.VERL_NAMES: {unlisted}"
+    assert not stale, f"verl_compat.VERL_NAMES lists names no module uses any more: {stale}"
+
+
+def _resolve(dotted: str):
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        module_name = ".".join(parts[:cut])
+        try:
+            obj = importlib.import_module(module_name)
+        except ImportError:
+            continue
+        for attr in parts[cut:]:
+            obj = getattr(obj, attr)
+        return obj
+    raise ImportError(dotted)
+
+
+@pytest.mark.slow  # imports verl's engines, trainers and rollouts
+@pytest.mark.timeout(300)
+def test_every_listed_verl_name_exists_in_the_installed_verl():
+    missing = []
+    for rel, names in verl_compat.VERL_NAMES.items():
+        for dotted in sorted(names):
+            try:
+                _resolve(dotted)
+            except (ImportError, AttributeError) as err:
+                missing.append(f"{rel}: {dotted} ({type(err).__name__}: {err})")
+    assert not missing, "verl names the package uses that the installed verl lacks:\n" + "\n".join(missing)
+
+
+def test_the_name_scan_sees_imports_and_module_attributes():
+    tree = ast.parse("from verl.utils import tensordict_utils as tu\nimport transfer_queue as tq\n"
+                     "from verl.workers.config import FSDPEngineConfig\n"
+                     "def f(td):\n    tq.kv_clear()\n    return tu.get(td, 'x'), FSDPEngineConfig.strategy\n")
+    assert verl_names_used(tree) == {"verl.utils.tensordict_utils", "verl.utils.tensordict_utils.get",
+                                     "transfer_queue", "transfer_queue.kv_clear",
+                                     "verl.workers.config.FSDPEngineConfig"}

@@ -10,7 +10,6 @@ filled in place) whose ``inspect.signature`` is ``(*args, **kwargs)``. Signature
 from __future__ import annotations
 
 import types
-from typing import Optional
 
 import torch
 
@@ -34,7 +33,8 @@ def varlen_reference_forward(q, k, v, cu_q, cu_k, scale, causal):
     for qs, ks in zip(_segments(cu_q), _segments(cu_k)):
         s, rep = _scores(q[qs], k[ks], scale, causal)
         lse[:, qs] = torch.logsumexp(s, -1)
-        out[qs] = torch.einsum("hnm,mhd->nhd", torch.softmax(s, -1), v[ks].float().repeat_interleave(rep, 1)).to(q.dtype)
+        values = v[ks].float().repeat_interleave(rep, 1)
+        out[qs] = torch.einsum("hnm,mhd->nhd", torch.softmax(s, -1), values).to(q.dtype)
     return out, lse
 
 
@@ -81,9 +81,9 @@ def _custom_op_release(version: str, namespace: str):
             q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
             cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, dropout_p: float,
             softmax_scale: float, causal: bool, window_size_left: int = -1, window_size_right: int = -1,
-            softcap: float = 0.0, alibi_slopes: Optional[torch.Tensor] = None, return_softmax: bool = False,
-            block_table: Optional[torch.Tensor] = None, leftpad_k: Optional[torch.Tensor] = None,
-            seqused_k: Optional[torch.Tensor] = None,
+            softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None, return_softmax: bool = False,
+            block_table: torch.Tensor | None = None, leftpad_k: torch.Tensor | None = None,
+            seqused_k: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         assert (window_size_left, window_size_right, softcap, dropout_p) == (-1, -1, 0.0, 0.0)
         out, lse = varlen_reference_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal)
@@ -93,11 +93,11 @@ def _custom_op_release(version: str, namespace: str):
                              device_types="cpu")
     def _flash_attn_varlen_backward(
             dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-            softmax_lse: torch.Tensor, dq: Optional[torch.Tensor], dk: Optional[torch.Tensor],
-            dv: Optional[torch.Tensor], cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+            softmax_lse: torch.Tensor, dq: torch.Tensor | None, dk: torch.Tensor | None,
+            dv: torch.Tensor | None, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
             max_seqlen_q: int, max_seqlen_k: int, dropout_p: float, softmax_scale: float, causal: bool,
             window_size_left: int, window_size_right: int, softcap: float,
-            alibi_slopes: Optional[torch.Tensor], deterministic: bool, rng_state: Optional[torch.Tensor] = None,
+            alibi_slopes: torch.Tensor | None, deterministic: bool, rng_state: torch.Tensor | None = None,
     ) -> torch.Tensor:
         assert (window_size_left, window_size_right, softcap, dropout_p) == (-1, -1, 0.0, 0.0)
         varlen_reference_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,

@@ -16,7 +16,7 @@ from augtree_verl.ops.segments import Segments
 PACKAGE = Path(__file__).resolve().parents[2] / "augtree_verl"
 
 
-def _inputs(device, dtype, heads=8, kv_heads=2, dim=64, seg=Segments((3, 6), (5, 7))):
+def _inputs(device, dtype, seg, heads=8, kv_heads=2, dim=64):
     g = torch.Generator().manual_seed(0)
     q = torch.randn(heads, seg.total_q, dim, generator=g).to(device=device, dtype=dtype)
     k = torch.randn(kv_heads, seg.total_k, dim, generator=g).to(device=device, dtype=dtype)
@@ -25,7 +25,7 @@ def _inputs(device, dtype, heads=8, kv_heads=2, dim=64, seg=Segments((3, 6), (5,
 
 
 def test_the_cuda_flash_calls_bind_and_run_their_meta_kernels():
-    seg, q, k, v = _inputs("meta", torch.bfloat16)
+    seg, q, k, v = _inputs("meta", torch.bfloat16, Segments((3, 6), (5, 7)))
     out, lse = torch_flash.varlen_forward(q, k, v, seg, True, 0.125)
     dq, dk, dv = torch_flash.varlen_backward(torch.empty_like(out), q, k, v, out, lse, seg, True, 0.125)
     assert (out.shape, lse.shape, dq.shape, dk.shape, dv.shape) == (q.shape, (8, 9), q.shape, k.shape, v.shape)
@@ -36,7 +36,7 @@ def test_the_cuda_flash_calls_bind_and_run_their_meta_kernels():
 
 
 def test_the_cpu_flash_calls_bind_and_run():
-    seg, q, k, v = _inputs("cpu", torch.float32, seg=Segments((4, 4), (6, 6)))
+    seg, q, k, v = _inputs("cpu", torch.float32, Segments((4, 4), (6, 6)))
     out, lse = cpu_flash.varlen_forward(q, k, v, seg, False, 0.125)
     dq, dk, dv = cpu_flash.varlen_backward(torch.ones_like(out), q, k, v, out, lse, seg, False, 0.125)
     assert (out.shape, dk.shape) == (q.shape, k.shape)

@@ -8,8 +8,14 @@ import pytest
 import torch
 
 from augtree_verl.ops import torch_flash
-from augtree_verl.ops.attention import (BACKEND_ENV, attention_backward, attention_forward, cuda_backend_name,
-                                        varlen_attention_backward, varlen_attention_forward)
+from augtree_verl.ops.attention import (
+    BACKEND_ENV,
+    attention_backward,
+    attention_forward,
+    cuda_backend_name,
+    varlen_attention_backward,
+    varlen_attention_forward,
+)
 from augtree_verl.ops.flash_attn import FlashAttn, load
 from augtree_verl.ops.segments import Segments
 from tests.ops import fake_flash_attn

@@ -3,8 +3,13 @@ import itertools
 import numpy as np
 import pytest
 
-from augtree_verl.planner.partition import (SUBSET_DP_MAX_UNITS, balanced_lanes, lane_makespan, lpt_lanes,
-                                            subset_dp_lanes)
+from augtree_verl.planner.partition import (
+    SUBSET_DP_MAX_UNITS,
+    balanced_lanes,
+    lane_makespan,
+    lpt_lanes,
+    subset_dp_lanes,
+)
 
 RTOL = 1e-12  # makespans are sums of the same float64 weights; only summation order may differ
 

@@ -7,7 +7,7 @@ import pytest
 from augtree_verl import Plan
 from augtree_verl.planner import ClusterProfile, plan_tree
 from augtree_verl.planner.cost import cost_model
-from augtree_verl.planner.search import check_tree_lengths, _Search
+from augtree_verl.planner.search import _Search, check_tree_lengths
 
 NODE = (1, 2, 4, 8)
 CLUSTER = (1, 2, 4, 8, 16, 32, 64, 128)

@@ -228,3 +228,17 @@ def test_client_refuses_an_actor_with_another_configuration():
     client = PlannerClient(name, degrees=(1, 2), timeout_s=30.0)
     with pytest.raises(ValueError, match="plans would differ"):
         client.plans({"a|10": ("a", 10, [5])}, ["a|10"])
+
+
+@pytest.mark.timeout(300)
+def test_client_refuses_an_actor_that_forces_another_primitive():
+    name, _ = started_service(force_primitive="move_q")
+    with pytest.raises(ValueError, match="force_primitive='move_q'.*plans would differ"):
+        PlannerClient(name, degrees=DEGREES, timeout_s=30.0).plans({"a|10": ("a", 10, [5])}, ["a|10"])
+    # the same forced primitive on both sides: the actor's plan is taken
+    feed, client = PlannerFeed(name), PlannerClient(name, degrees=DEGREES, timeout_s=30.0, force_primitive="move_q")
+    feed.report("b", *PROMPT_HEAVY)
+    settle(ray.get_actor(name), 1)
+    plans = client.plans({"b|x": ("b", *PROMPT_HEAVY)}, ["b|x"])
+    assert plans["b|x"] == plan_tree(*PROMPT_HEAVY, degrees=DEGREES, force_primitive="move_q")
+    assert client.metrics()["planner/plans_from_rollout"] == 1.0

@@ -13,7 +13,6 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 from verl.trainer.ppo.utils import need_critic, need_reference_policy
 from verl.utils.config import omega_conf_to_dataclass, validate_config
-
 from verl.workers.config import FSDPEngineConfig
 
 from augtree_verl.integration.config import AugTreeEngineConfig
@@ -132,7 +131,10 @@ def test_overrides_work_as_on_any_verl_config():
     OmegaConf.resolve(cfg)
     assert cfg.actor_rollout_ref.rollout.n == 4
     ref = cfg.actor_rollout_ref.ref.fsdp_config  # the ref follows the actor's knobs
-    assert ref.cp_degrees == [1, 2] and ref.use_planner is False and ref.fallback_threshold_tokens == 4096
+    assert ref.cp_degrees == [1, 2] and ref.fallback_threshold_tokens == 4096
+    # the planner knobs are the actor's (the trainer plans for both): the ref's copy would be read by nothing
+    assert cfg.actor_rollout_ref.actor.fsdp_config.use_planner is False
+    assert not {"use_planner", "planner_name", "planner_timeout_s", "force_primitive"} & set(ref)
 
 
 def main_ppo_cfg_job(args, cwd):

@@ -5,8 +5,7 @@ import torch
 
 from augtree_verl import ReplayStats, replay
 from augtree_verl.replay.baseline import flattened_replay
-from tests.parity import (MODELS, assert_grads_match, assert_logps_match, grads, random_trees, rel_err,
-                          tiny_model)
+from tests.parity import MODELS, assert_grads_match, assert_logps_match, grads, random_trees, rel_err, tiny_model
 
 
 def grpo_like_loss(advantages):

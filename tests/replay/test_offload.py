@@ -3,11 +3,10 @@ host pool, the layer-ahead prefetch, and the memory meter's device vs host bytes
 
 import pytest
 import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from augtree_verl.replay import Offload, ReplayStats, held_prompt_tensors, replay
 from augtree_verl.replay.baseline import flattened_replay
-from transformers import Qwen2Config, Qwen2ForCausalLM
-
 from tests.parity import VOCAB, assert_grads_match, assert_logps_match, grads, random_trees, rel_err, tiny_model
 from tests.replay.test_engine_parity import grpo_like_loss, run_both
 

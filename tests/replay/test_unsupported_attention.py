@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import (Gemma2Config, Gemma2ForCausalLM, GptOssConfig, GptOssForCausalLM, Qwen2Config,
-                          Qwen2ForCausalLM)
+from transformers import Gemma2Config, Gemma2ForCausalLM, GptOssConfig, GptOssForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from augtree_verl import ReplayTree, replay
 

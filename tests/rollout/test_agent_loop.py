@@ -20,8 +20,6 @@ from transformers import Qwen2Config
 from augtree_verl.planner.service import start_planner_service
 from augtree_verl.rollout.agent_loop import GroupLengths, PlannerFeedAgentLoopManager, PlannerFeedWorker
 
-from tests.ray_tq import ray_tq  # noqa: F401  (fixture)
-
 pytestmark = pytest.mark.slow  # spawns process groups, Ray, verl engines or subprocesses
 
 REPO = Path(__file__).resolve().parents[2]
@@ -99,9 +97,9 @@ def test_finished_training_groups_reach_the_planner_in_session_order(ray_tq, tmp
     ray.get(planner.config.remote(), timeout=ACTOR_START_TIMEOUT_S)
     config = worker_config(tmp_path, name)
     worker = ray.remote(PlannerFeedWorker).remote(config, None)
-    groups = {f"ok-{uuid.uuid4().hex[:6]}": (300, [40, 900, 15]),
-              f"ok-{uuid.uuid4().hex[:6]}": (9100, [120, 64, 33]),
-              f"failed-{uuid.uuid4().hex[:6]}": (50, [3, 0, 4])}     # one session raises
+    ok_a, ok_b, failed = (f"{kind}-{uuid.uuid4().hex[:6]}" for kind in ("ok", "ok", "failed"))
+    groups = {ok_a: (300, [40, 900, 15]), ok_b: (9100, [120, 64, 33]),
+              failed: (50, [3, 0, 4])}     # one session raises
     ray.get(worker.generate_sequences.remote(prompts(groups)), timeout=ACTOR_START_TIMEOUT_S)
     status = wait_until_settled(list(groups), "train")
     assert [s for s in status.values()] == ["finished", "finished", "failure"]

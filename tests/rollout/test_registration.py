@@ -13,9 +13,10 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def test_hf_rollout_is_registered_by_the_plugin():
-    # A fresh process: only ``import verl`` (the plugin entry point, or our package on the path) registers it.
+    # A fresh process: only ``import verl`` registers it (the augtree_trainer plugin entry point, which calls
+    # augtree_verl.rollout.registration; the engine's plugin, augtree_verl.integration, sits below rollout/).
     code = textwrap.dedent("""
-        import verl, augtree_verl.integration
+        import verl
         from verl.workers.rollout.base import get_rollout_class
         from verl.workers.rollout.replica import get_rollout_replica_class
         print(get_rollout_class("hf", "async").__name__, get_rollout_replica_class("hf").__name__)

@@ -14,7 +14,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[2] / "augtree_verl"
 # integration modules that name verl things without importing the engine; the trainer may use them (and the
 # package itself, verl's plugin entry point: the CPU platform and the engine's registration hook).
-TRAINER_MAY_USE = {"augtree_verl.integration.registration", "augtree_verl.integration.import_hooks",
+TRAINER_MAY_USE = {"augtree_verl.integration.strategy", "augtree_verl.integration.import_hooks",
                    "augtree_verl.integration.verl_compat"}
 TRAINER_MAY_IMPORT_FROM = {"augtree_verl.integration"}
 

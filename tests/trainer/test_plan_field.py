@@ -4,8 +4,8 @@ import random
 
 import pytest
 
-from augtree_verl.plan import Plan
 from augtree_verl.groups import find_trees
+from augtree_verl.plan import Plan
 from augtree_verl.plan_field import group_plan_entries, plan_entries
 
 UIDS = ["b", "a", "b", "a", "a", "b", "c"]

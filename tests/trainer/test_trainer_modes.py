@@ -26,8 +26,8 @@ from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer, ReplayBufferAsync
 from verl.utils import tensordict_utils as tu
 from verl.utils.config import omega_conf_to_dataclass
 from verl.utils.import_utils import load_class_from_fqn
-from verl.workers.config import RolloutConfig
 from verl.utils.transferqueue_utils import _meta_to_realdata, kv_batch_meta2batch_meta
+from verl.workers.config import RolloutConfig
 
 from augtree_verl.groups import find_trees
 from augtree_verl.plan_field import PLAN_FIELD, group_plan_entries
@@ -38,8 +38,6 @@ from augtree_verl.rollout.agent_loop import PlannerFeedAgentLoopManager
 from augtree_verl.trainer.augtree_async import AugTreeColocateAsyncTrainer, AugTreeSeparateAsyncTrainer
 from augtree_verl.trainer.augtree_sync import AugTreeSyncTrainer
 from augtree_verl.trainer.group_aware import in_rollout_order
-
-from tests.ray_tq import ray_tq  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.slow  # spawns process groups, Ray, verl engines or subprocesses
 
@@ -55,7 +53,8 @@ MODES = {"augtree_sync": (AugTreeSyncTrainer, "sync", ReplayBuffer),
 # What verl's separate_async asserts at construction: train_batch_size = parameter_sync_step x mini-batch,
 # a standalone rollout pool, a non-naive checkpoint engine (never started here).
 SEPARATE_ASYNC = ["trainer.v1.separate_async.parameter_sync_step=2", "actor_rollout_ref.rollout.nnodes=1",
-                  "actor_rollout_ref.rollout.n_gpus_per_node=1", "actor_rollout_ref.rollout.checkpoint_engine.backend=nccl"]
+                  "actor_rollout_ref.rollout.n_gpus_per_node=1",
+                  "actor_rollout_ref.rollout.checkpoint_engine.backend=nccl"]
 
 
 def fixed_dp(trainer_cls, dp_size=2):
@@ -130,7 +129,7 @@ def test_groups_stay_whole_per_rank_and_mini_batch_with_verls_padding(ray_tq):
     assert metrics["augtree/balance/groups"] == 4.0
     # verl's own balance metrics are still logged, over the new partition: per-rank token sums
     assert metrics["global_seqlen/min"] + metrics["global_seqlen/minmax_diff"] == metrics["global_seqlen/max"]
-    assert PLAN_FIELD not in views[0].keys()  # planner off: no plans in the batch
+    assert PLAN_FIELD not in views[0].keys()  # no planner started (init() did not run): no plans in the batch
     tq.kv_clear(keys=balanced.keys, partition_id=PARTITION)
 
 
@@ -185,6 +184,91 @@ def test_plans_made_during_the_rollout_reach_every_worker_and_survive_a_dead_pla
             assert metrics["augtree/planner/unreachable"] == 1.0
         assert metrics["augtree/planner/plan_wait_s"] < 30.0
         tq.kv_clear(keys=balanced.keys, partition_id=PARTITION)
+
+
+def batch_plans(balanced):
+    """tree_id -> (Plan, response lengths in the plan's order) over what every worker receives."""
+    views, _ = worker_views(balanced, dp_size=2, mini_batch_per_rank=4)
+    return {tree_id: (tree.plan, [td["responses"][p].numel() for p in tree.positions])
+            for td in views for tree_id, tree in group_plan_entries(list(td[PLAN_FIELD])).items()}
+
+
+# One group the planner splits over CP ranks (MoveQ, degree 2 of (1, 2, 4)) besides the one-device ones.
+CP_GROUPS = {**GROUPS, "rag": (9100, [120, 64, 900, 33])}
+
+
+@pytest.mark.timeout(300)
+def test_use_planner_false_plans_every_group_in_process_without_a_service(ray_tq):
+    trainer = make_trainer("actor_rollout_ref.actor.fsdp_config.use_planner=false")
+    trainer.planner = trainer._start_planner()
+    name = trainer.config.actor_rollout_ref.actor.fsdp_config.planner_name
+    assert isinstance(trainer.planner, PlannerClient) and trainer.planner_actor is None
+    with pytest.raises(ValueError):
+        ray.get_actor(name)                                  # no planner service was started
+    batch = put_rollouts(CP_GROUPS, seed=4)
+    metrics = {}
+    balanced = trainer._balance_batch(batch, metrics=metrics)
+    plans = batch_plans(balanced)
+    assert len(plans) == 4
+    for tree_id, (plan, response_lens) in plans.items():     # the same planner, CP plans included
+        assert plan == plan_tree(int(tree_id.split("|")[1]), response_lens, degrees=(1, 2, 4))
+    assert max(plan.degree for plan, _ in plans.values()) == 2
+    assert metrics["augtree/planner/plans_in_process"] == 4.0
+    assert metrics["augtree/planner/plans_from_rollout"] == metrics["augtree/planner/unreachable"] == 0.0
+    tq.kv_clear(keys=balanced.keys, partition_id=PARTITION)
+
+
+@pytest.mark.timeout(300)
+def test_force_primitive_pins_the_plans_of_the_service_and_of_the_trainer(ray_tq):
+    trainer = make_trainer("actor_rollout_ref.actor.fsdp_config.force_primitive=ring",
+                           "actor_rollout_ref.actor.fsdp_config.planner_timeout_s=30.0")
+    trainer.planner = trainer._start_planner()
+    config = ray.get(ray.get_actor(trainer.planner.name).config.remote(), timeout=240)
+    assert config["force_primitive"] == "ring"
+    feed = PlannerFeed(trainer.planner.name)
+    for uid in ("long", "mid"):                             # planned by the service; "short" and padding here
+        feed.report(uid, *GROUPS[uid])
+    wait_for_reports(trainer.planner.name, 2)
+    batch = put_rollouts(GROUPS, seed=5)
+    metrics = {}
+    balanced = trainer._balance_batch(batch, metrics=metrics)
+    plans = batch_plans(balanced)
+    assert len(plans) == 4
+    for tree_id, (plan, response_lens) in plans.items():
+        prompt_len = int(tree_id.split("|")[1])
+        assert plan == plan_tree(prompt_len, response_lens, degrees=(1, 2, 4), force_primitive="ring"), tree_id
+    # the planner left alone would choose otherwise for these groups
+    assert all(plan_tree(p, rs, degrees=(1, 2, 4)).primitive != "ring" for p, rs in GROUPS.values())
+    assert metrics["augtree/planner/plans_from_rollout"] == 2.0 and metrics["augtree/planner/plans_in_process"] == 2.0
+    assert metrics["augtree/planner/plans_ring"] == 4.0
+    tq.kv_clear(keys=balanced.keys, partition_id=PARTITION)
+
+
+class SlowPlanner:
+    """A planner actor that never answers in time."""
+
+    async def config(self):
+        import asyncio
+
+        await asyncio.sleep(120)
+
+
+@pytest.mark.timeout(300)
+def test_planner_timeout_s_bounds_the_trainers_wait_for_the_service(ray_tq):
+    trainer = make_trainer("actor_rollout_ref.actor.fsdp_config.planner_timeout_s=0.5")
+    name = trainer.config.actor_rollout_ref.actor.fsdp_config.planner_name
+    slow = ray.remote(SlowPlanner).options(name=name, num_cpus=0).remote()
+    ray.get(slow.__ray_ready__.remote(), timeout=240)
+    trainer.planner = trainer._start_planner()                # finds the slow actor under the name
+    batch = put_rollouts(GROUPS, seed=6)
+    metrics = {}
+    balanced = trainer._balance_batch(batch, metrics=metrics)
+    assert len(batch_plans(balanced)) == 4                    # all planned by the trainer
+    assert metrics["augtree/planner/unreachable"] == 1.0 and metrics["augtree/planner/plans_in_process"] == 4.0
+    # waited the configured 0.5 s (the default is 2 s), then planned in-process
+    assert 0.5 <= metrics["augtree/planner/plan_wait_s"] < 1.5
+    ray.kill(slow)
+    tq.kv_clear(keys=balanced.keys, partition_id=PARTITION)
 
 
 def wait_for_reports(name, count, timeout_s=60):
@@ -279,7 +363,8 @@ def test_separate_asyncs_actor_worker_accepts_strategy_augtree_in_a_fresh_interp
             "    worker = object.__new__(DetachActorWorker)\n"  # its __init__ builds the model: not needed here
             "    worker.config, worker._strategy_handlers = OmegaConf.create({'actor': {'strategy': strategy}}), None\n"
             "    return worker._get_strategy_handlers()\n"
-            "assert handlers('augtree') == (fsdp_utils.fsdp2_sharded_save_to_cpu, fsdp_utils.fsdp2_sharded_load_from_cpu)\n"
+            "assert handlers('augtree') == (fsdp_utils.fsdp2_sharded_save_to_cpu,\n"
+            "                               fsdp_utils.fsdp2_sharded_load_from_cpu)\n"
             "assert handlers('fsdp2') == handlers('augtree')\n"
             "try:\n"
             "    handlers('unknown')\n"
