@@ -40,6 +40,7 @@ def family_logits(causal_lm: torch.nn.Module) -> Callable[[torch.Tensor], torch.
     def logits(hidden: torch.Tensor) -> torch.Tensor:
         with _decoder_answers(decoder, hidden[None]):
             out = forward(causal_lm, input_ids=None, use_cache=False, logits_to_keep=0, return_dict=True)
-        return out.logits[0]
+        # squeeze, not [0]: the backward of an index allocates a zero-filled [1, N, V] and copies into it
+        return out.logits.squeeze(0)
 
     return logits
