@@ -8,6 +8,7 @@ any layer. Calls without a context run the model's original implementation (see 
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 
 import torch
@@ -116,4 +117,19 @@ def use_augtree_attention(model) -> None:
     if config._attn_implementation != ATTN_NAME:
         _FALLBACKS[id(config)] = config._attn_implementation
         weakref.finalize(config, _FALLBACKS.pop, id(config), None)
+        config._attn_implementation = ATTN_NAME
+
+
+@contextlib.contextmanager
+def original_attention(model):
+    """``model``'s own attention implementation for the duration (the model's ordinary forward, e.g. the
+    start-up probe's reference), routed through "augtree" again after."""
+    config = model.config
+    if config._attn_implementation != ATTN_NAME:
+        yield
+        return
+    config._attn_implementation = _FALLBACKS.get(id(config), "sdpa")
+    try:
+        yield
+    finally:
         config._attn_implementation = ATTN_NAME
