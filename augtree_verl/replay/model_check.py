@@ -51,9 +51,17 @@ def refusal(model_type: str, problems: dict[str, tuple[list, str]]) -> str:
 
 
 def _layers(layers: list) -> str:
+    """[0, 1, 2, 4] -> "layers 0-2, 4"."""
     if not layers:
         return "the model"
-    return f"layer{'s' if len(layers) > 1 else ''} {', '.join(str(i) for i in layers)}"
+    runs: list[list[int]] = []
+    for i in sorted(layers):
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    spans = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+    return f"layer{'s' if len(layers) > 1 else ''} {spans}"
 
 
 def check_model(model, *, training: bool = True) -> None:

@@ -39,7 +39,7 @@ def test_hybrid_linear_attention_names_the_layers():
 def test_attention_dropout_refused_in_training_only():
     model = family_model("qwen2")
     model.config.attention_dropout = 0.1
-    with pytest.raises(ValueError, match=r"'qwen2'.*layers 0, 1: attention dropout \(attention_dropout=0.1\)"):
+    with pytest.raises(ValueError, match=r"'qwen2'.*layers 0-1: attention dropout \(attention_dropout=0.1\)"):
         check_model(model)
     check_model(model, training=False)  # forward only: dropout is inactive
 
@@ -77,6 +77,15 @@ def test_probe_refuses_a_layer_outside_the_attention_hook():
     attention.forward = lambda hidden_states, **kwargs: (torch.zeros_like(hidden_states), None)
     with pytest.raises(ValueError, match=r"'llama'.*layer 1: attention that does not run through .*LlamaDecoderLayer"):
         probe_exactness(model, model, train=True)
+
+
+def test_refusal_names_layer_runs():
+    model = family_model("qwen3-next")
+    lin, sliding = "linear_attention", "sliding_attention"
+    model.config.layer_types = [lin, lin, lin, sliding, lin, sliding, lin, lin]
+    model.config.num_hidden_layers = 8
+    with pytest.raises(ValueError, match=r"layers 0-2, 4, 6-7: linear attention .*; layers 3, 5: sliding-window"):
+        check_model(model)
 
 
 def test_probe_forward_only_and_existing_grads_kept():
