@@ -10,7 +10,8 @@ setting that trains the model on verl's stock engine instead (``STOCK_ENGINE``).
 the model's ordinary forward on the flattened rows (one prompt, two short responses, forward and
 backward), compares log-probs and gradients, and refuses beyond ``PROBE_TOLERANCE`` of the compute dtype
 with the measured errors. It catches what no list can: a family that changes logits or hidden states in a
-way the replay does not reproduce. The engine runs both at build (``integration/engine.py``).
+way the replay does not reproduce. The engine runs both at build (``integration/engine.py``); the
+attention hook keeps its per-call refusal of the same attention features for direct ``replay`` callers.
 """
 
 from __future__ import annotations

@@ -77,3 +77,11 @@ def test_skipped_logit_transform_refused_at_build(one_rank, tmp_path, monkeypatc
     monkeypatch.setattr(calls_module, "logits_head", lambda model: model.get_output_embeddings())
     with pytest.raises(ValueError, match=r"exactness probe: model 'granite'.*log-prob error .*strategy=fsdp2"):
         H.build_engine("augtree", path)
+
+
+@pytest.mark.timeout(120)
+def test_forward_only_engine_probes_log_probs(one_rank, tmp_path):
+    """A reference-policy engine (forward only) probes the log-probs alone, in eval mode."""
+    engine, _ = H.build_engine("augtree", _save("gemma3", tmp_path / "gemma3"), forward_only=True)
+    probe = engine.exactness_probe
+    assert probe.logp_err <= 1e-4 and probe.grad_err != probe.grad_err  # nan: no backward
