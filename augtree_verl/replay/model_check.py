@@ -205,21 +205,22 @@ def probe_exactness(replay_model, forward_model, *, train: bool, lockstep_group=
 
 def _check_hooked_layers(replay_model, forward_model, model_type, tree) -> torch.dtype:
     """Every decoder layer's attention runs through the replay's hook (one prefill of the probe prompt, no
-    grad); returns the compute dtype (that of the final hidden states)."""
+    grad); returns the compute dtype: that of the keys the layers computed (under FSDP2 mixed precision the
+    parameters' storage dtype and an output cast may differ from it)."""
     use_augtree_attention(replay_model)
     ctx = PrefillContext()
     positions = torch.arange(tree.prompt_len, device=tree.prompt.device)[None]
     with torch.no_grad():
-        hidden = replay_model.get_decoder()(input_ids=tree.prompt[None], position_ids=positions,
-                                            attention_mask=NO_MASKS, use_cache=False, augtree_ctx=ctx).last_hidden_state
+        replay_model.get_decoder()(input_ids=tree.prompt[None], position_ids=positions, attention_mask=NO_MASKS,
+                                   use_cache=False, augtree_ctx=ctx)
     n = getattr(_text_config(forward_model.config), "num_hidden_layers", len(ctx.kv))
     missing = [i for i in range(n) if i not in ctx.kv]
-    if missing:
+    if missing or not ctx.kv:
         layers = getattr(forward_model.get_decoder(), "layers", None)
         names = sorted({type(layers[i]).__name__ for i in missing}) if layers is not None else ["?"]
         raise ValueError(refusal(model_type, {
             "attention that does not run through transformers' attention interface": (missing, ", ".join(names))}))
-    return hidden.dtype
+    return ctx.kv[0][0].dtype
 
 
 def _local(grad):

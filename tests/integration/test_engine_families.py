@@ -85,3 +85,11 @@ def test_forward_only_engine_probes_log_probs(one_rank, tmp_path):
     engine, _ = H.build_engine("augtree", _save("gemma3", tmp_path / "gemma3"), forward_only=True)
     probe = engine.exactness_probe
     assert probe.logp_err <= 1e-4 and probe.grad_err != probe.grad_err  # nan: no backward
+
+
+@pytest.mark.timeout(120)
+def test_bf16_mixed_precision_probe(one_rank, tmp_path, monkeypatch):
+    """FSDP2 mixed precision (float32 storage, bf16 compute): the probe measures in, and is held to, bf16."""
+    monkeypatch.setitem(H.FP32, "param_dtype", "bf16")
+    engine, _ = H.build_engine("augtree", _save("granite", tmp_path / "granite"))
+    assert engine.exactness_probe.dtype == torch.bfloat16
