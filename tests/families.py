@@ -1,9 +1,10 @@
 """The family matrix: one tiny random model per Hugging Face family the README lists (built from config
 classes, no download), each with the feature values that make its family-specific code change the result.
 
-``PARITY`` families replay exactly (log-probs and gradients against the flattened baseline and verl's stock
-engine); ``REFUSED`` families are refused by name at engine build (``replay.model_check``), with the match
-the refusal's message must contain.
+``PARITY`` families replay exactly (log-probs and gradients against the flattened baseline, and for the ones
+``tests/integration/test_engine_families.py`` picks, against verl's stock engine) and pass the start-up
+probe; ``REFUSED`` families are refused by name at engine build (``replay.model_check``), with the match the
+refusal's message must contain.
 
 Random tiny models have small logits (|logit| ~ 0.1), so each family's logit transform is set where it
 changes them visibly: Granite's ``logits_scaling`` 0.25 and Cohere's ``logit_scale`` 4 scale them 4x,
