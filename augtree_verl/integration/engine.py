@@ -30,6 +30,7 @@ scaled by C (FSDP averages over the world, and a CP group is one data-parallel r
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable
 
 import torch
@@ -49,7 +50,9 @@ from augtree_verl.integration.metrics import group_totals, step_metrics
 from augtree_verl.integration.plans import plans_for_trees
 from augtree_verl.plan import Plan
 from augtree_verl.replay import Offload, ReplayStats, replay
+from augtree_verl.replay.model_check import check_model, probe_exactness
 
+logger = logging.getLogger(__name__)
 UNSUPPORTED_FLAGS = ("calculate_sum_pi_squared", "distillation_use_topk", "distillation_only")
 
 
@@ -66,7 +69,26 @@ class AugTreeEngine(FSDPEngineWithLMHead):
                              f"(ulysses_sequence_parallel_size={engine_config.ulysses_sequence_parallel_size})")
         super().__init__(model_config, engine_config, optimizer_config, checkpoint_config)
 
+    def initialize(self):
+        super().initialize()
+        self._probe_exactness()
+
+    def _probe_exactness(self) -> None:
+        """The start-up exactness probe on the user's model (``replay.model_check.probe_exactness``): prompt
+        reuse against the model's ordinary forward on a few dozen tokens, in the mode the engine trains
+        (or, forward only, infers) in; refuses the model beyond the dtype's tolerance. Every rank runs it."""
+        train = not self.engine_config.forward_only
+        world = torch.distributed.get_world_size()
+        with self.train_mode() if train else self.eval_mode():
+            self.exactness_probe = probe_exactness(FSDPReplayModel(self.module), self.module, train=train,
+                                                   lockstep_group=torch.distributed.group.WORLD if world > 1 else None)
+        probe = self.exactness_probe
+        logger.info("augtree exactness probe (%s): log-prob error %.2e, gradient error %.2e, %d tokens, %.3f s",
+                    probe.dtype, probe.logp_err, probe.grad_err, probe.tokens, probe.seconds)
+
     def _build_fsdp_module(self, module):
+        # Refuse, by name, what the replay does not implement, before any work.
+        check_model(module, training=not self.engine_config.forward_only)
         # verl's builder branches on the strategy string and knows only fsdp/fsdp2: build as fsdp2.
         requested = self.engine_config.strategy
         verl_compat.set_frozen_field(self.engine_config, "strategy", FSDP_STRATEGY)

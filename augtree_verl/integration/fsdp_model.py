@@ -1,7 +1,8 @@
 """The view of verl's FSDP2-wrapped model that ``augtree_verl.replay`` runs on.
 
-``replay`` calls the decoder (``model.get_decoder()``) and the LM head (``model.get_output_embeddings()``)
-separately. Under FSDP2 that needs care, because verl shards the model as: one FSDP unit per decoder layer,
+``replay`` calls the decoder (``model.get_decoder()``) and the logits head (``model.logits_head()``: the
+family's forward tail on precomputed hidden states, ``replay.logits.family_logits``, which calls the LM head
+module) separately. Under FSDP2 that needs care, because verl shards the model as: one FSDP unit per decoder layer,
 one each for ``embed_tokens`` and ``lm_head`` (untied models), and the root unit holding the rest (the final
 norm; with tied embeddings also the embedding / LM head weight):
 
@@ -19,6 +20,8 @@ import contextlib
 from collections.abc import Callable
 
 import torch
+
+from augtree_verl.replay.logits import family_logits
 
 
 class _Box:
@@ -68,3 +71,6 @@ class FSDPReplayModel:
 
     def get_output_embeddings(self):
         return _ThroughRoot(self._root, self._root.get_output_embeddings())
+
+    def logits_head(self):
+        return _ThroughRoot(self._root, family_logits(self._root))

@@ -8,6 +8,9 @@ any layer. Calls without a context run the model's original implementation (see 
 
 from __future__ import annotations
 
+import contextlib
+import weakref
+
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
@@ -55,7 +58,7 @@ class ResponseContext:
 def augtree_attention_forward(module, query, key, value, attention_mask, scaling=None, augtree_ctx=None, **kwargs):
     """transformers attention signature: q [B, H, S, D], k/v [B, H_kv, S, D] -> ([B, S, H, D], None)."""
     if augtree_ctx is None:
-        fallback = ALL_ATTENTION_FUNCTIONS.get(getattr(module.config, FALLBACK_ATTR, "sdpa"), sdpa_attention_forward)
+        fallback = ALL_ATTENTION_FUNCTIONS.get(_FALLBACKS.get(id(module.config), "sdpa"), sdpa_attention_forward)
         return fallback(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
     _reject_unsupported(module, kwargs)
     out = augtree_ctx.attend(module.layer_idx, query, key, value, scaling)
@@ -96,16 +99,37 @@ AttentionInterface.register(ATTN_NAME, augtree_attention_forward)
 
 # A mask dict makes transformers skip building its own masks: the contexts carry theirs.
 NO_MASKS = {"full_attention": None, "sliding_attention": None}
-# Where the model's own attention implementation is kept once it routes through "augtree".
-FALLBACK_ATTR = "augtree_fallback_attn_implementation"
+# The model's own attention implementation once its config routes through "augtree", by ``id(config)``
+# (configs are unhashable; an entry leaves with its config). Kept off the config itself: every attribute of a
+# config is written to the config.json of a saved checkpoint (``_attn_implementation`` is not).
+_FALLBACKS: dict[int, str] = {}
 
 
 def use_augtree_attention(model) -> None:
     """Route ``model``'s attention through "augtree" (idempotent, and left in place).
 
     It stays in place (no swap back and forth per call), so a checkpointed layer recomputed in any later
-    backward dispatches like its original forward. Calls without a replay context run the model's original implementation ("eager" runs as SDPA).
+    backward dispatches like its original forward. Calls without a replay context run the model's original
+    implementation ("eager" runs as SDPA; so does a copy of the config, which has no entry). The config
+    gains no attribute: a checkpoint saved from the model carries nothing of ours.
     """
-    if model.config._attn_implementation != ATTN_NAME:
-        setattr(model.config, FALLBACK_ATTR, model.config._attn_implementation)
-        model.config._attn_implementation = ATTN_NAME
+    config = model.config
+    if config._attn_implementation != ATTN_NAME:
+        _FALLBACKS[id(config)] = config._attn_implementation
+        weakref.finalize(config, _FALLBACKS.pop, id(config), None)
+        config._attn_implementation = ATTN_NAME
+
+
+@contextlib.contextmanager
+def original_attention(model):
+    """``model``'s own attention implementation for the duration (the model's ordinary forward, e.g. the
+    start-up probe's reference), routed through "augtree" again after."""
+    config = model.config
+    if config._attn_implementation != ATTN_NAME:
+        yield
+        return
+    config._attn_implementation = _FALLBACKS.get(id(config), "sdpa")
+    try:
+        yield
+    finally:
+        config._attn_implementation = ATTN_NAME

@@ -12,18 +12,27 @@ from __future__ import annotations
 import torch
 
 from augtree_verl.replay.attention import NO_MASKS, PrefillContext
+from augtree_verl.replay.logits import family_logits
 from augtree_verl.replay.prompt_kv import PromptKV
 from augtree_verl.replay.scoring import EntropyFn, token_scores
 
 PAD_ID = 0  # token of padded positions and of the lock-step dummy calls (any id of the vocabulary)
 
 
+def logits_head(model):
+    """hidden [N, H] -> ``model``'s own logits [N, V] (``logits.family_logits``); a wrapper that must route
+    the call (``integration.fsdp_model``) gives its own through a ``logits_head()`` method."""
+    own = getattr(model, "logits_head", None)
+    return own() if own is not None else family_logits(model)
+
+
 class ModelCalls:
-    """``model``'s decoder and LM head as the tree runs call them; ``micro_batch_loss`` None: forward only."""
+    """``model``'s decoder and its logits head (the family's forward tail: LM head and any transform after
+    it) as the tree runs call them; ``micro_batch_loss`` None: forward only."""
 
     def __init__(self, model, *, temperature: float, stats, entropy_fn: EntropyFn | None, micro_batch_loss,
                  offload=None):
-        self.base, self.lm_head = model.get_decoder(), model.get_output_embeddings()
+        self.base, self.head = model.get_decoder(), logits_head(model)
         self.temperature, self.stats, self.entropy_fn = temperature, stats, entropy_fn
         self.loss, self.train = micro_batch_loss, micro_batch_loss is not None
         self.offload = offload if self.train else None  # forward only: no graph to keep, nothing to move
@@ -37,7 +46,7 @@ class ModelCalls:
 
     def scores(self, states: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """states [N, H], targets [N] -> [N] or [N, 2] (``scoring.token_scores``), one LM-head call."""
-        return token_scores(self.lm_head, states, targets, self.temperature, self.entropy_fn)
+        return token_scores(self.head, states, targets, self.temperature, self.entropy_fn)
 
     def _pad(self) -> torch.Tensor:
         return torch.full((1, 1), PAD_ID, dtype=torch.long, device=self.device)

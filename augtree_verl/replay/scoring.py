@@ -1,4 +1,4 @@
-"""Log-probabilities of target tokens (the LM head runs only where a token is scored)."""
+"""Log-probabilities of target tokens (the model's logits head runs only where a token is scored)."""
 
 from __future__ import annotations
 
@@ -28,11 +28,12 @@ EntropyFn = Callable[[torch.Tensor], torch.Tensor]  # tempered float32 logits [N
 CPU_SCORE_CHUNK_BYTES = 16 << 20
 
 
-def token_scores(lm_head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: float,
-                 entropy_fn: EntropyFn | None = None) -> torch.Tensor:
-    """The replay's per-token scores, one LM-head call: hidden [N, H], targets [N] -> float32 log-probs [N],
-    or [N, 2] (log-prob, entropy) with ``entropy_fn``. Every engine path returns and takes this shape."""
-    logits = lm_head(hidden)
+def token_scores(head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, targets: torch.Tensor,
+                 temperature: float, entropy_fn: EntropyFn | None = None) -> torch.Tensor:
+    """The replay's per-token scores, one call of ``head`` (hidden [N, H] -> the model's logits [N, V],
+    ``logits.family_logits``: one LM-head call): targets [N] -> float32 log-probs [N], or [N, 2]
+    (log-prob, entropy) with ``entropy_fn``. Every engine path returns and takes this shape."""
+    logits = head(hidden)
     rows = max(logits.shape[0], 1)
     if logits.device.type == "cpu":
         rows = max(1, CPU_SCORE_CHUNK_BYTES // (4 * logits.shape[-1]))

@@ -1,0 +1,46 @@
+"""The model's own logits on hidden states the replay already computed: the family's ``*ForCausalLM.forward``
+run with its decoder answering the precomputed states.
+
+A family's forward does more than ``lm_head(hidden)`` between the decoder and the logits it returns
+(Granite divides by ``logits_scaling``, Cohere multiplies by ``logit_scale``, Gemma2/3 soft-cap with
+``final_logit_softcapping``; a later release may add more). The replay scores exactly what that code
+returns, without a per-family list: ``family_logits(model)`` calls the class's own ``forward`` with the
+decoder module (``model.get_decoder()``) answering the given states instead of running its layers, so the
+family's head and every transform after it run once, on the scored rows only (``logits_to_keep=0``: all
+rows given, which are exactly the scored ones). The LM head is called as the module it is (its hooks run:
+FSDP2's unshard, a test's forward hook), tied embeddings included.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable
+
+import torch
+from transformers.modeling_outputs import MoeModelOutputWithPast
+
+
+@contextlib.contextmanager
+def _decoder_answers(decoder: torch.nn.Module, hidden: torch.Tensor):
+    """``decoder(...)`` returns ``hidden`` as its last hidden state (an instance ``forward`` for the call)."""
+    # MoE outputs: every field a family's forward may read (router_logits None: no auxiliary loss).
+    decoder.forward = lambda *args, **kwargs: MoeModelOutputWithPast(last_hidden_state=hidden)
+    try:
+        yield
+    finally:
+        del decoder.forward
+
+
+def family_logits(causal_lm: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """hidden [N, H] (final hidden states, after the decoder's last norm) -> logits [N, V], as
+    ``causal_lm``'s class forward returns them. ``causal_lm``: a transformers ``*ForCausalLM`` (its
+    ``forward`` is read from the class, so an instance-level swap, e.g. FSDP's root call, does not matter)."""
+    forward, decoder = type(causal_lm).forward, causal_lm.get_decoder()
+
+    def logits(hidden: torch.Tensor) -> torch.Tensor:
+        with _decoder_answers(decoder, hidden[None]):
+            out = forward(causal_lm, input_ids=None, use_cache=False, logits_to_keep=0, return_dict=True)
+        # squeeze, not [0]: the backward of an index allocates a zero-filled [1, N, V] and copies into it
+        return out.logits.squeeze(0)
+
+    return logits

@@ -1,0 +1,74 @@
+"""The family matrix: one tiny random model per Hugging Face family the README lists (built from config
+classes, no download), each with the feature values that make its family-specific code change the result.
+
+``PARITY`` families replay exactly (log-probs and gradients against the flattened baseline, and for the ones
+``tests/integration/test_engine_families.py`` picks, against verl's stock engine) and pass the start-up
+probe; ``REFUSED`` families are refused by name at engine build (``replay.model_check``), with the match the
+refusal's message must contain.
+
+Random tiny models have small logits (|logit| ~ 0.1), so each family's logit transform is set where it
+changes them visibly: Granite's ``logits_scaling`` 0.25 and Cohere's ``logit_scale`` 4 scale them 4x,
+Gemma's ``final_logit_softcapping`` 0.1 caps them hard (the released configs' values, 16, 0.0625 and 30,
+act the same way on a trained model's logits of magnitude ~10-30).
+"""
+
+from __future__ import annotations
+
+import torch
+import transformers as tf
+
+VOCAB = 128
+_SHAPE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False,
+              pad_token_id=0, bos_token_id=1, eos_token_id=2)
+_FULL = dict(layer_types=["full_attention"] * 2)
+_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+
+# name: (config class, model class, config kwargs)
+PARITY = {
+    "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM, {}),
+    "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM, dict(head_dim=8)),
+    "llama": (tf.LlamaConfig, tf.LlamaForCausalLM, {}),
+    "llama-tied": (tf.LlamaConfig, tf.LlamaForCausalLM, dict(tie_word_embeddings=True)),
+    "qwen3-moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM, dict(head_dim=8, **_MOE)),
+    "olmo2": (tf.Olmo2Config, tf.Olmo2ForCausalLM, {}),
+    "granite": (tf.GraniteConfig, tf.GraniteForCausalLM, dict(logits_scaling=0.25)),
+    "cohere": (tf.CohereConfig, tf.CohereForCausalLM, dict(logit_scale=4.0, tie_word_embeddings=True)),
+    # Gemma2/3 with every layer full attention and no attention soft-capping: their final soft-capping,
+    # embedding scale and (Gemma3) query scalar are all in the replay's path.
+    "gemma2": (tf.Gemma2Config, tf.Gemma2ForCausalLM, dict(head_dim=8, final_logit_softcapping=0.1,
+                                                           attn_logit_softcapping=None, **_FULL)),
+    "gemma3": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM, dict(head_dim=8, final_logit_softcapping=0.1,
+                                                               query_pre_attn_scalar=8, **_FULL)),
+    "mistral-no-window": (tf.MistralConfig, tf.MistralForCausalLM, dict(sliding_window=None)),
+}
+REFUSED = {
+    "gemma2-default": (tf.Gemma2Config, tf.Gemma2ForCausalLM, dict(head_dim=8, sliding_window=4),
+                       r"'gemma2'.*layer 0.*(logit soft-capping|sliding-window)"),
+    "gemma3-sliding": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM, dict(head_dim=8, sliding_window=4),
+                       r"'gemma3_text'.*sliding-window attention"),
+    "mistral-window": (tf.MistralConfig, tf.MistralForCausalLM, dict(sliding_window=4),
+                       r"'mistral'.*sliding-window attention"),
+    "qwen2-window": (tf.Qwen2Config, tf.Qwen2ForCausalLM, dict(use_sliding_window=True, sliding_window=4,
+                                                              max_window_layers=0),
+                     r"'qwen2'.*sliding-window attention"),
+    "gpt-oss": (tf.GptOssConfig, tf.GptOssForCausalLM, dict(head_dim=8, num_local_experts=2, num_experts_per_tok=1,
+                                                           sliding_window=4, attn_implementation="eager"),
+                r"'gpt_oss'.*attention sinks"),
+    "qwen3-next": (tf.Qwen3NextConfig, tf.Qwen3NextForCausalLM,
+                   dict(head_dim=8, linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=8,
+                        linear_value_head_dim=8, layer_types=["linear_attention", "full_attention"], **_MOE),
+                   r"'qwen3_next'.*layer 0.*linear_attention"),
+    "qwen3.5": (tf.Qwen3_5TextConfig, tf.Qwen3_5ForCausalLM,
+                dict(head_dim=8, linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=8,
+                     linear_value_head_dim=8, layer_types=["linear_attention", "full_attention"]),
+                r"'qwen3_5_text'.*layer 0.*linear_attention"),
+}
+
+
+def family_model(name: str, seed: int = 0, dtype: torch.dtype = torch.float32):
+    """Family ``name``'s tiny model (``PARITY`` or ``REFUSED``), random weights from ``seed``, train mode."""
+    config_cls, model_cls, kwargs = (PARITY.get(name) or REFUSED[name])[:3]
+    torch.manual_seed(seed)
+    config = config_cls(**{**_SHAPE, "attn_implementation": "sdpa", **kwargs})
+    return model_cls(config).to(dtype).train()

@@ -1,0 +1,95 @@
+"""The family matrix against verl's stock engine: each ``tests.families.PARITY`` family picked here trains two
+optimizer steps on 2 gloo ranks with the augtree engine and with verl's stock fsdp2 engine, and must give the
+same log-probs, entropies, losses, gradient norms and weights (the families whose logits the family's own
+forward transforms, and an MoE); a refused family is refused when the engine is built, and so is a replay
+that skipped a family's logit transform (the start-up exactness probe)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from augtree_verl.replay import calls as calls_module
+from augtree_verl.testing import harness as H
+from tests.families import family_model
+
+pytestmark = pytest.mark.slow  # spawns process groups and builds verl engines
+
+STEPS = 2
+WORLD = 2
+GROUPS = [(9, [3, 5, 4, 2]), (4, [6, 2, 3, 1]), (6, [4, 2, 3, 1])]  # rows dealt round-robin: 6 a rank
+FAMILIES = ["granite", "cohere", "gemma2", "qwen3-moe"]
+
+
+def _save(name: str, directory) -> str:
+    family_model(name).save_pretrained(str(directory))
+    return str(directory)
+
+
+def _rank_main(rank: int, port: int, model_path: str) -> None:
+    H.use_cpu_platform()
+    from verl.utils import tensordict_utils as tu
+
+    from tests.integration.test_engine_parity import _assert_close, _assert_params_match, _infer, _train
+
+    H.init_process_group(rank=rank, world_size=WORLD, port=port)
+    stock, stock_loss = H.build_engine("fsdp2", model_path)
+    ours, our_loss = H.build_engine("augtree", model_path, engine_knobs={"micro_batch_tokens": 8})
+    assert ours.exactness_probe.grad_err <= 1e-4
+    for step in range(STEPS):
+        rows = H.group_rows(GROUPS, seed=step)[rank::WORLD]
+        batch = H.rows_to_batch(rows)
+        tu.assign_non_tensor(batch, global_batch_size=len(rows) * WORLD)
+        want, got = _infer(stock, batch, entropy=True), _infer(ours, batch, entropy=True)
+        for key in ("log_probs", "entropy"):
+            for row, (g, w) in enumerate(zip(H.response_logps(got, batch, key), H.response_logps(want, batch, key))):
+                _assert_close(f"rank {rank} step {step} {key} row {row}", g, w)
+        H.set_old_log_probs(batch, H.response_logps(want, batch), seed=step)
+        out_stock, out_ours = _train(stock, stock_loss, batch), _train(ours, our_loss, batch)
+        _assert_close(f"rank {rank} step {step} loss", torch.tensor(sum(out_ours["loss"])),
+                      torch.tensor(sum(out_stock["loss"])))
+        _assert_close(f"rank {rank} step {step} grad norm", torch.tensor(out_ours["metrics"]["grad_norm"]),
+                      torch.tensor(out_stock["metrics"]["grad_norm"]))
+        _assert_params_match(ours, stock, step)
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name", FAMILIES)
+def test_family_matches_stock_engine(name, tmp_path):
+    H.spawn(_rank_main, (H.free_port(), _save(name, tmp_path / name)), nprocs=WORLD, timeout_s=540)
+
+
+@pytest.fixture(scope="module")
+def one_rank(single_process_group):
+    H.use_cpu_platform()
+
+
+@pytest.mark.timeout(120)
+def test_hybrid_model_refused_at_build(one_rank, tmp_path):
+    with pytest.raises(ValueError, match=r"'qwen3_next'.*layer 0: linear attention.*strategy=fsdp2"):
+        H.build_engine("augtree", _save("qwen3-next", tmp_path / "qwen3-next"))
+
+
+@pytest.mark.timeout(120)
+def test_skipped_logit_transform_refused_at_build(one_rank, tmp_path, monkeypatch):
+    path = _save("granite", tmp_path / "granite")
+    monkeypatch.setattr(calls_module, "logits_head", lambda model: model.get_output_embeddings())
+    with pytest.raises(ValueError, match=r"exactness probe: model 'granite'.*log-prob error .*strategy=fsdp2"):
+        H.build_engine("augtree", path)
+
+
+@pytest.mark.timeout(120)
+def test_forward_only_engine_probes_log_probs(one_rank, tmp_path):
+    """A reference-policy engine (forward only) probes the log-probs alone, in eval mode."""
+    engine, _ = H.build_engine("augtree", _save("gemma3", tmp_path / "gemma3"), forward_only=True)
+    probe = engine.exactness_probe
+    assert probe.logp_err <= 1e-4 and probe.grad_err != probe.grad_err  # nan: no backward
+
+
+@pytest.mark.timeout(120)
+def test_bf16_mixed_precision_probe(one_rank, tmp_path, monkeypatch):
+    """FSDP2 mixed precision (float32 storage, bf16 compute): the probe measures in, and is held to, bf16."""
+    monkeypatch.setitem(H.FP32, "param_dtype", "bf16")
+    engine, _ = H.build_engine("augtree", _save("granite", tmp_path / "granite"))
+    assert engine.exactness_probe.dtype == torch.bfloat16

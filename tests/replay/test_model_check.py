@@ -1,0 +1,99 @@
+"""Refusals at build and the start-up exactness probe (``replay.model_check``) on the family matrix.
+
+Every ``REFUSED`` family is refused by name (model type, layer, feature, and the stock-engine setting) from
+its config and modules alone, before any model call; every ``PARITY`` family passes the probe; and the
+probe refuses a replay that scores ``lm_head(h)`` instead of the family's own logits (the silent error
+of Granite, Cohere and Gemma before the replay ran the family's forward tail).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from augtree_verl.replay import calls as calls_module
+from augtree_verl.replay.model_check import PROBE_TOLERANCE, STOCK_ENGINE, check_model, probe_exactness
+from tests.families import PARITY, REFUSED, family_model
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_refused_by_name_before_any_call(name):
+    model = family_model(name)
+    called = []
+    model.register_forward_pre_hook(lambda *_: called.append(1))
+    for module in model.modules():
+        module.register_forward_pre_hook(lambda *_: called.append(1))
+    with pytest.raises(ValueError, match=REFUSED[name][3]) as error:
+        check_model(model)
+    assert STOCK_ENGINE in str(error.value) and "strategy=fsdp2" in str(error.value)
+    assert not called, "the check must read config and modules only"
+
+
+def test_hybrid_linear_attention_names_the_layers():
+    with pytest.raises(ValueError, match=r"'qwen3_next'.*layer 0: linear attention \(Gated DeltaNet.*'linear_attention'"):
+        check_model(family_model("qwen3-next"))
+
+
+def test_attention_dropout_refused_in_training_only():
+    model = family_model("qwen2")
+    model.config.attention_dropout = 0.1
+    with pytest.raises(ValueError, match=r"'qwen2'.*layers 0-1: attention dropout \(attention_dropout=0.1\)"):
+        check_model(model)
+    check_model(model, training=False)  # forward only: dropout is inactive
+
+
+@pytest.mark.parametrize("name", sorted(PARITY))
+def test_parity_families_pass_the_check_and_the_probe(name):
+    model = family_model(name)
+    check_model(model)
+    result = probe_exactness(model, model, train=True)
+    tol = PROBE_TOLERANCE[torch.float32]
+    assert result.dtype == torch.float32 and result.logp_err <= tol.logp and result.grad_err <= tol.grad
+    assert all(p.grad is None for p in model.parameters()), "the probe leaves no gradient behind"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_probe_passes_in_half_precision(dtype):
+    for name in ("qwen2", "gemma3"):
+        result = probe_exactness(*[family_model(name, dtype=dtype)] * 2, train=True)
+        assert result.dtype == dtype
+
+
+@pytest.mark.parametrize("name", ["granite", "cohere", "gemma2", "gemma3"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_probe_refuses_a_skipped_logit_transform(name, dtype, monkeypatch):
+    """The replay as it was: the LM head alone, the family's transform skipped."""
+    monkeypatch.setattr(calls_module, "logits_head", lambda model: model.get_output_embeddings())
+    model = family_model(name, dtype=dtype)
+    with pytest.raises(ValueError, match=rf"exactness probe: model '{model.config.model_type}'.*log-prob error"):
+        probe_exactness(model, model, train=True)
+
+
+def test_probe_refuses_a_layer_outside_the_attention_hook():
+    model = family_model("llama")
+    attention = model.model.layers[1].self_attn
+    attention.forward = lambda hidden_states, **kwargs: (torch.zeros_like(hidden_states), None)
+    with pytest.raises(ValueError, match=r"'llama'.*layer 1: attention that does not run through .*LlamaDecoderLayer"):
+        probe_exactness(model, model, train=True)
+
+
+def test_refusal_names_layer_runs():
+    model = family_model("qwen3-next")
+    lin, sliding = "linear_attention", "sliding_attention"
+    model.config.layer_types = [lin, lin, lin, sliding, lin, sliding, lin, lin]
+    model.config.num_hidden_layers = 8
+    with pytest.raises(ValueError, match=r"layers 0-2, 4, 6-7: linear attention .*; layers 3, 5: sliding-window"):
+        check_model(model)
+
+
+def test_probe_forward_only_and_existing_grads_kept():
+    model = family_model("qwen3")
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 3.0)
+    result = probe_exactness(model, model, train=False)
+    assert math.isnan(result.grad_err) and result.logp_err <= PROBE_TOLERANCE[torch.float32].logp
+    assert all(bool((p.grad == 3.0).all()) for p in model.parameters())
+    result = probe_exactness(model, model, train=True)
+    assert all(bool((p.grad == 3.0).all()) for p in model.parameters())
