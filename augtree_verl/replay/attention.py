@@ -14,8 +14,8 @@ import weakref
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from augtree_verl.replay.prefix_attention import prefix_causal_attention
 

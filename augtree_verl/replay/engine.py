@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import operator
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 

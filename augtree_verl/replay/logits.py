@@ -14,7 +14,7 @@ FSDP2's unshard, a test's forward hook), tied embeddings included.
 from __future__ import annotations
 
 import contextlib
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from transformers.modeling_outputs import MoeModelOutputWithPast

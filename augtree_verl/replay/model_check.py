@@ -89,7 +89,8 @@ def check_model(model, *, training: bool = True) -> None:
     if layer_types:
         for i, kind in enumerate(layer_types):
             if kind != "full_attention":
-                setting = f"layer_types {kind!r}" + (f", sliding_window={window}" if kind == "sliding_attention" else "")
+                window_setting = f", sliding_window={window}" if kind == "sliding_attention" else ""
+                setting = f"layer_types {kind!r}" + window_setting
                 add(LAYER_TYPE_FEATURES.get(kind, f"layer type {kind!r}"), i, setting)
     elif window:  # a sliding window on every layer (Mistral's convention: no layer_types)
         for i in range(n):
@@ -97,7 +98,7 @@ def check_model(model, *, training: bool = True) -> None:
     if getattr(config, "attn_logit_softcapping", None) is not None:
         for i in range(n):
             add("attention logit soft-capping", i, f"attn_logit_softcapping={config.attn_logit_softcapping}")
-    if training and getattr(config, "attention_dropout", 0.0):
+    if training and (getattr(config, "attention_dropout", None) or 0.0) > 0:
         for i in range(n):
             add("attention dropout", i, f"attention_dropout={config.attention_dropout}")
     for name, _ in model.named_parameters():

@@ -55,10 +55,10 @@ from augtree_verl.replay.stats import ReplayStats
 # each way) and frees little (at 28k tokens a boundary is ~200 MB; a norm's [P, 1] statistics ~100 kB).
 MIN_OFFLOAD_BYTES = 1 << 18
 
-_LIVE: "weakref.WeakSet[Offload]" = weakref.WeakSet()
+_LIVE: weakref.WeakSet[Offload] = weakref.WeakSet()
 
 
-def live_offloads() -> list["Offload"]:
+def live_offloads() -> list[Offload]:
     """The ``Offload`` objects alive now (for memory meters)."""
     return list(_LIVE)
 

@@ -14,8 +14,12 @@ from __future__ import annotations
 
 import torch
 
-from augtree_verl.ops.attention import (attention_backward, attention_forward, varlen_attention_backward,
-                                        varlen_attention_forward)
+from augtree_verl.ops.attention import (
+    attention_backward,
+    attention_forward,
+    varlen_attention_backward,
+    varlen_attention_forward,
+)
 from augtree_verl.ops.merge import merge_into
 from augtree_verl.ops.segments import Segments
 

@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
-_HELD_LEAVES: "weakref.WeakSet[torch.Tensor]" = weakref.WeakSet()  # the prompt leaves alive now
+_HELD_LEAVES: weakref.WeakSet[torch.Tensor] = weakref.WeakSet()  # the prompt leaves alive now
 
 # prefill() -> (live_kv per layer, hidden [n, H], last_row or None)
 PrefillFn = Callable[[], "tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor, int | None]"]

@@ -77,9 +77,9 @@ class ReplayStats:
             end.synchronize()
             self.__dict__["_" + phase] = self.__dict__.get("_" + phase, 0.0) + start.elapsed_time(end) / 1000.0
 
-    def add(self, other: "ReplayStats", *, count_trees: bool = True) -> None:
-        """Add ``other``'s times, executed tokens, micro-batches, bytes and offload counters; its trees (logical tokens, tree
-        and plan counts) only with ``count_trees`` (one member of a CP group counts a shared tree)."""
+    def add(self, other: ReplayStats, *, count_trees: bool = True) -> None:
+        """Add ``other``'s times, executed tokens, micro-batches, bytes and offload counters; its trees (logical
+        tokens, tree and plan counts) only with ``count_trees`` (one member of a CP group counts a shared tree)."""
         self.prefill_s += other.prefill_s
         self.replay_s += other.replay_s
         self.prompt_backward_s += other.prompt_backward_s

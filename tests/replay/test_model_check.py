@@ -32,7 +32,8 @@ def test_refused_by_name_before_any_call(name):
 
 
 def test_hybrid_linear_attention_names_the_layers():
-    with pytest.raises(ValueError, match=r"'qwen3_next'.*layer 0: linear attention \(Gated DeltaNet.*'linear_attention'"):
+    refusal = r"'qwen3_next'.*layer 0: linear attention \(Gated DeltaNet.*'linear_attention'"
+    with pytest.raises(ValueError, match=refusal):
         check_model(family_model("qwen3-next"))
 
 
