@@ -34,7 +34,7 @@ class PlannerFeed:
         actor = self._lookup()
         if actor is not None:
             try:
-                actor.report.remote(uid, int(prompt_len), [int(r) for r in response_lens])
+                actor.report.remote(uid, int(prompt_len), [int(r) for r in response_lens], time.time_ns())
                 self.sent += 1
                 return True
             except ray.exceptions.RayError as err:     # the handle went bad: look the actor up again later

@@ -41,6 +41,7 @@ class _Entry:
     response_lens: tuple[int, ...]
     result: dict           # {"plan": Plan dict, "solve_ms": float} or {"error": message}
     arrived_s: float       # time.monotonic() at report
+    sent_ns: int           # the reporter's time.time_ns() at sending: which of two reports is newer
 
 
 def plan_group(prompt_len: int, response_lens, degrees, profile: ClusterProfile,
@@ -78,8 +79,12 @@ class PlannerService:
         return {"degrees": list(self.degrees), "profile": self.profile.to_dict(), "ttl_s": self.ttl_s,
                 "max_entries": self.max_entries, "force_primitive": self.force_primitive}
 
-    async def report(self, uid: str, prompt_len, response_lens) -> None:
-        """A finished group's lengths, responses in (session, index) order; planned now, kept until taken."""
+    async def report(self, uid: str, prompt_len, response_lens, sent_ns: int | None = None) -> None:
+        """A finished group's lengths, responses in (session, index) order; planned now, kept until taken.
+
+        ``sent_ns`` (the reporter's ``time.time_ns()``; default: arrival) orders two reports of one uid: an
+        async actor runs calls in no guaranteed order, even from one caller, so the newer report is the one
+        sent later, not the one that ran later."""
         try:
             if not isinstance(uid, str) or not uid:
                 raise ValueError(f"uid must be a non-empty string, got {uid!r}")
@@ -89,12 +94,15 @@ class PlannerService:
             logger.warning("planner: dropped the report of group %r: %s", uid, err)
             return
         lens = tuple(int(r) for r in R)
+        sent_ns = time.time_ns() if sent_ns is None else int(sent_ns)
+        self.counts["reported"] += 1
         if uid in self.entries:
             self.counts["reported_twice"] += 1
+            if self.entries[uid].sent_ns > sent_ns:   # an older report that ran late: the newer one stays
+                return
             del self.entries[uid]
-        self.counts["reported"] += 1
         result = plan_group(P, lens, self.degrees, self.profile, self.force_primitive)
-        self.entries[uid] = _Entry(P, lens, result, time.monotonic())
+        self.entries[uid] = _Entry(P, lens, result, time.monotonic(), sent_ns)
         self.last_planned_s = time.monotonic()
         self._evict()
         self.arrived.set()

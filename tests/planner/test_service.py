@@ -242,3 +242,15 @@ def test_client_refuses_an_actor_that_forces_another_primitive():
     plans = client.plans({"b|x": ("b", *PROMPT_HEAVY)}, ["b|x"])
     assert plans["b|x"] == plan_tree(*PROMPT_HEAVY, degrees=DEGREES, force_primitive="move_q")
     assert client.metrics()["planner/plans_from_rollout"] == 1.0
+
+
+@pytest.mark.timeout(300)
+def test_the_later_sent_of_two_reports_wins_whatever_order_they_run_in():
+    """An async actor runs calls in no guaranteed order, even from one caller: the report sent later wins."""
+    actor, _, client = feed_and_client()
+    ray.get(actor.report.remote("late", *RESPONSE_HEAVY, 2), timeout=30)   # sent later, ran first
+    ray.get(actor.report.remote("late", *PROMPT_HEAVY, 1), timeout=30)     # sent earlier, ran last
+    plans = client.plans(request({"late": RESPONSE_HEAVY}), from_rollout=request({"late": RESPONSE_HEAVY}))
+    assert plans[f"late|{RESPONSE_HEAVY[0]}"] == expected(RESPONSE_HEAVY)
+    m = client.metrics()
+    assert (m["planner/plans_from_rollout"], m["planner/mismatched"], m["planner/reported_twice"]) == (1, 0, 1)
