@@ -16,7 +16,9 @@ WORLD = 2
 GROUPS = [(9, [3, 5, 4, 2]), (4, [6, 2, 3, 1, 5, 2]), (6, [4, 2]), (1, [2, 1, 3, 2])]
 
 
-def _rank_main(rank: int, port: int, model_path: str) -> None:
+def _rank_main(rank: int, port: int, model_path: str, groups=GROUPS, probe_bound: float | None = None) -> None:
+    """STEPS optimizer steps of ``groups`` (rows dealt round-robin) on both engines: log-probs, entropies,
+    losses, grad norms and weights equal; with ``probe_bound``, the start-up probe's gradient error under it."""
     H.use_cpu_platform()  # a spawned process: select verl's CPU platform before building engines
     from verl.utils import tensordict_utils as tu
 
@@ -25,8 +27,10 @@ def _rank_main(rank: int, port: int, model_path: str) -> None:
     H.init_process_group(rank=rank, world_size=WORLD, port=port)
     stock, stock_loss = H.build_engine("fsdp2", model_path)
     ours, our_loss = H.build_engine("augtree", model_path, engine_knobs={"micro_batch_tokens": 8})
+    if probe_bound is not None:
+        assert ours.exactness_probe.grad_err <= probe_bound
     for step in range(STEPS):
-        rows = H.group_rows(GROUPS, seed=step)[rank::WORLD]
+        rows = H.group_rows(groups, seed=step)[rank::WORLD]
         batch = H.rows_to_batch(rows)
         tu.assign_non_tensor(batch, global_batch_size=len(rows) * WORLD)
         want, got = _infer(stock, batch, entropy=True), _infer(ours, batch, entropy=True)
