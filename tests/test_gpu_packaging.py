@@ -7,6 +7,9 @@ import re
 from pathlib import Path
 
 import tomllib
+from packaging.utils import canonicalize_name
+
+from tests.test_packaging import _pins
 
 ROOT = Path(__file__).resolve().parents[1]
 GPU_LINE = 'pip install -c constraints-gpu.txt -e ".[gpu]"'
@@ -30,10 +33,10 @@ def test_readme_and_dockerfile_install_the_same_gpu_line():
 
 
 def test_the_image_stack_agrees_with_the_gpu_lock():
-    pins = dict(line.split("==") for line in (ROOT / "constraints-gpu.txt").read_text().splitlines()
-                if "==" in line and not line.startswith("#"))
+    pins = _pins("constraints-gpu.txt")
     stack = [line for line in (ROOT / "docker" / "verl-gpu-stack.txt").read_text().splitlines()
              if "==" in line and not line.startswith("#")]
     for line in stack:
         name, pinned = line.split("==")
+        name = canonicalize_name(name)
         assert pins.get(name, pinned) == pinned, f"docker/verl-gpu-stack.txt pins {line}, the GPU lock {pins[name]}"
