@@ -159,15 +159,20 @@ def private_verl_uses(tree: ast.AST, verl_private: set[str], own_private: set[st
 
 
 @pytest.fixture(scope="module")
-def verl_private() -> set[str]:
-    root = Path(importlib.util.find_spec("verl").origin).parent
-    names = set()
-    for path in root.rglob("*.py"):
+def verl_trees() -> list[ast.AST]:
+    """Every module of the installed verl, parsed once for the scans below."""
+    trees = []
+    for path in _package_root("verl").rglob("*.py"):
         try:
-            names |= _defined_private_names(ast.parse(path.read_text(encoding="utf-8")))
+            trees.append(ast.parse(path.read_text(encoding="utf-8")))
         except (SyntaxError, UnicodeDecodeError):
             continue
-    return names
+    return trees
+
+
+@pytest.fixture(scope="module")
+def verl_private(verl_trees) -> set[str]:
+    return set().union(*(_defined_private_names(tree) for tree in verl_trees))
 
 
 def _package_modules() -> dict[Path, ast.AST]:
@@ -337,14 +342,10 @@ PYTHON_DUNDERS = (set(dir(object)) | set(dir(type)) | set(dir(lambda: 0)) | set(
 
 
 @pytest.fixture(scope="module")
-def verl_module_names() -> set[str]:
+def verl_module_names(verl_trees) -> set[str]:
     """Names verl's modules bind at module level (functions, classes, assignments, imports)."""
     names = set()
-    for path in _package_root("verl").rglob("*.py"):
-        try:
-            tree = ast.parse(path.read_text(encoding="utf-8"))
-        except (SyntaxError, UnicodeDecodeError):
-            continue
+    for tree in verl_trees:
         for node in tree.body:
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
                 names.add(node.name)
@@ -356,14 +357,10 @@ def verl_module_names() -> set[str]:
 
 
 @pytest.fixture(scope="module")
-def verl_keys() -> set[str]:
+def verl_keys(verl_trees) -> set[str]:
     """verl's own dunder string keys (``"__rollout_n__"``): dunder literals of verl's source that are not Python's."""
     keys = set()
-    for path in _package_root("verl").rglob("*.py"):
-        try:
-            tree = ast.parse(path.read_text(encoding="utf-8"))
-        except (SyntaxError, UnicodeDecodeError):
-            continue
+    for tree in verl_trees:
         keys |= {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)
                  and n.value.startswith("__") and n.value.endswith("__") and n.value[2:-2].isidentifier()}
     return keys - PYTHON_DUNDERS
