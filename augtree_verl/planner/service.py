@@ -8,7 +8,7 @@ Trainer side (``planner.client.PlannerClient``, in the batch balance): ``take(re
 hands over the plans of the requested uids whose reported lengths equal the lengths the trainer sees, and
 removes those entries (used once). Entries also leave by age (``ttl_s``: DAPO drops groups, async trainers
 train a group one or more steps later, a group may never be trained) and by a size bound (``max_entries``,
-oldest first); both count as evicted.
+oldest sent first, whatever order the reports ran in); both count as evicted.
 
 A second report of a uid replaces the first (a retried rollout; counted). Reports that are not a valid
 (prompt_len, response_lens) are dropped and counted, never raised: a rollout worker must not see planner
@@ -70,7 +70,7 @@ class PlannerService:
         plan_tree(1, [1], degrees=self.degrees, profile=self.profile, force_primitive=force_primitive)  # bad input
         self.ttl_s, self.max_entries = float(ttl_s), max_entries
         self.instance = uuid.uuid4().hex       # a restarted actor has a new one (and no entries)
-        self.entries: OrderedDict[str, _Entry] = OrderedDict()   # oldest report first
+        self.entries: OrderedDict[str, _Entry] = OrderedDict()   # oldest sent report first
         self.arrived = asyncio.Event()         # set and replaced whenever a report arrives
         self.counts = {"reported": 0, "reported_twice": 0, "rejected": 0, "evicted": 0}
         self.last_planned_s: float | None = None             # time.monotonic() when the latest report's plan was done
@@ -103,6 +103,7 @@ class PlannerService:
             del self.entries[uid]
         result = plan_group(P, lens, self.degrees, self.profile, self.force_primitive)
         self.entries[uid] = _Entry(P, lens, result, time.monotonic(), sent_ns)
+        self._keep_sent_order(uid)
         self.last_planned_s = time.monotonic()
         self._evict()
         self.arrived.set()
@@ -148,6 +149,20 @@ class PlannerService:
         it finished planning the latest report (``time.monotonic()``, one clock for every process of a host)."""
         return {"instance": self.instance, "queue_depth": len(self.entries), "last_planned_s": self.last_planned_s,
                 **self.counts}
+
+    def _keep_sent_order(self, uid: str) -> None:
+        """Move the entries sent after ``uid``'s report (that ran before it) behind it: entries stay in the
+        order their reports were sent, so the size bound evicts the oldest sent, whatever order calls ran in."""
+        sent_ns = self.entries[uid].sent_ns
+        newer = []
+        for other, entry in reversed(self.entries.items()):
+            if other == uid:
+                continue
+            if entry.sent_ns <= sent_ns:
+                break
+            newer.append(other)
+        for other in reversed(newer):
+            self.entries.move_to_end(other)
 
     def _evict(self) -> None:
         now = time.monotonic()

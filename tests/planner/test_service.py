@@ -1,5 +1,6 @@
 """The planner service keyed by uid, with real Ray actors: fed by ``PlannerFeed``, taken by ``PlannerClient``."""
 
+import asyncio
 import logging
 import time
 import uuid
@@ -11,7 +12,7 @@ from augtree_verl.plan import Plan
 from augtree_verl.planner import ClusterProfile, plan_tree
 from augtree_verl.planner.client import PlannerClient
 from augtree_verl.planner.feed import PlannerFeed
-from augtree_verl.planner.service import start_planner_service
+from augtree_verl.planner.service import PlannerService, start_planner_service
 
 pytestmark = pytest.mark.slow  # spawns process groups, Ray, verl engines or subprocesses
 
@@ -117,6 +118,13 @@ def test_lengths_that_differ_from_the_batch_never_apply_the_rollouts_plan(caplog
     assert m["planner/plans_from_rollout"] == 1 and m["planner/reported_twice"] == 2
     assert "group 'failed' was reported with lengths" in caplog.text
     assert settle(actor, 6)["queue_depth"] == 0           # mismatched entries are dropped too
+
+
+def test_the_size_bound_evicts_the_oldest_sent_report_whatever_order_the_reports_ran_in():
+    service = PlannerService(degrees=DEGREES, max_entries=2)
+    for uid, sent_ns in (("new", 3), ("old", 1), ("mid", 2)):      # ran in another order than sent
+        asyncio.run(service.report(uid, 300, [40, 50], sent_ns=sent_ns))
+    assert list(service.entries) == ["mid", "new"] and service.counts["evicted"] == 1
 
 
 @pytest.mark.timeout(300)
