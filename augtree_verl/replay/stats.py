@@ -1,5 +1,8 @@
 """What one ``replay`` call did: phase times, token counts and bytes moved (for metrics and benchmarks).
 
+Everything that sums, combines over a CP group or becomes a metric is read from the dataclass fields
+(``phases``, ``counters``, ``keyed``): a new counter is one line, ``name: int = counter(...)``.
+
 Phase timers (``start_timer`` / ``stop_timer``): on CPU wall-clock ``perf_counter``; on CUDA a pair of
 CUDA events recorded on the current stream, so timing never synchronises the hot loop. Event pairs are
 resolved (their end events waited for) only when a phase time is read.
@@ -9,15 +12,36 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import Field, dataclass, field, fields
 
 import torch
 
-PHASES = ("prefill_s", "replay_s", "prompt_backward_s")
+from augtree_verl.plan import PRIMITIVES
+
+# "single" counts trees run without a plan (one device, no planner); the others count trees by their plan's
+# primitive (a planner fallback runs with the one-device plan: ring at degree 1).
+PLAN_KINDS = ("single",) + PRIMITIVES
+COMM_KEYS = tuple(f"{p}/{d}" for p in PRIMITIVES for d in ("fwd", "bwd"))
+
+
+def counter(metric: str | None = None, *, per_tree: bool = False):
+    """An integer counter field: summed by ``add`` and over a CP group, reported as the metric ``metric``
+    (default: the field's name). ``per_tree``: counted once per tree (on one member of a CP group)."""
+    return field(default=0, metadata={"metric": metric, "per_tree": per_tree})
+
+
+def keyed(keys: tuple[str, ...], *, per_tree: bool = False):
+    """A ``dict[str, int]`` counter field; ``keys``: the ones combined over a CP group and reported (as
+    ``<field>/<key>``); ``add`` sums every key."""
+    return field(default_factory=lambda: defaultdict(int), metadata={"keys": keys, "per_tree": per_tree})
 
 
 class _PhaseSeconds:
-    """A phase-time field: reading it first adds the elapsed time of its pending CUDA event pairs."""
+    """A phase-time field: reading it first adds the elapsed time of its pending CUDA event pairs.
+    ``metric``: its metric name (default: the field's name)."""
+
+    def __init__(self, metric: str | None = None):
+        self.metric = metric
 
     def __set_name__(self, owner, name):
         self.name = name
@@ -38,18 +62,40 @@ class _PhaseSeconds:
 class ReplayStats:
     prefill_s: float = _PhaseSeconds()          # Phase A: prompt forwards
     replay_s: float = _PhaseSeconds()           # Phase B: response micro-batches, forward (+ backward)
-    prompt_backward_s: float = _PhaseSeconds()  # Phase C: delayed prompt backwards
-    logical_tokens: int = 0          # sum over responses of |P| + |R_i| (what the flattened baseline runs)
-    executed_tokens: int = 0         # tokens actually run through the model (prompt once per tree, padding included)
-    trees: int = 0
-    micro_batches: int = 0
-    offloaded_bytes: int = 0         # prompt activations held on the host instead of the device (``Offload``)
-    prefetched_bytes: int = 0        # of those, bytes copied back ahead of the prompt backward's use
-    offload_copies: int = 0          # offload copies, both directions
-    # bytes sent by this rank, keyed "<primitive>/fwd" and "<primitive>/bwd"
-    comm_bytes: dict[str, int] = field(default_factory=lambda: defaultdict(int))
-    # primitive name -> number of trees run with it
-    plans: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    prompt_backward_s: float = _PhaseSeconds("delayed_backward_s")  # Phase C: delayed prompt backwards
+    # sum over responses of |P| + |R_i| (what the flattened baseline runs)
+    logical_tokens: int = counter(per_tree=True)
+    # tokens actually run through the model (prompt once per tree, padding included)
+    executed_tokens: int = counter()
+    trees: int = counter(per_tree=True)
+    micro_batches: int = counter()
+    # prompt activations held on the host instead of the device (``Offload``)
+    offloaded_bytes: int = counter("offload/offloaded_bytes")
+    # of those, bytes copied back ahead of the prompt backward's use
+    prefetched_bytes: int = counter("offload/prefetched_bytes")
+    offload_copies: int = counter("offload/copies")  # offload copies, both directions
+    # bytes sent by this rank, keyed "<primitive>/fwd" and "<primitive>/bwd" (and the score exchanges')
+    comm_bytes: dict[str, int] = keyed(COMM_KEYS)
+    # plan kind -> number of trees run with it
+    plans: dict[str, int] = keyed(PLAN_KINDS, per_tree=True)
+
+    @classmethod
+    def counters(cls) -> list[Field]:
+        """The integer counter fields (``counter``)."""
+        return [f for f in fields(cls) if "metric" in f.metadata]
+
+    @classmethod
+    def keyed(cls) -> list[Field]:
+        """The ``dict[str, int]`` counter fields (``keyed``)."""
+        return [f for f in fields(cls) if "keys" in f.metadata]
+
+    @staticmethod
+    def metric_name(name: str) -> str:
+        """The metric a phase or counter field ``name`` is reported as."""
+        spec = vars(ReplayStats).get(name)
+        metric = spec.metric if isinstance(spec, _PhaseSeconds) else \
+            next(f for f in fields(ReplayStats) if f.name == name).metadata.get("metric")
+        return metric or name
 
     def start_timer(self, device: torch.device):
         """A start mark for ``stop_timer``: a recorded CUDA event on a CUDA device, else ``perf_counter()``."""
@@ -78,23 +124,18 @@ class ReplayStats:
             self.__dict__["_" + phase] = self.__dict__.get("_" + phase, 0.0) + start.elapsed_time(end) / 1000.0
 
     def add(self, other: ReplayStats, *, count_trees: bool = True) -> None:
-        """Add ``other``'s times, executed tokens, micro-batches, bytes and offload counters; its trees (logical
-        tokens, tree and plan counts) only with ``count_trees`` (one member of a CP group counts a shared tree)."""
-        self.prefill_s += other.prefill_s
-        self.replay_s += other.replay_s
-        self.prompt_backward_s += other.prompt_backward_s
-        self.executed_tokens += other.executed_tokens
-        self.micro_batches += other.micro_batches
-        self.offloaded_bytes += other.offloaded_bytes
-        self.prefetched_bytes += other.prefetched_bytes
-        self.offload_copies += other.offload_copies
-        for key, value in other.comm_bytes.items():
-            self.comm_bytes[key] += value
-        if count_trees:
-            self.logical_tokens += other.logical_tokens
-            self.trees += other.trees
-            for key, value in other.plans.items():
-                self.plans[key] += value
+        """Add ``other``'s times and counters; its per-tree counters (logical tokens, tree and plan counts)
+        only with ``count_trees`` (one member of a CP group counts a shared tree)."""
+        for phase in PHASES:
+            setattr(self, phase, getattr(self, phase) + getattr(other, phase))
+        for f in self.counters():
+            if count_trees or not f.metadata["per_tree"]:
+                setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+        for f in self.keyed():
+            if count_trees or not f.metadata["per_tree"]:
+                mine = getattr(self, f.name)
+                for key, value in getattr(other, f.name).items():
+                    mine[key] += value
 
     def add_bytes(self, primitive: str, direction: str, nbytes: int) -> None:
         self.comm_bytes[f"{primitive}/{direction}"] += int(nbytes)
@@ -102,3 +143,6 @@ class ReplayStats:
     @property
     def total_comm_bytes(self) -> int:
         return sum(self.comm_bytes.values())
+
+
+PHASES = tuple(name for name, value in vars(ReplayStats).items() if isinstance(value, _PhaseSeconds))
