@@ -9,6 +9,8 @@ tokens, trees and bytes summed, times those of the slowest rank.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 from verl.utils.metric import AggregationType, Metric
@@ -31,7 +33,8 @@ def group_totals(stats: ReplayStats, group, device) -> ReplayStats:
     dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=group)
     dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
     summed = iter(int(x) for x in counts.tolist())
-    total = ReplayStats(**dict(zip(PHASES, times.tolist())), **{f.name: next(summed) for f in counters})
+    values: dict[str, Any] = {**dict(zip(PHASES, times.tolist())), **{f.name: next(summed) for f in counters}}
+    total = ReplayStats(**values)
     for f in keyed:
         getattr(total, f.name).update({k: next(summed) for k in f.metadata["keys"]})
     return total

@@ -23,6 +23,8 @@ Returns every response's scores on every member of the subgroup.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from augtree_verl.cp.comm import Meter, Ring, all_gather_sum
@@ -87,7 +89,7 @@ class CPTreeRun:
     def _prefill(self, prompt: torch.Tensor, prefill, rank: int, meter: Meter):
         index = prefill.members.index(rank)
         pos = prefill.layout.positions(index, device=prompt.device)
-        capture = {}
+        capture: dict[int, tuple] = {}
         ctx = RingContext(Ring(self.group, prefill.members, index), prefill.layout, meter, capture)
         hidden = self._shard(prompt[pos], pos, ctx)
         owner, local = prefill.layout.owner(prompt.shape[0] - 1)
@@ -138,6 +140,7 @@ class CPTreeRun:
             scored = (pos >= p - 1).nonzero().squeeze(1)
             return hidden, ([(step.fed, pos[scored] - (p - 1), hidden[scored], seq[pos[scored] + 1])]
                             if scored.numel() else [])
+        ctx: LaneReplayContext | MoveQReplayContext
         if step.kind == "lane":
             ctx = LaneReplayContext(ring, step.layout, step.prefix, prompt.kv, meter)
         else:
@@ -160,10 +163,10 @@ class CPTreeRun:
         backpropagated through the tokens this rank owns (``dummy``: the dummy row's scores, with zero)."""
         leaves = [f.clone().requires_grad_() for f in full]
         loss = self.calls.loss(t, responses, leaves)
-        grads = [None] * len(leaves)
+        found: Sequence[torch.Tensor | None] = [None] * len(leaves)
         if loss is not None and loss.requires_grad:
-            grads = torch.autograd.grad(loss, leaves, allow_unused=True)
-        grads = [g if g is not None else torch.zeros_like(f) for g, f in zip(grads, full)]
+            found = torch.autograd.grad(loss, leaves, allow_unused=True)
+        grads = [g if g is not None else torch.zeros_like(f) for g, f in zip(found, full)]
         roots = [s for _, _, s in owned] + ([dummy] if dummy is not None else [])
         seeds = [grads[responses.index(i)][idx] for i, idx, _ in owned]
         seeds += [torch.zeros_like(dummy)] if dummy is not None else []

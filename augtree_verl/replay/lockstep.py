@@ -58,13 +58,13 @@ def lockstep_slots(trees: list[Tree], plans: list, budget_tokens: int, *, mesh=N
     for d in sorted(mesh.degrees if mesh is not None else (1,), reverse=True):
         if d == 1:
             mine = [t for t in range(len(trees)) if degrees[t] == 1 and (mesh is None or subgroups[t] == mesh.cp_rank)]
-            slots = [Slot(t, 1, 0, split_micro_batches(trees[t].response_lens, budget_tokens)) for t in mine]
+            slots = [Slot(t, 1, 0, split_micro_batches(list(trees[t].response_lens), budget_tokens)) for t in mine]
             key = {s.tree: len(s.micro_batches) for s in slots}
         else:
             mine = [t for t in range(len(trees)) if degrees[t] == d and subgroups[t] == mesh.subgroup_index(d)]
-            slots = [Slot(t, d, 0, [], cp_tree_schedule(plans[t], trees[t].prompt_len, trees[t].response_lens,
+            slots = [Slot(t, d, 0, [], cp_tree_schedule(plans[t], trees[t].prompt_len, list(trees[t].response_lens),
                                                         mesh.subgroup_rank(d))) for t in mine]
-            key = {t: max(len(cp_tree_schedule(plans[t], trees[t].prompt_len, trees[t].response_lens, r).steps)
+            key = {t: max(len(cp_tree_schedule(plans[t], trees[t].prompt_len, list(trees[t].response_lens), r).steps)
                           for r in range(d)) for t in mine}
         slots.sort(key=lambda s: (-key[s.tree], s.tree))
         phases.append((d, slots))
@@ -73,17 +73,18 @@ def lockstep_slots(trees: list[Tree], plans: list, budget_tokens: int, *, mesh=N
             for s in slots:
                 s.calls = s.own_calls
         return [s for _, slots in phases for s in slots]
-    counts = torch.tensor([len(slots) for _, slots in phases], dtype=torch.int64, device=device)
-    torch.distributed.all_reduce(counts, op=torch.distributed.ReduceOp.MAX, group=group)
-    counts = counts.tolist()
-    shape = torch.zeros(sum(counts), dtype=torch.int64, device=device)
+    agreed = torch.tensor([len(slots) for _, slots in phases], dtype=torch.int64, device=device)
+    torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MAX, group=group)
+    counts: list[int] = agreed.tolist()
+    agreed = torch.zeros(sum(counts), dtype=torch.int64, device=device)
     start = 0
     for (_, slots), n in zip(phases, counts):
-        shape[start: start + len(slots)] = torch.tensor([s.own_calls for s in slots], dtype=torch.int64)
+        agreed[start: start + len(slots)] = torch.tensor([s.own_calls for s in slots], dtype=torch.int64)
         start += n
-    torch.distributed.all_reduce(shape, op=torch.distributed.ReduceOp.MAX, group=group)
-    shape = shape.tolist()
-    out, start = [], 0
+    torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MAX, group=group)
+    shape: list[int] = agreed.tolist()
+    out: list[Slot] = []
+    start = 0
     for (d, slots), n in zip(phases, counts):
         for j in range(n):
             slot = slots[j] if j < len(slots) else Slot(None, d, 0, [])

@@ -85,11 +85,13 @@ class StepPlan:
             mesh = _world_mesh()
         if mesh is not None:
             plans, subgroups = _check_subgroups(mesh, plans, subgroups, trees, rebalance)
+        elif subgroups is not None:
+            raise ValueError("subgroups place trees in a CP group: pass a mesh or a plan of degree > 1")
         if device is None:
             device = trees[0].prompt.device if trees else torch.device("cpu")
         slots = lockstep_slots(trees, plans, micro_batch_tokens, mesh=mesh, subgroups=subgroups, group=lockstep_group,
                                device=device)
-        return cls(trees, plans, slots, mesh, subgroups, temperature, entropy_fn, offload,
+        return cls(trees, plans, slots, mesh, subgroups and list(subgroups), temperature, entropy_fn, offload,
                    stats if stats is not None else ReplayStats(), fallbacks)
 
     @classmethod
