@@ -146,7 +146,7 @@ class AugTreeEngine(FSDPEngineWithLMHead):
 
     def _stream(self, step: _Step, micro_batches: list[TensorDict], loss_function, forward_only: bool,
                 return_model_output: bool) -> list[dict]:
-        """One step (``replay``'s streamed schedule, see the module docstring), then verl's reported losses
+        """One step (a ``StepPlan`` run by ``replay``, see the module docstring), then verl's reported losses
         and metrics per verl micro-batch on the detached outputs."""
         train = not forward_only
         dp_group = self.get_data_parallel_group()

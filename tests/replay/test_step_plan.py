@@ -1,5 +1,5 @@
-"""The step plan's CP placement policy: which subgroup of a CP group replays which tree, at which degree
-(``assign_subgroups``, ``pack_subgroups``)."""
+"""The step plan: what it decides without a CP group, and its CP placement policy (which subgroup of a CP
+group replays which tree, at which degree: ``assign_subgroups``, ``pack_subgroups``)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,21 @@ import pytest
 
 from augtree_verl.groups import Tree
 from augtree_verl.plan import Plan
-from augtree_verl.replay.step_plan import assign_subgroups, pack_subgroups
+from augtree_verl.replay.step_plan import StepPlan, assign_subgroups, pack_subgroups
+from tests.parity import random_trees
+
+
+def test_without_a_cp_group_every_tree_is_a_slot_here_most_micro_batches_first():
+    trees = random_trees([4, 4, 4], [[2], [3, 3, 3], [2, 2]])
+    plan = StepPlan.build(trees, micro_batch_tokens=3)  # rows x longest row <= 3: [3] [3] [3], [2] [2], [2]
+    assert [(s.tree, s.degree, s.calls, s.micro_batches) for s in plan.slots] == [
+        (1, 1, 3, [[0], [1], [2]]), (2, 1, 2, [[0], [1]]), (0, 1, 1, [[0]])]
+    assert (plan.plans, plan.mesh, plan.subgroups, plan.fallbacks) == ([None] * 3, None, None, 0)
+
+
+def test_subgroups_need_a_cp_group():
+    with pytest.raises(ValueError, match="subgroups place trees in a CP group"):
+        StepPlan.build(random_trees([4], [[2]]), subgroups=[0])
 
 
 def test_heaviest_first_onto_the_least_loaded_subgroup():
