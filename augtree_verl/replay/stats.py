@@ -1,7 +1,7 @@
 """What one ``replay`` call did: phase times, token counts and bytes moved (for metrics and benchmarks).
 
 Everything that sums, combines over a CP group or becomes a metric is read from the dataclass fields
-(``phases``, ``counters``, ``keyed``): a new counter is one line, ``name: int = counter(...)``.
+(``PHASES``, ``ReplayStats.counters``, ``ReplayStats.keyed``): a new counter is one line, ``name: int = counter(...)``.
 
 Phase timers (``start_timer`` / ``stop_timer``): on CPU wall-clock ``perf_counter``; on CUDA a pair of
 CUDA events recorded on the current stream, so timing never synchronises the hot loop. Event pairs are
@@ -24,16 +24,16 @@ PLAN_KINDS = ("single",) + PRIMITIVES
 COMM_KEYS = tuple(f"{p}/{d}" for p in PRIMITIVES for d in ("fwd", "bwd"))
 
 
-def counter(metric: str | None = None, *, per_tree: bool = False):
-    """An integer counter field: summed by ``add`` and over a CP group, reported as the metric ``metric``
-    (default: the field's name). ``per_tree``: counted once per tree (on one member of a CP group)."""
-    return field(default=0, metadata={"metric": metric, "per_tree": per_tree})
+def counter(metric: str | None = None):
+    """An integer counter field: summed over a CP group and reported as the metric ``metric`` (default: the
+    field's name)."""
+    return field(default=0, metadata={"metric": metric})
 
 
-def keyed(keys: tuple[str, ...], *, per_tree: bool = False):
-    """A ``dict[str, int]`` counter field; ``keys``: the ones combined over a CP group and reported (as
-    ``<field>/<key>``); ``add`` sums every key."""
-    return field(default_factory=lambda: defaultdict(int), metadata={"keys": keys, "per_tree": per_tree})
+def keyed(keys: tuple[str, ...]):
+    """A ``dict[str, int]`` counter field; ``keys``: the ones summed over a CP group and reported (as
+    ``<field>/<key>``)."""
+    return field(default_factory=lambda: defaultdict(int), metadata={"keys": keys})
 
 
 class _PhaseSeconds:
@@ -63,21 +63,17 @@ class ReplayStats:
     prefill_s: float = _PhaseSeconds()          # Phase A: prompt forwards
     replay_s: float = _PhaseSeconds()           # Phase B: response micro-batches, forward (+ backward)
     prompt_backward_s: float = _PhaseSeconds("delayed_backward_s")  # Phase C: delayed prompt backwards
-    # sum over responses of |P| + |R_i| (what the flattened baseline runs)
-    logical_tokens: int = counter(per_tree=True)
-    # tokens actually run through the model (prompt once per tree, padding included)
-    executed_tokens: int = counter()
-    trees: int = counter(per_tree=True)
+    logical_tokens: int = counter()   # sum over responses of |P| + |R_i| (what the flattened baseline runs)
+    executed_tokens: int = counter()  # tokens run through the model (prompt once per tree, padding included)
+    trees: int = counter()
     micro_batches: int = counter()
-    # prompt activations held on the host instead of the device (``Offload``)
-    offloaded_bytes: int = counter("offload/offloaded_bytes")
-    # of those, bytes copied back ahead of the prompt backward's use
-    prefetched_bytes: int = counter("offload/prefetched_bytes")
-    offload_copies: int = counter("offload/copies")  # offload copies, both directions
+    offloaded_bytes: int = counter("offload/offloaded_bytes")    # prompt activations held on the host (``Offload``)
+    prefetched_bytes: int = counter("offload/prefetched_bytes")  # of those, copied back ahead of their use
+    offload_copies: int = counter("offload/copies")              # offload copies, both directions
     # bytes sent by this rank, keyed "<primitive>/fwd" and "<primitive>/bwd" (and the score exchanges')
     comm_bytes: dict[str, int] = keyed(COMM_KEYS)
     # plan kind -> number of trees run with it
-    plans: dict[str, int] = keyed(PLAN_KINDS, per_tree=True)
+    plans: dict[str, int] = keyed(PLAN_KINDS)
 
     @classmethod
     def counters(cls) -> list[Field]:
@@ -122,20 +118,6 @@ class ReplayStats:
         for phase, start, end in pending:
             end.synchronize()
             self.__dict__["_" + phase] = self.__dict__.get("_" + phase, 0.0) + start.elapsed_time(end) / 1000.0
-
-    def add(self, other: ReplayStats, *, count_trees: bool = True) -> None:
-        """Add ``other``'s times and counters; its per-tree counters (logical tokens, tree and plan counts)
-        only with ``count_trees`` (one member of a CP group counts a shared tree)."""
-        for phase in PHASES:
-            setattr(self, phase, getattr(self, phase) + getattr(other, phase))
-        for f in self.counters():
-            if count_trees or not f.metadata["per_tree"]:
-                setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
-        for f in self.keyed():
-            if count_trees or not f.metadata["per_tree"]:
-                mine = getattr(self, f.name)
-                for key, value in getattr(other, f.name).items():
-                    mine[key] += value
 
     def add_bytes(self, primitive: str, direction: str, nbytes: int) -> None:
         self.comm_bytes[f"{primitive}/{direction}"] += int(nbytes)
