@@ -310,11 +310,11 @@ def cp_tree_replay(model, trees, loss_fn, plans):
     from augtree_verl.replay.attention import use_augtree_attention
     from augtree_verl.replay.calls import ModelCalls
     from augtree_verl.replay.cp_tree import CPTreeRun
-    from augtree_verl.replay.schedule import Slot
+    from augtree_verl.replay.lockstep import Slot
 
     use_augtree_attention(model)
     calls = ModelCalls(model, temperature=1.0, stats=ReplayStats(), entropy_fn=None,
-                       micro_batch_loss=lambda t, rows, scores: sum(loss_fn(t, i, s) for i, s in zip(rows, scores)))
+                       micro_batch_loss=per_response(loss_fn))
     run, out = CPTreeRun(calls, dist.group.WORLD), []
     for t, (tree, plan) in enumerate(zip(trees, plans)):
         schedule = cp_tree_schedule(plan, tree.prompt_len, tree.response_lens, 0)
