@@ -10,7 +10,7 @@ checkpoints, offload). ``forward_backward_batch`` keeps verl's contract:
   k scoring token k + 1. Only the response part (positions P-1 .. P+R-2) is computed; other positions are 0.
 
 Each step is one ``StepPlan`` (``replay.step_plan``: the trees, the trainer's plans decoded from the batch,
-the CP placement, the lock-step slots), built once and run by ``replay`` (one path with and without CP):
+each tree's CP subgroup, the lock-step slots), built once and run by ``replay`` (one path with and without CP):
 per tree the prompt runs
 once (its K/V kept as float32 leaves, ``replay.prompt_kv``), the tree's responses run as the engine's own
 micro-batches (one device: under the largest verl micro-batch's tokens; context-parallel: one CP step of

@@ -2,7 +2,7 @@
 executed; and ``exchange_scores``, the one exchange of scores among ranks (a step's members, a lane's
 responses, and ``replay``'s sharing of every tree's scores over the CP group).
 
-Every member of the tree's subgroup runs the slot at the same time (the lock-step schedule puts the tree
+Every member of the tree's subgroup runs the slot at the same time (the lock-step slots put the tree
 in the same slot on all of them):
 
 - prefill: the prompt sharded over the prefill ring (``CPPrefill``) into a ``PromptKV`` (this rank's K/V

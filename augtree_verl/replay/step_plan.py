@@ -4,7 +4,7 @@ flashinfer's plan/run shape: ``StepPlan.build`` (or ``StepPlan.from_batch``, the
 the trainer's plan field) takes the trees of the step and fixes
 
 - the trees (``groups.Tree``, with tokens) and one ``Plan`` (or None) per tree;
-- the CP placement: per tree, the subgroup of the CP group it runs on (``subgroups[t]``, of its plan's
+- the subgroups: per tree, the subgroup of the CP group it runs on (``subgroups[t]``, of its plan's
   degree; a CP rank for degree 1), chosen by ``assign_subgroups`` unless given;
 - the lock-step shape: this rank's slots (``replay.lockstep``), agreed over ``lockstep_group``;
 - how to run: temperature, entropy, offload, and the ``ReplayStats`` the run adds to.
