@@ -155,14 +155,14 @@ class AugTreeEngine(FSDPEngineWithLMHead):
         # The trainer's plans (``use_planner`` says only where the trainer got them); none without them.
         entries = [e for mb in micro_batches for e in mb[PLAN_FIELD]] if PLAN_FIELD in micro_batches[0].keys() \
             else None
-        plan = StepPlan.from_batch(
+        step_plan = StepPlan.from_batch(
             trees, entries, mesh=self.cp_mesh, min_cp_tokens=self.engine_config.fallback_threshold_tokens,
             micro_batch_tokens=min(self.engine_config.micro_batch_tokens, _largest_micro_batch(micro_batches)),
             temperature=step.temperature, entropy_fn=self._entropy if step.want_entropy else None,
             offload=Offload(step.stats) if self.engine_config.offload_prompt_activations else None, stats=step.stats,
             lockstep_group=torch.distributed.group.WORLD if world > 1 else None)
-        step.plans += plan.plans
-        step.plan_fallbacks += plan.fallbacks
+        step.plans += step_plan.plans
+        step.plan_fallbacks += step_plan.fallbacks
         flat = tu.concat_tensordict(micro_batches) if train else None
 
         def micro_batch_loss(t, rows, scores):
@@ -172,7 +172,7 @@ class AugTreeEngine(FSDPEngineWithLMHead):
             loss = loss * self.cp_mesh.cp_size
             return self.scaler.scale(loss) if self.scaler is not None else loss
 
-        scores = replay(FSDPReplayModel(self.module), plan, micro_batch_loss if train else None)
+        scores = replay(FSDPReplayModel(self.module), step_plan, micro_batch_loss if train else None)
         by_row = {row: scores[t][i] for t, tree in enumerate(trees) for i, row in enumerate(tree.samples)}
 
         output_lst = []

@@ -41,27 +41,27 @@ def replay(model, step_plan: StepPlan, loss: MicroBatchLossFn | None = None) -> 
     it (on a CP tree: summed over the members of its subgroup). Without a loss, runs forward only under
     ``torch.no_grad``. With a mesh, every rank of the CP group gets every response's scores.
     """
-    plan, trees = step_plan, step_plan.trees
+    trees = step_plan.trees
     device = model.get_input_embeddings().weight.device
     vocab = model.get_input_embeddings().num_embeddings
     for t, tree in enumerate(trees):
         tree.check_tokens(t, vocab, device)
-    mesh, stats = plan.mesh, plan.stats
-    if mesh is not None and any(p is not None and p.degree > 1 for p in plan.plans) and model.training \
+    mesh, stats = step_plan.mesh, step_plan.stats
+    if mesh is not None and any(p is not None and p.degree > 1 for p in step_plan.plans) and model.training \
             and getattr(model.config, "attention_dropout", 0.0):
         raise ValueError(f"attention_dropout={model.config.attention_dropout} is not supported by the CP replay")
-    calls = ModelCalls(model, temperature=plan.temperature, stats=stats, entropy_fn=plan.entropy_fn,
-                       micro_batch_loss=loss, offload=plan.offload)
+    calls = ModelCalls(model, temperature=step_plan.temperature, stats=stats, entropy_fn=step_plan.entropy_fn,
+                       micro_batch_loss=loss, offload=step_plan.offload)
     cp_runs = {d: CPTreeRun(calls, mesh.group_of(d)) for d in mesh.subgroups} if mesh is not None else {}
     scores: list[list[torch.Tensor] | None] = [None] * len(trees)
     reported: set[int] = set()  # trees this rank counts and reports: one rank (a subgroup's first) per tree
     use_augtree_attention(model)
     with torch.set_grad_enabled(calls.train), _fp32_grad_sums(model if calls.train else None):
-        for slot in plan.slots:
+        for slot in step_plan.slots:
             if slot.tree is None:  # a dummy slot: prefill, calls, prompt backward
                 calls.finish_slot(calls.dummy_prompt(), 0, slot.calls, stats.start_timer(device))
                 continue
-            t, tree_plan = slot.tree, plan.plans[slot.tree]
+            t, tree_plan = slot.tree, step_plan.plans[slot.tree]
             if slot.degree == 1:
                 scores[t] = run_tree(calls, t, trees[t], slot)
             else:
@@ -73,7 +73,7 @@ def replay(model, step_plan: StepPlan, loss: MicroBatchLossFn | None = None) -> 
                 stats.plans[tree_plan.primitive if tree_plan else "single"] += 1
     if mesh is None:
         return scores
-    return _share(plan, scores, reported, device, width=None if plan.entropy_fn is None else 2)
+    return _share(step_plan, scores, reported, device, width=None if step_plan.entropy_fn is None else 2)
 
 
 def per_response(loss_fn: LossFn) -> MicroBatchLossFn:
@@ -113,15 +113,15 @@ def _sum_of_response_losses(loss_fn: LossFn, t: int, rows: list[int], scores: li
     return functools.reduce(operator.add, terms)
 
 
-def _share(plan: StepPlan, scores, reported: set[int], device, *, width: int | None) -> list[list[torch.Tensor]]:
+def _share(step_plan: StepPlan, scores, reported: set[int], device, *, width: int | None) -> list[list[torch.Tensor]]:
     """Every response's scores on every rank of the CP group: the rank that ran a tree (the first member of
     its subgroup) owns its scores (``exchange_scores``)."""
-    responses = [(t, i) for t, tree in enumerate(plan.trees) for i in range(len(tree.responses))]
+    trees, mesh = step_plan.trees, step_plan.mesh
+    responses = [(t, i) for t, tree in enumerate(trees) for i in range(len(tree.responses))]
     owned = [(k, slice(None), scores[t][i]) for k, (t, i) in enumerate(responses) if t in reported]
-    full = exchange_scores([plan.trees[t].response_lens[i] for t, i in responses], owned,
-                           tuple(range(plan.mesh.cp_size)), plan.mesh.cp_group, Meter(plan.stats, SCORE_EXCHANGE),
-                           width=width, device=device)
-    out: list[list[torch.Tensor]] = [[] for _ in plan.trees]
+    full = exchange_scores([trees[t].response_lens[i] for t, i in responses], owned, tuple(range(mesh.cp_size)),
+                           mesh.cp_group, Meter(step_plan.stats, SCORE_EXCHANGE), width=width, device=device)
+    out: list[list[torch.Tensor]] = [[] for _ in trees]
     for (t, _), value in zip(responses, full):
         out[t].append(value)
     return out
