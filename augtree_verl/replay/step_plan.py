@@ -57,7 +57,7 @@ class StepPlan:
               subgroups: Sequence[int] | None = None, rebalance: bool = False,
               micro_batch_tokens: int = DEFAULT_MICRO_BATCH_TOKENS, temperature: float = 1.0,
               entropy_fn: EntropyFn | None = None, offload: Offload | None = None, stats: ReplayStats | None = None,
-              lockstep_group=None, device: torch.device | None = None, fallbacks: int = 0) -> StepPlan:
+              lockstep_group=None, device: torch.device | None = None) -> StepPlan:
         """The plan of one step; ``ValueError`` naming the tree, plan or value on bad input.
 
         ``trees``: ``Tree.of_tokens`` trees. ``plans``: one ``Plan`` (or None) per tree; a plan of degree
@@ -91,8 +91,8 @@ class StepPlan:
             device = trees[0].prompt.device if trees else torch.device("cpu")
         slots = lockstep_slots(trees, plans, micro_batch_tokens, mesh=mesh, subgroups=subgroups, group=lockstep_group,
                                device=device)
-        return cls(trees, plans, slots, mesh, subgroups and list(subgroups), temperature, entropy_fn, offload,
-                   stats if stats is not None else ReplayStats(), fallbacks)
+        return cls(trees=trees, plans=plans, slots=slots, mesh=mesh, subgroups=subgroups, temperature=temperature,
+                   entropy_fn=entropy_fn, offload=offload, stats=stats if stats is not None else ReplayStats())
 
     @classmethod
     def from_batch(cls, trees: Sequence[Tree], entries: Sequence[dict] | None, *, mesh: CPMesh | None,
@@ -103,8 +103,10 @@ class StepPlan:
         ``mesh``: the engine's (its degrees are the ones a plan may have). ``options``: those of ``build``."""
         degrees = mesh.degrees if mesh is not None else (1,)
         plans, fallbacks = tree_plans(trees, entries, degrees, min_cp_tokens=min_cp_tokens)
-        return cls.build(trees, plans=plans, mesh=mesh if mesh is not None and mesh.cp_size > 1 else None,
-                         rebalance=True, fallbacks=fallbacks, **options)
+        step_plan = cls.build(trees, plans=plans, mesh=mesh if mesh is not None and mesh.cp_size > 1 else None,
+                              rebalance=True, **options)
+        step_plan.fallbacks = fallbacks
+        return step_plan
 
 
 def assign_subgroups(trees: Sequence[Tree], plans: Sequence[Plan | None], cp_size: int, *,
