@@ -4,9 +4,11 @@ group replays which tree, at which degree: ``assign_subgroups``, ``pack_subgroup
 from __future__ import annotations
 
 import pytest
+import torch
 
-from augtree_verl.groups import Tree
+from augtree_verl.groups import Tree, find_trees
 from augtree_verl.plan import Plan
+from augtree_verl.plan_field import plan_entries
 from augtree_verl.replay.step_plan import StepPlan, assign_subgroups, pack_subgroups
 from tests.parity import random_trees
 
@@ -17,6 +19,18 @@ def test_without_a_cp_group_every_tree_is_a_slot_here_most_micro_batches_first()
     assert [(s.tree, s.degree, s.calls, s.micro_batches) for s in plan.slots] == [
         (1, 1, 3, [[0], [1], [2]]), (2, 1, 2, [[0], [1]]), (0, 1, 1, [[0]])]
     assert (plan.plans, plan.mesh, plan.subgroups, plan.fallbacks) == ([None] * 3, None, None, 0)
+
+
+def test_from_batch_decodes_the_trainers_plans_and_counts_what_cannot_apply_here():
+    uids, prompt_lens, response_lens = ["a", "b", "a"], [4, 3, 4], [2, 5, 3]
+    sequences = [torch.arange(p + r) for p, r in zip(prompt_lens, response_lens)]
+    planned = {"a|4": Plan(degree=2, est_time_s=1.0, est_single_s=1.5), "b|3": Plan(est_time_s=0.5)}
+    entries = plan_entries(find_trees(uids, prompt_lens, response_lens), planned, len(uids))
+    trees = find_trees(uids, prompt_lens, response_lens, sequences)
+    step_plan = StepPlan.from_batch(trees, entries, mesh=None)  # no CP group: the degree-2 plan cannot apply
+    assert (step_plan.plans, step_plan.fallbacks) == ([Plan(est_time_s=1.5), planned["b|3"]], 1)
+    assert [(s.tree, s.micro_batches) for s in step_plan.slots] == [(0, [[1, 0]]), (1, [[0]])]
+    assert StepPlan.from_batch(trees, None, mesh=None).plans == [None, None]
 
 
 def test_subgroups_need_a_cp_group():
