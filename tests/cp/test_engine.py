@@ -54,7 +54,8 @@ def check_call(model, trees, plans, *, temperature=1.0, train=True, seed=0, forw
     loss_fn = grpo_like_loss(trees, seed) if train else None
     model.zero_grad(set_to_none=True)
     stats = ReplayStats()
-    got = replay(model, StepPlan.build(trees, plans=plans, temperature=temperature, stats=stats), per_response(loss_fn))
+    step_plan = StepPlan.build(trees, plans=plans, temperature=temperature, stats=stats)
+    got = replay(model, step_plan, per_response(loss_fn) if train else None)
     summed = summed_grads(model) if train else {}
     model.zero_grad(set_to_none=True)
     want = flattened_replay(model, trees, loss_fn, temperature=temperature)
@@ -241,7 +242,7 @@ def _bad_plans(rank, world):
         replay(model, StepPlan.build(trees, plans=[ring_plan(4)]))
     with pytest.raises(ValueError, match="tree 0 has 1 cells"):
         replay(model, StepPlan.build(trees, plans=[split_plan("move_q", 2, 1, ((0, 0),))]))
-    with pytest.raises(ValueError, match="tree 0: placement 1 outside the 1 subgroups of degree 2"):
+    with pytest.raises(ValueError, match="tree 0: subgroup 1 outside the 1 subgroups of degree 2"):
         replay(model, StepPlan.build(trees, plans=[ring_plan(2)], subgroups=[1]))
 
 
