@@ -1,9 +1,10 @@
-"""A batch's samples as replay trees (one prompt and its responses) and a tree's estimated replay work.
+"""The replay tree (one prompt and the responses sampled from it), its identity and its estimated work.
 
-Shared by the trainer (group-aware balance, plans per tree) and the engine (scheduling trees over a CP
-group), so neither imports the other. Inputs are per-sample lists in batch order: ``uids``,
-``prompt_lens`` and ``response_lens`` (tokens). Samples that share a uid but not a prompt length (e.g.
-multi-turn outputs) are separate trees of one group.
+One tree type for the trainer, the plan field, the engine and the replay. A tree is identified by
+``tree_id(uid, prompt_len)`` = ``"<uid>|<prompt_len>"``: the trainer, which knows only lengths, plans under
+it, and the engine finds the trainer's plan under it. The trainer's trees carry lengths only; the engine's
+and the replay's also carry the token ids (``Tree.of_tokens``). Samples that share a uid but not a prompt
+length (e.g. multi-turn outputs) are separate trees of one group.
 """
 
 from __future__ import annotations
@@ -12,22 +13,72 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from verl.utils.seqlen_balancing import calculate_workload
 
 
-@dataclass(frozen=True)
+def tree_id(uid: str, prompt_len: int) -> str:
+    """The identity of the tree of group ``uid`` whose prompt has ``prompt_len`` tokens."""
+    return f"{uid}|{prompt_len}"
+
+
+@dataclass(frozen=True, eq=False)
 class Tree:
-    """One replay tree: a prompt and the batch samples that respond to it.
+    """One replay tree: a prompt and the samples that respond to it.
 
-    ``samples[i]`` is the batch index of the tree's i-th response, ``response_lens[i]`` its length;
-    the order is the order of first appearance in the batch (the order the planner sees).
+    ``samples[i]``: the batch index of response i (empty outside a batch); ``response_lens[i]`` its length;
+    the order is the order of first appearance in the batch (the order the planner sees). With tokens
+    (``of_tokens``): ``prompt`` LongTensor [P] and ``responses`` G LongTensors [R_i], on the model's device.
     """
 
-    tree_id: str
     uid: str
     prompt_len: int
-    samples: tuple[int, ...]
     response_lens: tuple[int, ...]
+    samples: tuple[int, ...] = ()
+    prompt: torch.Tensor | None = None
+    responses: tuple[torch.Tensor, ...] = ()
+
+    @classmethod
+    def of_tokens(cls, prompt: torch.Tensor, responses: Sequence[torch.Tensor], *, uid: str = "",
+                  samples: Sequence[int] = ()) -> Tree:
+        """The tree of ``prompt`` [P] and ``responses`` [R_i] (checked by ``check_tokens``, not here)."""
+        return cls(uid=uid, prompt_len=len(prompt), response_lens=tuple(len(r) for r in responses),
+                   samples=tuple(samples), prompt=prompt, responses=tuple(responses))
+
+    @property
+    def tree_id(self) -> str:
+        return tree_id(self.uid, self.prompt_len)
+
+    def check_tokens(self, index: int, vocab_size: int | None = None, device: torch.device | None = None) -> None:
+        """Raise ``ValueError`` naming tree ``index`` (and the response) for malformed token ids: not 1-D
+        integer tensors, empty, no responses; with ``vocab_size`` and ``device``, ids outside the vocabulary
+        or on another device. The vocabulary range of all the tree's ids is read in one device-to-host copy
+        (one host sync per tree, before any kernel runs), not one per sequence."""
+        _check_ids(self.prompt, f"tree {index} prompt", device)
+        if len(self.responses) == 0:
+            raise ValueError(f"tree {index} has no responses")
+        for i, r in enumerate(self.responses):
+            _check_ids(r, f"tree {index} response {i}", device)
+        if vocab_size is None:
+            return
+        ids = [self.prompt, *self.responses]
+        bounds = torch.stack([torch.stack([t.min(), t.max()]) for t in ids]).tolist()
+        for j, (lo, hi) in enumerate(bounds):
+            if lo < 0 or hi >= vocab_size:
+                what = f"tree {index} prompt" if j == 0 else f"tree {index} response {j - 1}"
+                raise ValueError(f"{what} has token id {lo if lo < 0 else hi} outside the vocabulary "
+                                 f"[0, {vocab_size})")
+
+
+def _check_ids(t, what: str, device: torch.device | None) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{what} must be a torch.Tensor of token ids, got {type(t).__name__}")
+    if t.dim() != 1:
+        raise ValueError(f"{what} must be 1-D, got shape {tuple(t.shape)}")
+    if t.numel() == 0:
+        raise ValueError(f"{what} is empty")
+    if t.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"{what} must hold integer token ids, got dtype {t.dtype}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{what} is on {t.device} but the model is on {device}")
 
 
 def tree_workload(prompt_len: int, response_lens: Sequence[int]) -> int:
@@ -38,25 +89,38 @@ def tree_workload(prompt_len: int, response_lens: Sequence[int]) -> int:
     passes and keeps each response's attention to the prompt (the 2·P·R_i cross term of w(P + R_i)),
     so the tree costs sum_i w(P + R_i) - (G - 1)·w(P).
     """
+    from verl.utils.seqlen_balancing import calculate_workload  # lazy: importing verl takes seconds
+
     lens = torch.tensor([prompt_len] + [prompt_len + r for r in response_lens], dtype=torch.int64)
     work = calculate_workload(lens)
     return int(work[1:].sum() - (len(response_lens) - 1) * work[0])
 
 
-def find_trees(uids: Sequence, prompt_lens: Sequence[int], response_lens: Sequence[int]) -> list[Tree]:
-    """Group samples into replay trees keyed by (uid, prompt length); raise ValueError on bad input."""
+def find_trees(uids: Sequence, prompt_lens: Sequence[int], response_lens: Sequence[int],
+               sequences: Sequence[torch.Tensor] | None = None) -> list[Tree]:
+    """Group samples into trees by ``tree_id``; raise ValueError naming the sample on bad input.
+
+    With ``sequences`` (sample i's token ids [prompt_lens[i] + response_lens[i]]) the trees carry their
+    tokens, and samples of one ``tree_id`` whose prompt tokens differ become separate trees (each is
+    then only part of the tree the trainer planned, so a split plan cannot apply to it).
+    """
     if not len(uids) == len(prompt_lens) == len(response_lens):
         raise ValueError(
             f"uids, prompt_lens and response_lens must have one entry per sample, got "
             f"{len(uids)}, {len(prompt_lens)} and {len(response_lens)}")
-    members: dict[tuple[str, int], list[int]] = {}
+    members: dict[tuple, list[int]] = {}
     for i, (uid, p, r) in enumerate(zip(uids, prompt_lens, response_lens)):
         if not isinstance(uid, str) or not uid:
             raise ValueError(f"sample {i} has uid {uid!r}; every sample needs a non-empty string uid")
         if int(p) < 1 or int(r) < 1:
             raise ValueError(
                 f"sample {i} of group {uid!r} has prompt_len={p}, response_len={r}; both must be >= 1")
-        members.setdefault((uid, int(p)), []).append(i)
-    return [Tree(tree_id=f"{uid}|{p}", uid=uid, prompt_len=p, samples=tuple(idx),
-                 response_lens=tuple(int(response_lens[i]) for i in idx))
-            for (uid, p), idx in members.items()]
+        key: tuple = (uid, int(p))
+        if sequences is not None:
+            key += (sequences[i][: int(p)].cpu().numpy().tobytes(),)
+        members.setdefault(key, []).append(i)
+    if sequences is None:
+        return [Tree(uid=uid, prompt_len=p, samples=tuple(idx), response_lens=tuple(int(response_lens[i]) for i in idx))
+                for (uid, p), idx in members.items()]
+    return [Tree.of_tokens(sequences[idx[0]][:p], [sequences[i][p:] for i in idx], uid=uid, samples=idx)
+            for (uid, p, _), idx in members.items()]

@@ -26,7 +26,7 @@ class Plan:
     placement: tuple[tuple[int, int], ...] = ()
     # Filled by the planner: the estimated step time and its parts (prefill, replay, comm), seconds, and the
     # estimated time of the tree's best plan on one rank (None if none fits), for trading CP against running
-    # several trees side by side (``cp.mesh.schedule_trees``).
+    # several trees side by side (``replay.step_plan.assign_subgroups``).
     est_time_s: float | None = None
     est_parts: dict[str, float] = field(default_factory=dict, compare=False)
     est_single_s: float | None = None

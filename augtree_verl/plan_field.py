@@ -10,13 +10,14 @@ kept through verl's mini-batch and micro-batch slicing). Each entry is the sampl
      "response_index": int,   # this sample is response i of the tree; placement[i] is its (round, lane)
      "num_responses": int}    # G, the tree's size when it was planned
 
-``Plan.from_dict(entry)`` reads the plan part and ignores the rest. A worker may hold only part of a
-tree (a group split across ranks or mini-batches); ``group_plan_entries`` says so, and a split plan
-only applies to the complete tree.
+``Plan.from_dict(entry)`` reads the plan part and ignores the rest. ``group_plan_entries`` is the one
+decoder of a batch's entries; ``tree_plans`` matches them to the engine's trees. A worker may hold only part
+of a tree (a group split across ranks or mini-batches); a split plan only applies to the complete tree.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -86,3 +87,47 @@ def group_plan_entries(entries: Sequence[Mapping]) -> dict[str, PlannedTree]:
                                      positions=tuple(p for _, p in members),
                                      response_indices=tuple(indices), num_responses=n)
     return trees
+
+
+def tree_plans(trees: Sequence[Tree], entries: Sequence[Mapping] | None, cp_degrees: Sequence[int] = (1,), *,
+               min_cp_tokens: int = 0) -> tuple[list[Plan | None], int]:
+    """(one plan per tree, number of trees whose plan could not apply here) for the engine's ``trees``
+    (``Tree.samples``: rows of the batch) from the batch's entries (``entries[row]``; None: no plans, every
+    tree gets None).
+
+    Every sample of a tree must carry that tree's ``tree_id`` (ValueError naming the row otherwise). A ring
+    plan (no split) applies to any part of its tree; a split plan only when the tree holds all its planned
+    responses (its placement is then reordered to the tree's responses). A context-parallel plan (degree
+    d > 1) applies when d is one of ``cp_degrees``. A plan that cannot apply is replaced by the one-device
+    plan (``Plan()``: ring, degree 1) carrying the planner's one-rank estimate ``est_single_s`` as its time,
+    and counted. A context-parallel plan of a tree whose prompt plus longest response is shorter than
+    ``min_cp_tokens`` becomes the one-device plan too, by configuration (not counted).
+    """
+    if entries is None:
+        return [None] * len(trees), 0
+    planned = group_plan_entries(entries)
+    plans: list[Plan | None] = []
+    fallbacks = 0
+    for t, tree in enumerate(trees):
+        for row in tree.samples:
+            if entries[row]["tree_id"] != tree.tree_id:
+                raise ValueError(f"batch row {row} of tree {t} ({tree.tree_id!r}) carries the plan of tree "
+                                 f"{entries[row]['tree_id']!r}")
+        entry = planned[tree.tree_id]
+        plan = entry.plan
+        one_device = Plan(est_time_s=plan.est_single_s)
+        if plan.degree > 1 and tree.prompt_len + max(tree.response_lens) < min_cp_tokens:
+            plans.append(one_device)
+        elif plan.degree not in cp_degrees:
+            plans.append(one_device)
+            fallbacks += 1
+        elif plan.primitive == "ring":
+            plans.append(plan)
+        elif len(tree.samples) == entry.num_responses:
+            # Our response i is the planner's response ``response_index``: reorder the placement to match.
+            placement = tuple(plan.placement[int(entries[row]["response_index"])] for row in tree.samples)
+            plans.append(dataclasses.replace(plan, placement=placement))
+        else:
+            plans.append(one_device)
+            fallbacks += 1
+    return plans, fallbacks

@@ -28,7 +28,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from augtree_verl import Plan, ReplayStats, ReplayTree, replay
+from augtree_verl import Plan, ReplayStats, StepPlan, Tree, per_response, replay
 from augtree_verl.cp.cost import AttentionShape, analytic_bytes
 from augtree_verl.replay.cp_tree import LOGP_EXCHANGE
 
@@ -61,13 +61,13 @@ def _rank_main(rank, world, port, groups, queue):
     for name, (p, r, g) in groups.items():
         gen = torch.Generator().manual_seed(1)
         ids = lambda n: torch.randint(0, CONFIG["vocab_size"], (n,), generator=gen)
-        tree = ReplayTree(ids(p), [ids(r) for _ in range(g)])
+        tree = Tree.of_tokens(ids(p), [ids(r) for _ in range(g)])
         for label, plan in plans_for(world, g).items():
             stats = ReplayStats()
             model.zero_grad(set_to_none=True)
             dist.barrier()
             start = time.perf_counter()
-            replay(model, [tree], loss_fn, plans=[plan], stats=stats)
+            replay(model, StepPlan.build([tree], plans=[plan], stats=stats), per_response(loss_fn))
             elapsed = time.perf_counter() - start
             want = analytic_bytes(plan, p, tree.response_lens, rank, shape)
             got = {k: stats.comm_bytes.get(f"{plan.primitive}/{k}", 0) for k in ("fwd", "bwd")}

@@ -14,7 +14,7 @@ one random-weight built-in model, fp32. The engines, on the same world and the s
   at degree 2, the others on one rank each;
 - ``augtree planned``: the same engine with the planner's own plan per group (degree 1 or 2, any
   primitive; its cost model calibrated on these two ranks at start, ``ClusterProfile.calibrate``), which
-  the engine's schedule (``cp.mesh.schedule_trees``) may run side by side on one rank each instead.
+  the engine's step plan (``replay.step_plan.assign_subgroups``) may run side by side on one rank each instead.
 
 Batches (prompt length, responses of 64 tokens per group):
 

@@ -53,7 +53,7 @@ import torch
 import torch.distributed as dist
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from augtree_verl import Plan, ReplayStats, ReplayTree, replay
+from augtree_verl import Plan, ReplayStats, StepPlan, Tree, per_response, replay
 from augtree_verl.ops.attention import attention_backward, attention_forward, cuda_backend_name
 from augtree_verl.ops.merge import empty_state, merge_into
 from augtree_verl.replay.baseline import flattened_replay
@@ -251,7 +251,7 @@ def build_model(sizes, device, layers=None):
 def make_trees(specs, vocab, device, seed=0):
     g = torch.Generator().manual_seed(seed)
     ids = lambda n: torch.randint(0, vocab, (n,), generator=g).to(device)
-    return [ReplayTree(ids(p), [ids(r) for r in rs]) for p, rs in specs]
+    return [Tree.of_tokens(ids(p), [ids(r) for r in rs]) for p, rs in specs]
 
 
 def advantages(trees, seed=0):
@@ -310,11 +310,11 @@ def cp_tree_replay(model, trees, loss_fn, plans):
     from augtree_verl.replay.attention import use_augtree_attention
     from augtree_verl.replay.calls import ModelCalls
     from augtree_verl.replay.cp_tree import CPTreeRun
-    from augtree_verl.replay.schedule import Slot
+    from augtree_verl.replay.lockstep import Slot
 
     use_augtree_attention(model)
     calls = ModelCalls(model, temperature=1.0, stats=ReplayStats(), entropy_fn=None,
-                       micro_batch_loss=lambda t, rows, scores: sum(loss_fn(t, i, s) for i, s in zip(rows, scores)))
+                       micro_batch_loss=per_response(loss_fn))
     run, out = CPTreeRun(calls, dist.group.WORLD), []
     for t, (tree, plan) in enumerate(zip(trees, plans)):
         schedule = cp_tree_schedule(plan, tree.prompt_len, tree.response_lens, 0)
@@ -350,7 +350,7 @@ def check_prefill_memory(report, sizes, model, device):
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    replay(model, tree)
+    replay(model, StepPlan.build(tree))
     torch.cuda.synchronize()
     extra = torch.cuda.max_memory_allocated() - before
     report.check(extra < quadratic / 4, f"prefill peak memory {p} tokens bf16",
@@ -380,8 +380,8 @@ def check_host_syncs(report, sizes, model, device):
     adv = advantages(trees)
     loss = lambda t, i, logp: -(logp * adv[t][i]).mean()
     run_step(model, replay, trees, adv)  # warm-up: first-call allocations, cuBLAS handles
-    forward = count_syncs(lambda: replay(model, trees))
-    train = count_syncs(lambda: replay(model, trees, loss))
+    forward = count_syncs(lambda: replay(model, StepPlan.build(trees)))
+    train = count_syncs(lambda: replay(model, StepPlan.build(trees), per_response(loss)))
     flattened = count_syncs(lambda: flattened_replay(model, trees, loss))
     model.zero_grad(set_to_none=True)
     n = len(trees)
@@ -434,7 +434,7 @@ def check_offload(report, sizes, model, device):
             torch.cuda.reset_peak_memory_stats()
             before = torch.cuda.memory_allocated()
         start = time.perf_counter()
-        logps = replay(model, trees, loss, offload=offload)
+        logps = replay(model, StepPlan.build(trees, offload=offload), per_response(loss))
         if cuda:
             torch.cuda.synchronize()
         seconds = time.perf_counter() - start

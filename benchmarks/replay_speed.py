@@ -16,7 +16,7 @@ import time
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from augtree_verl import ReplayTree, replay
+from augtree_verl import StepPlan, Tree, per_response, replay
 from augtree_verl.replay.baseline import flattened_replay
 from augtree_verl.replay.flops import ideal_speedup
 
@@ -56,18 +56,18 @@ def main() -> None:
         if args.quick:
             p, r = p // 4, r // 4
         ids = lambda n: torch.randint(0, cfg.vocab_size, (n,))
-        trees = [ReplayTree(ids(p), [ids(r) for _ in range(g)])]
+        trees = [Tree.of_tokens(ids(p), [ids(r) for _ in range(g)])]
         loss_fn = lambda t, i, logp: -logp.mean()
         times = {"flattened": [], "replay": []}
         # Warm-up (first-call allocations and kernel selection), untimed.
-        warm = [ReplayTree(ids(64), [ids(16), ids(16)])]
+        warm = [Tree.of_tokens(ids(64), [ids(16), ids(16)])]
         flattened_replay(model, warm, loss_fn)
-        replay(model, warm, loss_fn)
+        replay(model, StepPlan.build(warm), per_response(loss_fn))
         for _ in range(1 if args.quick else args.repeats):
             model.zero_grad(set_to_none=True)
             times["flattened"].append(step_time(lambda: flattened_replay(model, trees, loss_fn)))
             model.zero_grad(set_to_none=True)
-            times["replay"].append(step_time(lambda: replay(model, trees, loss_fn)))
+            times["replay"].append(step_time(lambda: replay(model, StepPlan.build(trees), per_response(loss_fn))))
         flat, ours = (statistics.median(times[k]) for k in ("flattened", "replay"))
         speedup = statistics.median(a / b for a, b in zip(times["flattened"], times["replay"]))
         ideal = ideal_speedup(cfg, p, [r] * g)

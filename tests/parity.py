@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from augtree_verl import ReplayTree
+from augtree_verl import Tree
 
 # float32 on CPU: the grouped schedule sums the same terms in another order (prompt adjoints accumulated
 # over micro-batches, attention over [prompt ; response] split differently), so results differ by rounding
@@ -29,11 +29,11 @@ def tiny_model(name: str = "qwen2-gqa", seed: int = 0):
     return model_cls(config).float().train()
 
 
-def random_trees(prompt_lens, response_lens, seed: int = 0) -> list[ReplayTree]:
+def random_trees(prompt_lens, response_lens, seed: int = 0) -> list[Tree]:
     """``response_lens[t]`` lists the response lengths of tree t."""
     g = torch.Generator().manual_seed(seed)
     ids = lambda n: torch.randint(0, VOCAB, (n,), generator=g)
-    return [ReplayTree(ids(p), [ids(r) for r in rs]) for p, rs in zip(prompt_lens, response_lens)]
+    return [Tree.of_tokens(ids(p), [ids(r) for r in rs]) for p, rs in zip(prompt_lens, response_lens)]
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

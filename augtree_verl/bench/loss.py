@@ -6,12 +6,12 @@ from collections.abc import Sequence
 
 import torch
 
-from augtree_verl.replay.tree import ReplayTree
+from augtree_verl.groups import Tree
 
 ADV_EPS = 1e-6  # GRPO's std floor when normalising rewards within a group
 
 
-def group_advantages(trees: Sequence[ReplayTree], seed: int) -> list[torch.Tensor]:
+def group_advantages(trees: Sequence[Tree], seed: int) -> list[torch.Tensor]:
     """GRPO advantages: seeded random rewards per response, normalised within each group ([G_t] per tree)."""
     gen = torch.Generator().manual_seed(seed)
     out = []
@@ -22,7 +22,7 @@ def group_advantages(trees: Sequence[ReplayTree], seed: int) -> list[torch.Tenso
     return out
 
 
-def grpo_loss(trees: Sequence[ReplayTree], seed: int):
+def grpo_loss(trees: Sequence[Tree], seed: int):
     """``loss_fn(t, i, logp)`` of the on-policy clipped surrogate, token-mean over the whole step.
 
     At the first PPO epoch old log-probs equal the current ones, so the ratio exp(logp - old) is 1 with

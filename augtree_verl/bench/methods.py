@@ -18,9 +18,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from augtree_verl.groups import Tree
 from augtree_verl.plan import Plan
 from augtree_verl.planner import plan_tree
-from augtree_verl.replay.tree import ReplayTree
 
 SPLIT_PRIMITIVES = ("tree_move_kv", "move_q")
 
@@ -33,7 +33,7 @@ class Method:
     force: str | None = None        # planner restricted to this primitive
     verl: bool = False              # verl's stock fsdp2 engine (verl_fsdp2.py) instead of ``replay``
 
-    def plans(self, trees: Sequence[ReplayTree], degree: int, profile=None) -> list[Plan] | None:
+    def plans(self, trees: Sequence[Tree], degree: int, profile=None) -> list[Plan] | None:
         """One plan per tree for CP degree ``degree`` (None: single device, no plan)."""
         if degree == 1 or self.flattened or self.verl:
             return None
@@ -51,7 +51,7 @@ class Method:
         """AugTree methods: their plans come from the planner, so the planner predicts their step time."""
         return not self.flattened and self.fixed is None and not self.verl
 
-    def predicted_s(self, trees: Sequence[ReplayTree], plans: list[Plan] | None, profile) -> float | None:
+    def predicted_s(self, trees: Sequence[Tree], plans: list[Plan] | None, profile) -> float | None:
         """The planner's predicted update-step time: its estimate summed over the trees (they run one after
         another); on one device, the estimate of each tree's degree-1 plan. None for the baselines."""
         if not self.planned or profile is None:

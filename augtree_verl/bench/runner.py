@@ -28,7 +28,7 @@ from augtree_verl.bench.methods import VERL_FSDP2, Method, describe_plans, metho
 from augtree_verl.bench.workloads import Workload, build_workload
 from augtree_verl.models import load_model, vocab_size
 from augtree_verl.planner import ClusterProfile
-from augtree_verl.replay import ReplayStats, ReplayTree, replay
+from augtree_verl.replay import ReplayStats, StepPlan, Tree, per_response, replay
 from augtree_verl.replay.baseline import flattened_replay
 from augtree_verl.replay.flops import step_flops
 
@@ -124,7 +124,7 @@ def _build_verl(model, methods: list[Method]):
 def _run_workload(model, workload: Workload, methods: list[Method], repeats: int, seed: int, rank: int,
                   world: int, profile, bar, tolerance: float, verl=None) -> list[MethodResult]:
     device = model.get_input_embeddings().weight.device
-    trees = [ReplayTree(t.prompt.to(device), [r.to(device) for r in t.responses]) for t in workload.trees]
+    trees = [Tree.of_tokens(t.prompt.to(device), [r.to(device) for r in t.responses]) for t in workload.trees]
     loss_fn = grpo_loss(trees, seed)
     reference = None
     if world > 1:
@@ -173,7 +173,7 @@ def _warm_up(model, methods: list[Method], rank: int, world: int, profile, devic
     """One untimed step per method on a small tree: first-call allocations, kernel choice, comm setup."""
     gen = torch.Generator().manual_seed(0)
     ids = lambda n: torch.randint(0, vocab_size(model), (n,), generator=gen).to(device)
-    trees = [ReplayTree(ids(64), [ids(16), ids(24)])]
+    trees = [Tree.of_tokens(ids(64), [ids(16), ids(24)])]
     loss_fn = grpo_loss(trees, 0)
     verl_step = verl.prepare(model, trees, 0, rank, world) if verl is not None else None
     for m in methods:
@@ -193,7 +193,7 @@ def _timed_step(model, trees, loss_fn, method: Method, plans, world: int, verl=N
         flattened_replay(model, trees, loss_fn)
     else:
         stats = ReplayStats()
-        replay(model, trees, loss_fn, plans=plans, stats=stats)
+        replay(model, StepPlan.build(trees, plans=plans, stats=stats), per_response(loss_fn))
     _sync(model, world)
     return time.perf_counter() - start, stats
 
@@ -243,7 +243,7 @@ def _split_flattened_grads(model, trees, loss_fn, rank: int, world: int) -> dict
     model.zero_grad(set_to_none=True)
     flat = [(t, i) for t, tree in enumerate(trees) for i in range(len(tree.responses))]
     for t, i in flat[rank::world]:
-        one = ReplayTree(trees[t].prompt, [trees[t].responses[i]])
+        one = Tree.of_tokens(trees[t].prompt, [trees[t].responses[i]])
         flattened_replay(model, [one], functools.partial(_as_tree, loss_fn, t, i))
     return _summed_grads(model, world)
 

@@ -30,14 +30,14 @@ import torch
 import torch.distributed as dist
 
 from augtree_verl.bench.loss import group_advantages
+from augtree_verl.groups import Tree
 from augtree_verl.replay.baseline import flattened_replay
-from augtree_verl.replay.tree import ReplayTree
 
 # verl's micro-batch knobs for this method (see the module docstring).
 VERL_SETTINGS: dict[str, Any] = dict(use_dynamic_bsz=False, micro_batch_size_per_gpu=1)
 
 
-def rank_rows(trees: Sequence[ReplayTree], seed: int, rank: int, world: int) -> tuple[list[dict], int]:
+def rank_rows(trees: Sequence[Tree], seed: int, rank: int, world: int) -> tuple[list[dict], int]:
     """This rank's share of the step's responses as verl rows, and how many of them are real (the rest: padding).
 
     Responses are dealt round-robin over the ranks in (tree, response) order; every rank gets
@@ -55,7 +55,7 @@ def rank_rows(trees: Sequence[ReplayTree], seed: int, rank: int, world: int) -> 
     return rows, real
 
 
-def _first_row(trees: Sequence[ReplayTree]) -> dict:
+def _first_row(trees: Sequence[Tree]) -> dict:
     return dict(uid="tree-0", prompt=trees[0].prompt.cpu(), response=trees[0].responses[0].cpu(), advantage=0.0)
 
 
@@ -94,7 +94,7 @@ class VerlFsdp2:
         if self.owns_group:
             dist.destroy_process_group()
 
-    def prepare(self, model, trees: Sequence[ReplayTree], seed: int, rank: int, world: int) -> VerlStep:
+    def prepare(self, model, trees: Sequence[Tree], seed: int, rank: int, world: int) -> VerlStep:
         """This rank's batch with old log-probs from verl's own forward, checked against the flattened baseline."""
         from verl.utils import tensordict_utils as tu
 
@@ -112,7 +112,7 @@ class VerlFsdp2:
             out = self.engine.infer_batch(probe, loss_function=None)
         logps = verl_batch.response_values(out, batch)
         batch["old_log_probs"] = torch.nested.as_nested_tensor([x.detach() for x in logps], layout=torch.jagged)
-        ours = [ReplayTree(r["prompt"], [r["response"]]) for r in rows[:real]]
+        ours = [Tree.of_tokens(r["prompt"], [r["response"]]) for r in rows[:real]]
         want = [row[0] for row in flattened_replay(model, ours)] if ours else []
         executed = torch.tensor(sum(len(r["prompt"]) + len(r["response"]) for r in rows))
         if world > 1:

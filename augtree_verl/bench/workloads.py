@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from augtree_verl.replay.tree import ReplayTree
+from augtree_verl.groups import Tree
 
 TABLES_DIR = Path(__file__).parent / "tables"
 WORKLOADS = ("longdoc", "rag", "chat", "reasoning")
@@ -53,7 +53,7 @@ class GroupShape:
 class Workload:
     name: str
     groups: tuple[GroupShape, ...]
-    trees: tuple[ReplayTree, ...]
+    trees: tuple[Tree, ...]
 
     @property
     def logical_tokens(self) -> int:
@@ -103,7 +103,7 @@ def build_workload(name: str, budget_tokens: int, group_size: int, num_groups: i
     def ids(n: int) -> torch.Tensor:
         return torch.randint(0, vocab_size, (n,), generator=gen, dtype=torch.long)
 
-    trees = tuple(ReplayTree(prompt=ids(g.prompt_len), responses=[ids(r) for r in g.response_lens]) for g in groups)
+    trees = tuple(Tree.of_tokens(prompt=ids(g.prompt_len), responses=[ids(r) for r in g.response_lens]) for g in groups)
     return Workload(name=name, groups=tuple(groups), trees=trees)
 
 

@@ -4,7 +4,7 @@ response lengths and the rank (no model, no tensors).
 ``cp_tree_schedule`` is read by three consumers, so the schedule is written once:
 - the CP tree run (``replay.cp_tree``) executes exactly these steps;
 - ``cost.analytic_bytes`` sums each primitive's per-layer byte formula over the same steps;
-- the lock-step shape (``replay.schedule``) counts its calls (``len(steps)``).
+- the lock-step slots (``replay.lockstep``) count its calls (``len(steps)``).
 
 Ranks are indices inside the tree's CP subgroup of ``plan.degree`` ranks; "lane" = ``layout.lane_members``.
 Every sequence is zigzag-sharded (``layout.ZigzagLayout``).

@@ -1,30 +1,18 @@
 """Regroup a verl batch (rows in any order, split into verl's micro-batches) into replay trees.
 
-A tree is one (uid, prompt): samples that share a uid but not a prompt become separate trees, a group of
-one is a tree of one response, and a group whose samples land in different micro-batches is still one tree
-(its prompt runs once per rank). Samples of a group on another rank form that rank's own tree.
+A tree is one ``groups.tree_id`` (uid, prompt length), the trainer's; samples under one id whose prompt
+tokens differ become separate trees (``groups.find_trees``), a group of one is a tree of one response, and
+a group whose samples land in different micro-batches is still one tree (its prompt runs once per rank).
+Samples of a group on another rank form that rank's own tree. Rows are numbered through the micro-batches
+in order (``Tree.samples``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 from tensordict import TensorDict
 
-from augtree_verl.replay import ReplayTree
-
-Row = tuple[int, int]  # (micro-batch index, row within the micro-batch)
-
-
-@dataclass
-class BatchTrees:
-    """``trees[t]`` with ``rows[t][i]`` the batch row of its response i; ``slot[row] = (t, i)``."""
-
-    trees: list[ReplayTree] = field(default_factory=list)
-    rows: list[list[Row]] = field(default_factory=list)
-    uids: list[str] = field(default_factory=list)
-    slot: dict[Row, tuple[int, int]] = field(default_factory=dict)
+from augtree_verl.groups import Tree, find_trees
 
 
 def sequence_lengths(micro_batch: TensorDict) -> tuple[list[int], list[int]]:
@@ -37,33 +25,27 @@ def sequence_lengths(micro_batch: TensorDict) -> tuple[list[int], list[int]]:
     return mask[:, :width].sum(dim=1).tolist(), mask[:, width:].sum(dim=1).tolist()
 
 
-def build_trees(micro_batches: list[TensorDict]) -> BatchTrees:
-    """Group every row of ``micro_batches`` into trees; ValueError naming the row for malformed input."""
-    out = BatchTrees()
-    index: dict[tuple[str, bytes], int] = {}
+def build_trees(micro_batches: list[TensorDict]) -> list[Tree]:
+    """Group every row of ``micro_batches`` into trees with tokens; ValueError naming the row for malformed
+    input."""
+    uids: list[str] = []
+    prompt_lens: list[int] = []
+    response_lens: list[int] = []
+    sequences: list[torch.Tensor] = []
     for m, mb in enumerate(micro_batches):
-        uids = [str(u) for u in mb["uid"]]
-        prompt_lens, response_lens = sequence_lengths(mb)
-        sequences = mb["input_ids"].unbind()
-        positions = mb["position_ids"].unbind()
-        for k, (seq, pos) in enumerate(zip(sequences, positions)):
-            p, r = prompt_lens[k], response_lens[k]
-            where = f"micro-batch {m} row {k} (uid {uids[k]!r})"
+        mb_uids = [str(u) for u in mb["uid"]]
+        mb_prompt_lens, mb_response_lens = sequence_lengths(mb)
+        for k, (seq, pos) in enumerate(zip(mb["input_ids"].unbind(), mb["position_ids"].unbind())):
+            p, r = mb_prompt_lens[k], mb_response_lens[k]
+            where = f"micro-batch {m} row {k} (uid {mb_uids[k]!r})"
             if seq.dim() != 1 or seq.shape[0] != p + r:
                 raise ValueError(f"{where}: input_ids has shape {tuple(seq.shape)} but prompt + response is {p} + {r}")
             if p < 1 or r < 1:
                 raise ValueError(f"{where}: prompt length {p} and response length {r} must both be >= 1")
             if pos.dim() != 1 or not torch.equal(pos, torch.arange(p + r, device=pos.device)):
                 raise ValueError(f"{where}: position_ids must be 0..{p + r - 1} (text-only, unpadded sequences)")
-            prompt = seq[:p]
-            key = (uids[k], prompt.cpu().numpy().tobytes())
-            t = index.get(key)
-            if t is None:
-                t = index[key] = len(out.trees)
-                out.trees.append(ReplayTree(prompt=prompt, responses=[]))
-                out.rows.append([])
-                out.uids.append(uids[k])
-            out.slot[(m, k)] = (t, len(out.rows[t]))
-            out.trees[t].responses.append(seq[p:])
-            out.rows[t].append((m, k))
-    return out
+            uids.append(mb_uids[k])
+            prompt_lens.append(p)
+            response_lens.append(r)
+            sequences.append(seq)
+    return find_trees(uids, prompt_lens, response_lens, sequences)

@@ -18,7 +18,7 @@ from augtree_verl.integration.strategy import STRATEGY
 from augtree_verl.plan import PRIMITIVES
 from augtree_verl.planner.client import DEFAULT_TIMEOUT_S
 from augtree_verl.planner.service import DEFAULT_MAX_ENTRIES, DEFAULT_TTL_S
-from augtree_verl.replay.engine import DEFAULT_MICRO_BATCH_TOKENS
+from augtree_verl.replay.microbatch import DEFAULT_MICRO_BATCH_TOKENS
 
 # The FSDP sharding the "augtree" strategy builds on. "fsdp"/"fsdp2" are accepted as the strategy too: verl's
 # fsdp_config yaml says "fsdp" until the actor config copies its own strategy ("augtree") onto it.

@@ -9,20 +9,22 @@ checkpoints, offload). ``forward_backward_batch`` keeps verl's contract:
 - ``model_output["log_probs"]`` (and ``["entropy"]`` when asked) are nested over each full sequence, position
   k scoring token k + 1. Only the response part (positions P-1 .. P+R-2) is computed; other positions are 0.
 
-Each rank streams its trees through ``replay`` (one path with and without CP): per tree the prompt runs
+Each step is one ``StepPlan`` (``replay.step_plan``: the trees, the trainer's plans decoded from the batch,
+each tree's CP subgroup, the lock-step slots), built once and run by ``replay`` (one path with and without CP):
+per tree the prompt runs
 once (its K/V kept as float32 leaves, ``replay.prompt_kv``), the tree's responses run as the engine's own
 micro-batches (one device: under the largest verl micro-batch's tokens; context-parallel: one CP step of
 the plan each), each with verl's ``loss_function`` on its rows (verl's batch-level normalisers make these
 losses add up to verl's) and its backward, then one delayed prompt backward. So each prompt runs once per
 step and rank whatever verl's micro-batch size. Every rank of the world makes the same sequence of model
-calls (``replay.schedule``: phases by CP degree, padding with dummy calls), so FSDP2 gathers parameters per
+calls (``replay.lockstep``: phases by CP degree, padding with dummy calls), so FSDP2 gathers parameters per
 layer and reduce-scatters gradients per backward, as the stock engine does (ZeRO-3). Reported losses and
 metrics are verl's, per verl micro-batch, evaluated on the detached outputs.
 
 Context parallelism (``cp_degrees`` above 1): ranks form CP groups of C = max(cp_degrees) (``cp.mesh``);
 the engine reports data-parallel rank and size = world / C to verl, so every rank of a CP group gets the
 same samples, and the group replays each tree once: plans of degree d > 1 context-parallel on d of its
-ranks (after ``schedule_trees``' demotions), the other trees spread over its ranks. ``replay`` returns
+ranks (after ``step_plan.assign_subgroups``' demotions), the other trees spread over its ranks. ``replay`` returns
 every response's scores on every rank of the group; gradients add up over the group, and every loss is
 scaled by C (FSDP averages over the world, and a CP group is one data-parallel rank).
 """
@@ -41,15 +43,15 @@ from verl.utils.device import get_device_id
 from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 from verl.workers.engine.utils import postprocess_batch_func, prepare_micro_batches
 
-from augtree_verl.cp.mesh import CPMesh, schedule_trees
+from augtree_verl.cp.mesh import CPMesh
 from augtree_verl.integration import verl_compat
-from augtree_verl.integration.batch_trees import BatchTrees, build_trees, sequence_lengths
+from augtree_verl.integration.batch_trees import build_trees, sequence_lengths
 from augtree_verl.integration.config import FSDP_STRATEGY, AugTreeEngineConfig
 from augtree_verl.integration.fsdp_model import FSDPReplayModel
 from augtree_verl.integration.metrics import group_totals, step_metrics
-from augtree_verl.integration.plans import plans_for_trees
 from augtree_verl.plan import Plan
-from augtree_verl.replay import Offload, ReplayStats, replay
+from augtree_verl.plan_field import PLAN_FIELD
+from augtree_verl.replay import Offload, ReplayStats, StepPlan, replay
 from augtree_verl.replay.model_check import check_model, probe_exactness
 
 logger = logging.getLogger(__name__)
@@ -144,45 +146,40 @@ class AugTreeEngine(FSDPEngineWithLMHead):
 
     def _stream(self, step: _Step, micro_batches: list[TensorDict], loss_function, forward_only: bool,
                 return_model_output: bool) -> list[dict]:
-        """One step (``replay``'s streamed schedule, see the module docstring), then verl's reported losses
+        """One step (a ``StepPlan`` run by ``replay``, see the module docstring), then verl's reported losses
         and metrics per verl micro-batch on the detached outputs."""
         train = not forward_only
         dp_group = self.get_data_parallel_group()
-        grouped = build_trees(micro_batches)
+        trees = build_trees(micro_batches)
+        world = torch.distributed.get_world_size()
         # The trainer's plans (``use_planner`` says only where the trainer got them); none without them.
-        plans, fallbacks = plans_for_trees(micro_batches, grouped, self.cp_mesh.degrees,
-                                           min_cp_tokens=self.engine_config.fallback_threshold_tokens)
-        mesh, placement = None, None
-        if self.cp_mesh.cp_size > 1:
-            mesh = self.cp_mesh
-            degrees, placement = schedule_trees(grouped.trees, plans, mesh.cp_size)
-            # A tree the schedule moved to one rank runs there with the one-device plan.
-            plans = [plan if plan is None or plan.degree == d else Plan(est_time_s=plan.est_single_s)
-                     for plan, d in zip(plans, degrees)]
-        step.plans += plans
-        step.plan_fallbacks += fallbacks
-        flat_rows = {row: r for r, row in
-                     enumerate((m, k) for m, mb in enumerate(micro_batches) for k in range(len(mb)))}
+        entries = [e for mb in micro_batches for e in mb[PLAN_FIELD]] if PLAN_FIELD in micro_batches[0].keys() \
+            else None
+        step_plan = StepPlan.from_batch(
+            trees, entries, mesh=self.cp_mesh, min_cp_tokens=self.engine_config.fallback_threshold_tokens,
+            micro_batch_tokens=min(self.engine_config.micro_batch_tokens, _largest_micro_batch(micro_batches)),
+            temperature=step.temperature, entropy_fn=self._entropy if step.want_entropy else None,
+            offload=Offload(step.stats) if self.engine_config.offload_prompt_activations else None, stats=step.stats,
+            lockstep_group=torch.distributed.group.WORLD if world > 1 else None)
+        step.plans += step_plan.plans
+        step.plan_fallbacks += step_plan.fallbacks
         flat = tu.concat_tensordict(micro_batches) if train else None
 
         def micro_batch_loss(t, rows, scores):
-            rows_data = tu.index_select_tensor_dict(flat, [flat_rows[grouped.rows[t][i]] for i in rows])
+            rows_data = tu.index_select_tensor_dict(flat, [trees[t].samples[i] for i in rows])
             loss, _ = loss_function(model_output=_model_output(rows_data, *_split(scores, step.want_entropy)),
                                     data=rows_data, dp_group=dp_group)
             loss = loss * self.cp_mesh.cp_size
             return self.scaler.scale(loss) if self.scaler is not None else loss
 
-        world = torch.distributed.get_world_size()
-        scores = replay(FSDPReplayModel(self.module), grouped.trees, plans=plans, temperature=step.temperature,
-                        micro_batch_tokens=min(self.engine_config.micro_batch_tokens, _largest_micro_batch(grouped)),
-                        stats=step.stats, entropy_fn=self._entropy if step.want_entropy else None,
-                        micro_batch_loss=micro_batch_loss if train else None, mesh=mesh, placement=placement,
-                        lockstep_group=torch.distributed.group.WORLD if world > 1 else None,
-                        offload=Offload(step.stats) if self.engine_config.offload_prompt_activations else None)
+        scores = replay(FSDPReplayModel(self.module), step_plan, micro_batch_loss if train else None)
+        by_row = {row: scores[t][i] for t, tree in enumerate(trees) for i, row in enumerate(tree.samples)}
 
         output_lst = []
+        first_row = 0
         for m, mb in enumerate(micro_batches):
-            row_scores = [scores[t][i] for t, i in (grouped.slot[(m, k)] for k in range(len(mb)))]
+            row_scores = [by_row[first_row + k] for k in range(len(mb))]
+            first_row += len(mb)
             output = _model_output(mb, *_split(row_scores, step.want_entropy))
             if loss_function is None:
                 loss, metrics = torch.tensor(1.0), {}
@@ -257,14 +254,10 @@ def _model_output(rows: TensorDict, logps: list[torch.Tensor], entropies: list[t
     return output
 
 
-def _largest_micro_batch(grouped: BatchTrees) -> int:
+def _largest_micro_batch(micro_batches: list[TensorDict]) -> int:
     """Tokens (prompt + response per row) of the largest of verl's micro-batches: the stock engine's
     activation bound, which bounds each response micro-batch."""
-    tokens: dict[int, int] = {}
-    for tree, rows in zip(grouped.trees, grouped.rows):
-        for (m, _), r in zip(rows, tree.response_lens):
-            tokens[m] = tokens.get(m, 0) + tree.prompt_len + r
-    return max(tokens.values())
+    return max(sum(p + r for p, r in zip(*sequence_lengths(mb))) for mb in micro_batches)
 
 
 def _full_sequence(responses: list[torch.Tensor], prompt_lens: list[int], offsets: torch.Tensor) -> torch.Tensor:

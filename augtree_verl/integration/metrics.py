@@ -15,40 +15,34 @@ import torch
 import torch.distributed as dist
 from verl.utils.metric import AggregationType, Metric
 
-from augtree_verl.plan import PRIMITIVES, Plan
+from augtree_verl.plan import Plan
 from augtree_verl.replay import ReplayStats
 from augtree_verl.replay.stats import PHASES
 
 PREFIX = "augtree/"
-# "single" counts trees run without a plan (one device, no planner); the others count trees by their plan's
-# primitive (a planner fallback runs with the one-device plan: ring at degree 1).
-PLAN_KINDS = ("single",) + PRIMITIVES
-DIRECTIONS = ("fwd", "bwd")
-# ReplayStats' integer counters, summed over a CP group (``group_totals``)
-COUNTERS = ("logical_tokens", "executed_tokens", "trees", "micro_batches", "offloaded_bytes", "prefetched_bytes",
-            "offload_copies")
 
 
 def group_totals(stats: ReplayStats, group, device) -> ReplayStats:
-    """``stats`` combined over the CP ``group`` (see the module docstring), on every rank."""
-    byte_keys = [f"{p}/{d}" for p in PRIMITIVES for d in DIRECTIONS]
-    counts = torch.tensor([getattr(stats, name) for name in COUNTERS]
-                          + [stats.comm_bytes.get(k, 0) for k in byte_keys]
-                          + [stats.plans.get(k, 0) for k in PLAN_KINDS], dtype=torch.float64, device=device)
+    """``stats`` combined over the CP ``group`` (see the module docstring), on every rank: every counter
+    field of ``ReplayStats`` summed, the phase times the slowest rank's."""
+    counters, keyed = ReplayStats.counters(), ReplayStats.keyed()
+    counts = torch.tensor([getattr(stats, f.name) for f in counters]
+                          + [getattr(stats, f.name).get(k, 0) for f in keyed for k in f.metadata["keys"]],
+                          dtype=torch.float64, device=device)
     times = torch.tensor([getattr(stats, phase) for phase in PHASES], dtype=torch.float64, device=device)
     dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=group)
     dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
-    summed = [int(x) for x in counts.tolist()]
-    counters: dict[str, Any] = dict(zip(COUNTERS, summed))
-    total = ReplayStats(**dict(zip(PHASES, times.tolist())), **counters)
-    for k, value in zip(byte_keys + list(PLAN_KINDS), summed[len(COUNTERS):]):
-        (total.comm_bytes if k in byte_keys else total.plans)[k] = value
+    summed = iter(int(x) for x in counts.tolist())
+    values: dict[str, Any] = {**dict(zip(PHASES, times.tolist())), **{f.name: next(summed) for f in counters}}
+    total = ReplayStats(**values)
+    for f in keyed:
+        getattr(total, f.name).update({k: next(summed) for k in f.metadata["keys"]})
     return total
 
 
 def step_metrics(stats: ReplayStats, plans: list[Plan | None], *, plan_fallbacks: int) -> dict:
-    """``stats`` of the step's replays: prefills, response micro-batches (forward and backward: ``replay_s``)
-    and the delayed prompt backwards (0 when forward-only)."""
+    """``stats`` of the step's replays (every phase and counter field, summed over the step; the delayed
+    backward is 0 when forward-only), the predicted replay time, fallbacks and CP degrees."""
     measured = stats.prefill_s + stats.replay_s + stats.prompt_backward_s
     predicted = sum(p.est_time_s for p in plans if p is not None and p.est_time_s is not None)
     degrees = [p.degree if p is not None else 1 for p in plans] or [1]
@@ -56,27 +50,17 @@ def step_metrics(stats: ReplayStats, plans: list[Plan | None], *, plan_fallbacks
     def total(value) -> Metric:
         return Metric(AggregationType.SUM, float(value))
 
-    out = {
-        "prefill_s": total(stats.prefill_s),
-        "replay_s": total(stats.replay_s),
-        "delayed_backward_s": total(stats.prompt_backward_s),
+    out = {ReplayStats.metric_name(name): total(getattr(stats, name))
+           for name in PHASES + tuple(f.name for f in ReplayStats.counters())}
+    for f in ReplayStats.keyed():
+        out.update({f"{f.name}/{k}": total(getattr(stats, f.name).get(k, 0)) for k in f.metadata["keys"]})
+    out.update({
         "measured_replay_s": total(measured),
         "predicted_replay_s": total(predicted),
-        "logical_tokens": total(stats.logical_tokens),
-        "executed_tokens": total(stats.executed_tokens),
         "executed_per_logical_token": Metric(AggregationType.MEAN,
                                              stats.executed_tokens / max(stats.logical_tokens, 1)),
-        "trees": total(stats.trees),
         "plan_fallbacks": total(plan_fallbacks),
-        "offload/offloaded_bytes": total(stats.offloaded_bytes),
-        "offload/prefetched_bytes": total(stats.prefetched_bytes),
-        "offload/copies": total(stats.offload_copies),
         "cp_degree_mean": Metric(AggregationType.MEAN, sum(degrees) / len(degrees)),
         "cp_degree_max": Metric(AggregationType.MAX, float(max(degrees))),
-    }
-    for kind in PLAN_KINDS:
-        out[f"plans/{kind}"] = total(stats.plans.get(kind, 0))
-    for primitive in PRIMITIVES:
-        for direction in DIRECTIONS:
-            out[f"comm_bytes/{primitive}/{direction}"] = total(stats.comm_bytes.get(f"{primitive}/{direction}", 0))
+    })
     return {PREFIX + k: v for k, v in out.items()}

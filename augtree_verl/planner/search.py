@@ -37,7 +37,7 @@ from augtree_verl.plan import PRIMITIVES, Plan
 from augtree_verl.planner.cost import CostModel, cost_model
 from augtree_verl.planner.partition import balanced_lanes
 from augtree_verl.planner.profile import ClusterProfile
-from augtree_verl.replay.engine import DEFAULT_MICRO_BATCH_TOKENS
+from augtree_verl.replay.microbatch import DEFAULT_MICRO_BATCH_TOKENS
 
 _PRIMITIVE_ORDER = {name: i for i, name in enumerate(PRIMITIVES)}
 _DEFAULT_PROFILE: ClusterProfile | None = None

@@ -10,13 +10,13 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from augtree_verl.replay.tree import ReplayTree
+from augtree_verl.groups import Tree
 
 LogitsHook = Callable[[int, int, torch.Tensor], None]  # on_logits(t, i, tempered float32 logits [R_i, V])
 LossFn = Callable[[int, int, torch.Tensor], torch.Tensor]  # loss_fn(t, i, log-probs [R_i]) -> scalar loss
 
 
-def flattened_replay(model, trees: Sequence[ReplayTree], loss_fn: LossFn | None = None, *,
+def flattened_replay(model, trees: Sequence[Tree], loss_fn: LossFn | None = None, *,
                      temperature: float = 1.0, keep_graph: bool = False,
                      on_logits: LogitsHook | None = None) -> list[list[torch.Tensor]]:
     """Same contract as ``replay``, computed the way stock trainers do: one sequence per response."""

@@ -1,6 +1,6 @@
 """The model calls both tree runs (one device, CP) are made of, and the one-token dummies that pad them.
 
-Every slot of the lock-step schedule is: one prefill (a decoder call), response calls (a decoder call, an
+Every lock-step slot is: one prefill (a decoder call), response calls (a decoder call, an
 LM-head call and, in training, a backward each) and one delayed prompt backward. A dummy prefill runs one
 ``PAD_ID`` token with local causal attention; a dummy response call runs one token the same way, scores it
 and backpropagates a zero loss, so it reaches every FSDP unit a real call reaches (and no process group

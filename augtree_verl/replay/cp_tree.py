@@ -1,6 +1,8 @@
-"""One context-parallel tree's slot on one rank of its subgroup: the steps of ``cp.schedule`` executed.
+"""One context-parallel tree's slot on one rank of its subgroup: the steps of its CP schedule (``cp.schedule``)
+executed; and ``exchange_scores``, the one exchange of scores among ranks (a step's members, a lane's
+responses, and ``replay``'s sharing of every tree's scores over the CP group).
 
-Every member of the tree's subgroup runs the slot at the same time (the lock-step schedule puts the tree
+Every member of the tree's subgroup runs the slot at the same time (the lock-step slots put the tree
 in the same slot on all of them):
 
 - prefill: the prompt sharded over the prefill ring (``CPPrefill``) into a ``PromptKV`` (this rank's K/V
@@ -21,19 +23,35 @@ Returns every response's scores on every member of the subgroup.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from augtree_verl.cp.comm import Meter, Ring, all_gather_sum
 from augtree_verl.cp.context import LaneReplayContext, MoveQReplayContext, RingContext
 from augtree_verl.cp.schedule import CPStep
+from augtree_verl.groups import Tree
 from augtree_verl.plan import Plan
 from augtree_verl.replay.attention import PrefillContext
 from augtree_verl.replay.calls import PAD_ID, ModelCalls
+from augtree_verl.replay.lockstep import Slot
 from augtree_verl.replay.prompt_kv import PromptKV
-from augtree_verl.replay.schedule import Slot
-from augtree_verl.replay.tree import ReplayTree
 
-LOGP_EXCHANGE = "logp_exchange"  # stats key for the score exchanges (not part of any primitive's bytes)
+SCORE_EXCHANGE = "logp_exchange"  # stats key for the score exchanges (not part of any primitive's bytes)
+
+
+def exchange_scores(lens: list[int], owned, members: tuple[int, ...], group, meter: Meter, *, width: int | None,
+                    device: torch.device) -> list[torch.Tensor]:
+    """Full scores of every entry j (float32 [lens[j]], or [lens[j], width]; detached, identical on every
+    member) from the tokens each member owns: a zero-filled buffer summed over ``members`` (ranks of
+    ``group``), exact since each token is non-zero on one member. ``owned``: (j, token indices (LongTensor
+    [k] or a slice), scores [k] or [k, width]) for what this rank holds."""
+    offsets = [sum(lens[:j]) for j in range(len(lens))]
+    buffer = torch.zeros(sum(lens), *(() if width is None else (width,)), dtype=torch.float32, device=device)
+    for j, idx, s in owned:
+        buffer[offsets[j]: offsets[j] + lens[j]][idx] = s.detach()
+    full = all_gather_sum(buffer, members, group, meter)
+    return [full[o: o + n] for o, n in zip(offsets, lens)]
 
 
 class CPTreeRun:
@@ -41,9 +59,9 @@ class CPTreeRun:
 
     def __init__(self, calls: ModelCalls, group):
         self.calls, self.group = calls, group
-        self.logp_meter = Meter(calls.stats, LOGP_EXCHANGE)
+        self.score_meter = Meter(calls.stats, SCORE_EXCHANGE)
 
-    def __call__(self, t: int, tree: ReplayTree, plan: Plan, slot: Slot) -> list[torch.Tensor]:
+    def __call__(self, t: int, tree: Tree, plan: Plan, slot: Slot) -> list[torch.Tensor]:
         calls, sched, stats = self.calls, slot.cp, self.calls.stats
         meter = Meter(stats, plan.primitive)
         start = stats.start_timer(tree.prompt.device)
@@ -65,14 +83,13 @@ class CPTreeRun:
             return [out[i] for i in range(len(tree.responses))]
         # Every member returns every response: the first member of each lane contributes its lane's.
         first = sched.prefill.members[0] == sched.rank
-        owned = [(i, torch.arange(tree.response_lens[i], device=tree.prompt.device), s)
-                 for i, s in out.items() if first]
+        owned = [(i, slice(None), s) for i, s in out.items() if first]
         return self._exchange(tree, list(range(len(tree.responses))), owned, tuple(range(sched.degree)))
 
     def _prefill(self, prompt: torch.Tensor, prefill, rank: int, meter: Meter):
         index = prefill.members.index(rank)
         pos = prefill.layout.positions(index, device=prompt.device)
-        capture = {}
+        capture: dict[int, tuple] = {}
         ctx = RingContext(Ring(self.group, prefill.members, index), prefill.layout, meter, capture)
         hidden = self._shard(prompt[pos], pos, ctx)
         owner, local = prefill.layout.owner(prompt.shape[0] - 1)
@@ -85,7 +102,7 @@ class CPTreeRun:
             ids, positions = ids.new_full((1,), PAD_ID), positions.new_zeros(1)
         return self.calls.decoder(ids[None], positions[None], ctx)[0]
 
-    def _step(self, t: int, tree: ReplayTree, step: CPStep, rank: int, prompt: PromptKV, meter: Meter,
+    def _step(self, t: int, tree: Tree, step: CPStep, rank: int, prompt: PromptKV, meter: Meter,
               prompt_layout) -> list[torch.Tensor]:
         """One step (see the module docstring); returns the full scores of ``step.responses``."""
         parts = []  # (response, token indices [k], states [k, H], targets [k]) this rank scores
@@ -110,7 +127,7 @@ class CPTreeRun:
             self._backward(t, list(step.responses), full, owned, scores[offset:] if keepalive else None)
         return full
 
-    def _decode(self, tree: ReplayTree, step: CPStep, rank: int, prompt: PromptKV, meter: Meter, prompt_layout):
+    def _decode(self, tree: Tree, step: CPStep, rank: int, prompt: PromptKV, meter: Meter, prompt_layout):
         """The step's decoder call on this rank -> (hidden [max(n, 1), H], the scored parts it yields)."""
         if step.layout is None:  # my ring feeds nothing: a local dummy decoder call
             return self._shard(tree.prompt[:0], tree.prompt[:0], PrefillContext()), []
@@ -123,6 +140,7 @@ class CPTreeRun:
             scored = (pos >= p - 1).nonzero().squeeze(1)
             return hidden, ([(step.fed, pos[scored] - (p - 1), hidden[scored], seq[pos[scored] + 1])]
                             if scored.numel() else [])
+        ctx: LaneReplayContext | MoveQReplayContext
         if step.kind == "lane":
             ctx = LaneReplayContext(ring, step.layout, step.prefix, prompt.kv, meter)
         else:
@@ -132,27 +150,23 @@ class CPTreeRun:
         hidden = self._shard(resp[pos], pos + step.offset, ctx)  # fed token j scores response token j + 1
         return hidden, ([(step.fed, pos + 1, hidden[: pos.numel()], resp[pos + 1])] if pos.numel() else [])
 
-    def _exchange(self, tree: ReplayTree, responses: list[int], owned: list, members) -> list[torch.Tensor]:
-        """Full scores of ``responses`` (float32, detached, identical on every member) from the tokens each
-        member owns: an exact zero-filled sum. ``owned``: (response, token indices, scores)."""
-        lens = [tree.response_lens[i] for i in responses]
-        offsets = [sum(lens[:j]) for j in range(len(responses))]
-        width = () if self.calls.entropy_fn is None else (2,)
-        buffer = torch.zeros(sum(lens), *width, dtype=torch.float32, device=tree.prompt.device)
-        for i, idx, s in owned:
-            buffer[offsets[responses.index(i)] + idx] = s.detach()
-        full = all_gather_sum(buffer, members, self.group, self.logp_meter)
-        return [full[o: o + n].clone() for o, n in zip(offsets, lens)]
+    def _exchange(self, tree: Tree, responses: list[int], owned: list, members) -> list[torch.Tensor]:
+        """Full scores of ``responses`` on every member (``exchange_scores``); ``owned``: (response, token
+        indices, scores) this rank holds."""
+        width = None if self.calls.entropy_fn is None else 2
+        return exchange_scores([tree.response_lens[i] for i in responses],
+                               [(responses.index(i), idx, s) for i, idx, s in owned], members, self.group,
+                               self.score_meter, width=width, device=tree.prompt.device)
 
     def _backward(self, t: int, responses: list[int], full: list, owned: list, dummy) -> None:
         """g = d micro_batch_loss(t, responses, full) / d full (on leaf copies, the same on every member),
         backpropagated through the tokens this rank owns (``dummy``: the dummy row's scores, with zero)."""
         leaves = [f.clone().requires_grad_() for f in full]
         loss = self.calls.loss(t, responses, leaves)
-        grads = [None] * len(leaves)
+        found: Sequence[torch.Tensor | None] = [None] * len(leaves)
         if loss is not None and loss.requires_grad:
-            grads = torch.autograd.grad(loss, leaves, allow_unused=True)
-        grads = [g if g is not None else torch.zeros_like(f) for g, f in zip(grads, full)]
+            found = torch.autograd.grad(loss, leaves, allow_unused=True)
+        grads = [g if g is not None else torch.zeros_like(f) for g, f in zip(found, full)]
         roots = [s for _, _, s in owned] + ([dummy] if dummy is not None else [])
         seeds = [grads[responses.index(i)][idx] for i, idx, _ in owned]
         seeds += [torch.zeros_like(dummy)] if dummy is not None else []

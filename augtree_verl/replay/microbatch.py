@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+DEFAULT_MICRO_BATCH_TOKENS = 8192  # a response micro-batch's token budget (rows x longest row)
+
 
 def split_micro_batches(lengths: list[int], budget_tokens: int) -> list[list[int]]:
     """Group response indices so that rows x longest row <= ``budget_tokens`` (a lone row may exceed it).

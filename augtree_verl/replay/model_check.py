@@ -24,10 +24,11 @@ import time
 
 import torch
 
+from augtree_verl.groups import Tree
 from augtree_verl.replay.attention import NO_MASKS, PrefillContext, original_attention, use_augtree_attention
 from augtree_verl.replay.baseline import flattened_replay
-from augtree_verl.replay.engine import replay
-from augtree_verl.replay.tree import ReplayTree
+from augtree_verl.replay.engine import per_response, replay
+from augtree_verl.replay.step_plan import StepPlan
 
 # The setting that runs a refused model on verl's stock engine.
 STOCK_ENGINE = ("actor_rollout_ref.actor.strategy=fsdp2 (and actor_rollout_ref.ref.strategy=fsdp2 for the reference "
@@ -143,10 +144,10 @@ class ProbeResult:
     tokens: int  # tokens run by both paths together
 
 
-def probe_tree(vocab: int, device) -> ReplayTree:
+def probe_tree(vocab: int, device) -> Tree:
     g = torch.Generator().manual_seed(PROBE_SEED)
     ids = lambda n: torch.randint(0, vocab, (n,), generator=g).to(device)
-    return ReplayTree(ids(PROBE_PROMPT), [ids(r) for r in PROBE_RESPONSES])
+    return Tree.of_tokens(ids(PROBE_PROMPT), [ids(r) for r in PROBE_RESPONSES])
 
 
 def _probe_loss(t, i, logp):
@@ -179,7 +180,8 @@ def probe_exactness(replay_model, forward_model, *, train: bool, lockstep_group=
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             dtype = _check_hooked_layers(replay_model, forward_model, model_type, tree)
             loss = _probe_loss if train else None
-            got = replay(replay_model, [tree], loss, lockstep_group=lockstep_group)
+            step = StepPlan.build([tree], lockstep_group=lockstep_group)
+            got = replay(replay_model, step, per_response(loss) if loss is not None else None)
             got_grads = [_local(p.grad) for p in params]
             for p in params:
                 p.grad = None

@@ -1,5 +1,8 @@
 """What one ``replay`` call did: phase times, token counts and bytes moved (for metrics and benchmarks).
 
+Everything that sums, combines over a CP group or becomes a metric is read from the dataclass fields
+(``PHASES``, ``ReplayStats.counters``, ``ReplayStats.keyed``): a new counter is one line, ``name: int = counter(...)``.
+
 Phase timers (``start_timer`` / ``stop_timer``): on CPU wall-clock ``perf_counter``; on CUDA a pair of
 CUDA events recorded on the current stream, so timing never synchronises the hot loop. Event pairs are
 resolved (their end events waited for) only when a phase time is read.
@@ -9,15 +12,36 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import Field, dataclass, field, fields
 
 import torch
 
-PHASES = ("prefill_s", "replay_s", "prompt_backward_s")
+from augtree_verl.plan import PRIMITIVES
+
+# "single" counts trees run without a plan (one device, no planner); the others count trees by their plan's
+# primitive (a planner fallback runs with the one-device plan: ring at degree 1).
+PLAN_KINDS = ("single",) + PRIMITIVES
+COMM_KEYS = tuple(f"{p}/{d}" for p in PRIMITIVES for d in ("fwd", "bwd"))
+
+
+def counter(metric: str | None = None):
+    """An integer counter field: summed over a CP group and reported as the metric ``metric`` (default: the
+    field's name)."""
+    return field(default=0, metadata={"metric": metric})
+
+
+def keyed(keys: tuple[str, ...]):
+    """A ``dict[str, int]`` counter field; ``keys``: the ones summed over a CP group and reported (as
+    ``<field>/<key>``)."""
+    return field(default_factory=lambda: defaultdict(int), metadata={"keys": keys})
 
 
 class _PhaseSeconds:
-    """A phase-time field: reading it first adds the elapsed time of its pending CUDA event pairs."""
+    """A phase-time field: reading it first adds the elapsed time of its pending CUDA event pairs.
+    ``metric``: its metric name (default: the field's name)."""
+
+    def __init__(self, metric: str | None = None):
+        self.metric = metric
 
     def __set_name__(self, owner, name):
         self.name = name
@@ -38,18 +62,36 @@ class _PhaseSeconds:
 class ReplayStats:
     prefill_s: float = _PhaseSeconds()          # Phase A: prompt forwards
     replay_s: float = _PhaseSeconds()           # Phase B: response micro-batches, forward (+ backward)
-    prompt_backward_s: float = _PhaseSeconds()  # Phase C: delayed prompt backwards
-    logical_tokens: int = 0          # sum over responses of |P| + |R_i| (what the flattened baseline runs)
-    executed_tokens: int = 0         # tokens actually run through the model (prompt once per tree, padding included)
-    trees: int = 0
-    micro_batches: int = 0
-    offloaded_bytes: int = 0         # prompt activations held on the host instead of the device (``Offload``)
-    prefetched_bytes: int = 0        # of those, bytes copied back ahead of the prompt backward's use
-    offload_copies: int = 0          # offload copies, both directions
-    # bytes sent by this rank, keyed "<primitive>/fwd" and "<primitive>/bwd"
-    comm_bytes: dict[str, int] = field(default_factory=lambda: defaultdict(int))
-    # primitive name -> number of trees run with it
-    plans: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    prompt_backward_s: float = _PhaseSeconds("delayed_backward_s")  # Phase C: delayed prompt backwards
+    logical_tokens: int = counter()   # sum over responses of |P| + |R_i| (what the flattened baseline runs)
+    executed_tokens: int = counter()  # tokens run through the model (prompt once per tree, padding included)
+    trees: int = counter()
+    micro_batches: int = counter()
+    offloaded_bytes: int = counter("offload/offloaded_bytes")    # prompt activations held on the host (``Offload``)
+    prefetched_bytes: int = counter("offload/prefetched_bytes")  # of those, copied back ahead of their use
+    offload_copies: int = counter("offload/copies")              # offload copies, both directions
+    # bytes sent by this rank, keyed "<primitive>/fwd" and "<primitive>/bwd" (and the score exchanges')
+    comm_bytes: dict[str, int] = keyed(COMM_KEYS)
+    # plan kind -> number of trees run with it
+    plans: dict[str, int] = keyed(PLAN_KINDS)
+
+    @classmethod
+    def counters(cls) -> list[Field]:
+        """The integer counter fields (``counter``)."""
+        return [f for f in fields(cls) if "metric" in f.metadata]
+
+    @classmethod
+    def keyed(cls) -> list[Field]:
+        """The ``dict[str, int]`` counter fields (``keyed``)."""
+        return [f for f in fields(cls) if "keys" in f.metadata]
+
+    @staticmethod
+    def metric_name(name: str) -> str:
+        """The metric a phase or counter field ``name`` is reported as."""
+        spec = vars(ReplayStats).get(name)
+        metric = spec.metric if isinstance(spec, _PhaseSeconds) else \
+            next(f for f in fields(ReplayStats) if f.name == name).metadata.get("metric")
+        return metric or name
 
     def start_timer(self, device: torch.device):
         """A start mark for ``stop_timer``: a recorded CUDA event on a CUDA device, else ``perf_counter()``."""
@@ -77,28 +119,12 @@ class ReplayStats:
             end.synchronize()
             self.__dict__["_" + phase] = self.__dict__.get("_" + phase, 0.0) + start.elapsed_time(end) / 1000.0
 
-    def add(self, other: ReplayStats, *, count_trees: bool = True) -> None:
-        """Add ``other``'s times, executed tokens, micro-batches, bytes and offload counters; its trees (logical
-        tokens, tree and plan counts) only with ``count_trees`` (one member of a CP group counts a shared tree)."""
-        self.prefill_s += other.prefill_s
-        self.replay_s += other.replay_s
-        self.prompt_backward_s += other.prompt_backward_s
-        self.executed_tokens += other.executed_tokens
-        self.micro_batches += other.micro_batches
-        self.offloaded_bytes += other.offloaded_bytes
-        self.prefetched_bytes += other.prefetched_bytes
-        self.offload_copies += other.offload_copies
-        for key, value in other.comm_bytes.items():
-            self.comm_bytes[key] += value
-        if count_trees:
-            self.logical_tokens += other.logical_tokens
-            self.trees += other.trees
-            for key, value in other.plans.items():
-                self.plans[key] += value
-
     def add_bytes(self, primitive: str, direction: str, nbytes: int) -> None:
         self.comm_bytes[f"{primitive}/{direction}"] += int(nbytes)
 
     @property
     def total_comm_bytes(self) -> int:
         return sum(self.comm_bytes.values())
+
+
+PHASES = tuple(name for name, value in vars(ReplayStats).items() if isinstance(value, _PhaseSeconds))

@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import torch
 
+from augtree_verl.groups import Tree
 from augtree_verl.replay.attention import PrefillContext, ResponseContext
 from augtree_verl.replay.calls import PAD_ID, ModelCalls
+from augtree_verl.replay.lockstep import Slot
 from augtree_verl.replay.prompt_kv import PromptKV
-from augtree_verl.replay.schedule import Slot
-from augtree_verl.replay.tree import ReplayTree
 
 
-def run_tree(calls: ModelCalls, t: int, tree: ReplayTree, slot: Slot) -> list[torch.Tensor]:
+def run_tree(calls: ModelCalls, t: int, tree: Tree, slot: Slot) -> list[torch.Tensor]:
     """Phases A-C of tree ``t`` in ``slot``; returns its scores per response ([R_i] or [R_i, 2]), detached
     in training (a forward-only replay runs under ``torch.no_grad``)."""
     stats, p = calls.stats, tree.prompt_len
@@ -48,7 +48,7 @@ def run_tree(calls: ModelCalls, t: int, tree: ReplayTree, slot: Slot) -> list[to
     return out
 
 
-def _score(calls: ModelCalls, tree: ReplayTree, rows: list[int], prompt: PromptKV) -> list[torch.Tensor]:
+def _score(calls: ModelCalls, tree: Tree, rows: list[int], prompt: PromptKV) -> list[torch.Tensor]:
     """Scores of responses ``rows`` of ``tree``: one decoder call (at least one token per row, so that every
     call runs every layer) and one LM-head call."""
     p, lengths = tree.prompt_len, [tree.response_lens[i] for i in rows]

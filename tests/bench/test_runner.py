@@ -76,9 +76,9 @@ def test_a_method_beyond_tolerance_is_wrong():
 
 def test_cp_plans_of_the_fixed_methods():
     from augtree_verl.bench.methods import methods_for
-    from augtree_verl.replay.tree import ReplayTree
+    from augtree_verl.groups import Tree
 
-    trees = [ReplayTree(torch.arange(5), [torch.arange(3), torch.arange(2)])]
+    trees = [Tree.of_tokens(torch.arange(5), [torch.arange(3), torch.arange(2)])]
     by = {m.name: m for m in methods_for(4)}
     assert list(by) == ["MegaN", "MegaR", "AugTree", "AugTree[tree_move_kv]", "AugTree[move_q]", "verl-fsdp2"]
     assert by["verl-fsdp2"].plans(trees, 4) is None and not by["verl-fsdp2"].planned

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from augtree_verl import Plan, ReplayStats, replay
+from augtree_verl import Plan, ReplayStats, StepPlan, per_response, replay
 from augtree_verl.cp.cost import AttentionShape, analytic_bytes
 from augtree_verl.cp.layout import ZigzagLayout
 from augtree_verl.planner import plan_tree
@@ -54,7 +54,8 @@ def check_call(model, trees, plans, *, temperature=1.0, train=True, seed=0, forw
     loss_fn = grpo_like_loss(trees, seed) if train else None
     model.zero_grad(set_to_none=True)
     stats = ReplayStats()
-    got = replay(model, trees, loss_fn, plans=plans, temperature=temperature, stats=stats)
+    step_plan = StepPlan.build(trees, plans=plans, temperature=temperature, stats=stats)
+    got = replay(model, step_plan, per_response(loss_fn) if train else None)
     summed = summed_grads(model) if train else {}
     model.zero_grad(set_to_none=True)
     want = flattened_replay(model, trees, loss_fn, temperature=temperature)
@@ -183,8 +184,8 @@ def _micro_batch_loss_with_entropy(rank, world, offload_on=False):
 
         model.zero_grad(set_to_none=True)
         offload = Offload(min_bytes=0) if offload_on else None
-        got = replay(model, trees, plans=plans if step != 1 else [ring_plan(world)] * 2, temperature=0.8,
-                     entropy_fn=entropy, micro_batch_loss=micro_batch_loss, offload=offload)
+        got = replay(model, StepPlan.build(trees, plans=plans if step != 1 else [ring_plan(world)] * 2,
+                                           temperature=0.8, entropy_fn=entropy, offload=offload), micro_batch_loss)
         assert all(s.shape == (n, 2) and not s.requires_grad for tree, row in zip(trees, got)
                    for s, n in zip(row, tree.response_lens))
         assert held and min(held) > 0 and not held_prompt_tensors()
@@ -238,11 +239,11 @@ def _bad_plans(rank, world):
     model = tiny_model("qwen2-gqa")
     trees = random_trees([5], [[3, 2]], seed=1)
     with pytest.raises(ValueError, match="tree 0: plan degree 4 differs from the CP group size 2"):
-        replay(model, trees, plans=[ring_plan(4)])
+        replay(model, StepPlan.build(trees, plans=[ring_plan(4)]))
     with pytest.raises(ValueError, match="tree 0 has 1 cells"):
-        replay(model, trees, plans=[split_plan("move_q", 2, 1, ((0, 0),))])
-    with pytest.raises(ValueError, match="tree 0: placement 1 outside the 1 subgroups of degree 2"):
-        replay(model, trees, plans=[ring_plan(2)], placement=[1])
+        replay(model, StepPlan.build(trees, plans=[split_plan("move_q", 2, 1, ((0, 0),))]))
+    with pytest.raises(ValueError, match="tree 0: subgroup 1 outside the 1 subgroups of degree 2"):
+        replay(model, StepPlan.build(trees, plans=[ring_plan(2)], subgroups=[1]))
 
 
 @pytest.mark.timeout(200)
@@ -254,4 +255,4 @@ def test_needs_initialised_process_group():
     model = tiny_model("qwen2-gqa")
     trees = random_trees([5], [[3]], seed=1)
     with pytest.raises(ValueError, match="torch.distributed initialised"):
-        replay(model, trees, plans=[ring_plan(2)])
+        replay(model, StepPlan.build(trees, plans=[ring_plan(2)]))

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from augtree_verl import Plan, replay
+from augtree_verl import Plan, StepPlan, per_response, replay
 from augtree_verl.cp.mesh import CPMesh
 from tests.cp.distributed import run_distributed
 from tests.cp.test_engine import (
@@ -37,7 +37,7 @@ PLANS = [split_plan("move_q", 4, 2, ((0, 0), (0, 1), (1, 0))), ring_plan(4),
          split_plan("move_q", 2, 1, ((0, 0), (1, 0))),
          split_plan("tree_move_kv", 2, 1, ((0, 0), (1, 0), (2, 0), (3, 0)))] + [None] * 7
 # degree-2 trees 2, 3, 4 on subgroup 0 and tree 5 on subgroup 1; degree-1 trees 6-10 on rank 0, 11-12 on rank 3
-PLACEMENT = [0, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 3, 3]
+SUBGROUPS = [0, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 3, 3]
 
 
 def _record(model) -> list[str]:
@@ -67,13 +67,13 @@ def _skewed(rank, world):
         def loss_fn(t, i, scores):
             return pg(t, i, scores[:, 0]) + 0.1 * scores[:, 1].sum()
 
-        got = replay(model, trees, plans=PLANS, mesh=mesh, placement=PLACEMENT, entropy_fn=entropy,
-                     lockstep_group=dist.group.WORLD, temperature=0.9)
+        step_plan = dict(plans=PLANS, mesh=mesh, subgroups=SUBGROUPS, entropy_fn=entropy,
+                         lockstep_group=dist.group.WORLD, temperature=0.9)
+        got = replay(model, StepPlan.build(trees, **step_plan))
         _same_on_every_rank(events, f"step {step} forward only")
         forward = got
         model.zero_grad(set_to_none=True)
-        got = replay(model, trees, loss_fn, plans=PLANS, mesh=mesh, placement=PLACEMENT, entropy_fn=entropy,
-                     lockstep_group=dist.group.WORLD, temperature=0.9)
+        got = replay(model, StepPlan.build(trees, **step_plan), per_response(loss_fn))
         _same_on_every_rank(events, f"step {step} training")
         summed = summed_grads(model)
         assert_scores_match_flattened(model, trees, loss_fn, 0.9, got, summed)
@@ -94,7 +94,7 @@ def _bad_mesh_degree(rank, world):
     model = tiny_model("qwen2-gqa")
     trees = random_trees([5], [[3, 2]], seed=1)
     with pytest.raises(ValueError, match="tree 0: plan degree 4 differs from the CP group size 2"):
-        replay(model, trees, plans=[Plan(degree=4, primitive="ring")], mesh=mesh, placement=[0])
+        replay(model, StepPlan.build(trees, plans=[Plan(degree=4, primitive="ring")], mesh=mesh, subgroups=[0]))
 
 
 @pytest.mark.timeout(200)

@@ -1,75 +1,10 @@
-"""Which ranks of a CP group replay which tree, at which degree (``schedule_trees``, ``place_trees``), and the
-mesh's checks."""
+"""The CP mesh's checks (the placement policy is the step plan's: tests/replay/test_step_plan.py)."""
 
 from __future__ import annotations
 
 import pytest
-import torch
 
-from augtree_verl.cp.mesh import CPMesh, place_trees, schedule_trees
-from augtree_verl.plan import Plan
-from augtree_verl.replay import ReplayTree
-
-
-def test_heaviest_first_onto_the_least_loaded_subgroup():
-    # Group of 4 ranks, by weight: 8 (degree 4) loads [2, 2, 2, 2]; 6 (degree 2) -> subgroup {0, 1}: [5, 5, 2, 2];
-    # 3 -> rank 2: [5, 5, 5, 2]; 2 (degree 2) ties at 5 -> subgroup {0, 1}: [6, 6, 5, 2]; 1 and 1 -> rank 3.
-    works = [8.0, 6.0, 2.0, 3.0, 1.0, 1.0]
-    degrees = [4, 2, 2, 1, 1, 1]
-    assert place_trees(works, degrees, 4) == ([0, 0, 0, 2, 3, 3], 6.0)
-
-
-def test_every_tree_is_placed_once_and_ties_go_low():
-    assert place_trees([1.0] * 5, [1] * 5, 2) == ([0, 1, 0, 1, 0], 3.0)
-    assert place_trees([], [], 8) == ([], 0.0)
-    assert place_trees([5.0, 5.0], [1, 1], 1) == ([0, 0], 10.0)
-
-
-def test_a_degree_that_does_not_divide_the_group_names_the_tree():
-    with pytest.raises(ValueError, match="tree 1: degree 3 does not divide the CP group size 4"):
-        place_trees([1.0, 2.0], [2, 3], 4)
-
-
-def _trees(n):
-    return [ReplayTree(prompt=torch.zeros(8, dtype=torch.long), responses=[torch.zeros(2, dtype=torch.long)])] * n
-
-
-def _cp(single_s, efficiency=0.8, degree=2):
-    """A degree-2 plan whose parallel efficiency T_1 / (d T_d) is ``efficiency``."""
-    return Plan(degree=degree, est_time_s=single_s / (degree * efficiency), est_single_s=single_s)
-
-
-def test_trees_that_balance_side_by_side_run_on_one_rank_each():
-    # Two equal trees on 2 ranks: both at degree 2 take 2 x 0.625 = 1.25; side by side 1.0.
-    assert schedule_trees(_trees(2), [_cp(1.0), _cp(1.0)], 2) == ([1, 1], [0, 1])
-
-
-def test_a_long_tree_beside_a_short_one_keeps_its_cp_plan():
-    # 8 s at degree 2 (5 s) + a 1 s tree: 5 + 1 on one rank, 5 on the other = 6 < 8 side by side.
-    plans = [_cp(8.0), Plan(est_time_s=1.0)]
-    assert schedule_trees(_trees(2), plans, 2) == ([2, 1], [0, 0])
-
-
-def test_short_inefficient_trees_are_demoted_around_a_long_cp_tree():
-    # 4 ranks: a long tree (8 s alone, 90% efficient at degree 4: 2.22 s on every rank) and three 1 s trees
-    # planned at degree 2 with 50% efficiency (1 s on two ranks each). As planned: 2.22 + 1 + 1 = 4.22.
-    # Demoting two short trees (the least efficient first, then by index): 2.22 + 1 on every rank = 3.22;
-    # the third demotion ties (3.22) and is not taken; demoting the long tree would cost 8.
-    plans = [_cp(8.0, efficiency=0.9, degree=4)] + [_cp(1.0, efficiency=0.5)] * 3
-    degrees, placement = schedule_trees(_trees(4), plans, 4)
-    assert degrees == [4, 1, 1, 2]
-    assert place_trees([8.0 / 0.9, 1.0, 1.0, 2.0], degrees, 4)[1] == pytest.approx(8.0 / 3.6 + 1.0)
-
-
-def test_three_trees_on_two_ranks_run_side_by_side():
-    plans = [_cp(2.0, efficiency=0.5), _cp(4.0, efficiency=0.95), _cp(1.0, efficiency=0.9)]
-    assert schedule_trees(_trees(3), plans, 2)[0] == [1, 1, 1]  # makespan 4.0 vs 4.66 as planned
-
-
-def test_without_planner_estimates_the_planned_degrees_stand():
-    trees = _trees(2)
-    assert schedule_trees(trees, [None, None], 2) == ([1, 1], [0, 1])
-    assert schedule_trees(trees, [Plan(degree=2), Plan(degree=2, est_time_s=1.0)], 2)[0] == [2, 2]
+from augtree_verl.cp.mesh import CPMesh
 
 
 def test_mesh_needs_the_largest_degree_to_divide_the_world(single_process_group):

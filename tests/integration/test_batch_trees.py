@@ -1,4 +1,5 @@
-"""Regrouping verl rows into replay trees: by (uid, prompt), any order, across micro-batches."""
+"""Regrouping verl rows into replay trees: by tree id (uid, prompt length) and prompt, any order, across
+micro-batches."""
 
 from __future__ import annotations
 
@@ -21,12 +22,14 @@ def test_rows_group_by_uid_and_prompt_across_micro_batches():
     rows.append(_row("pad", [0, 0], [0]))  # a padding sample (response masked out) is a tree of its own
     batch = H.rows_to_batch(rows)
     micro_batches = tu.chunk_tensordict(batch, 4)  # rows (0,1) (2,3) (4,5) (6,7)
-    grouped = build_trees(micro_batches)
-    as_lists = [(u, t.prompt.tolist(), [r.tolist() for r in t.responses]) for u, t in zip(grouped.uids, grouped.trees)]
+    trees = build_trees(micro_batches)
+    as_lists = [(t.uid, t.prompt.tolist(), [r.tolist() for r in t.responses]) for t in trees]
     assert as_lists == [("a", [1, 2, 3], [[4], [8, 9], [11, 12, 13]]), ("b", [5], [[6, 7], [2]]),
                         ("a", [1, 2, 4], [[10]]), ("c", [7, 7], [[1]]), ("pad", [0, 0], [[0]])]
-    assert grouped.rows[0] == [(0, 0), (1, 0), (2, 1)]
-    assert all(grouped.slot[row] == (t, i) for t, rows_t in enumerate(grouped.rows) for i, row in enumerate(rows_t))
+    # rows numbered through the micro-batches; the two prompts of group "a" share the trainer's tree id
+    assert [t.samples for t in trees] == [(0, 2, 5), (1, 6), (3,), (4,), (7,)]
+    assert [t.tree_id for t in trees] == ["a|3", "b|1", "a|3", "c|2", "pad|2"]
+    assert [t.response_lens for t in trees] == [(1, 2, 3), (2, 1), (1,), (1,), (1,)]
 
 
 def test_non_contiguous_positions_are_rejected_naming_the_row():

@@ -64,9 +64,9 @@ WORLD_4 = _layout(
     groups=[(18, [2, 3, 2, 4, 1, 2]), (16, [3, 5]), (12, [6, 2]), (4, [9, 7]), (6, [4]), (3, [2, 1]), (8, [5])],
     specs=[("move_q", 2), ("move_q", 2), TWO_ROUNDS, ("ring", 2), (None, 1), (None, 1), (None, 1)],
     dealt=[[0], [1, 2, 3, 4, 5, 6]])
-# World 2: the degree-1 trees are placed heaviest first (``cp.mesh.place_trees``; ONE_LANE carries no planner
-# estimates, so by ``tree_workload``): group 0 (one response) outweighs groups 1 and 2 together, so one rank
-# replays it alone and the other rank both.
+# World 2: the degree-1 trees are placed heaviest first (``replay.step_plan.pack_subgroups``; ONE_LANE carries no
+# planner estimates, so by ``tree_workload``): group 0 (one response) outweighs groups 1 and 2 together, so one
+# rank replays it alone and the other rank both.
 WORLD_2 = _layout(
     groups=[(22, [2]), (2, [3, 2, 4]), (3, [1, 2, 1, 2]), (14, [3, 5, 2, 4, 1]), (10, [2, 6, 3, 4]), (3, [8, 6, 5])],
     specs=[(None, 1), (None, 1), (None, 1), ONE_LANE, ("move_q", 2), ("ring", 2)],

@@ -14,9 +14,8 @@ from verl.utils.metric import reduce_metrics
 from verl.workers.engine.utils import prepare_micro_batches
 
 from augtree_verl.integration.batch_trees import build_trees
-from augtree_verl.integration.plans import plans_for_trees
 from augtree_verl.plan import Plan
-from augtree_verl.plan_field import PLAN_FIELD
+from augtree_verl.plan_field import PLAN_FIELD, tree_plans
 from augtree_verl.replay.microbatch import split_micro_batches
 from augtree_verl.testing import harness as H
 
@@ -47,6 +46,12 @@ def _plan_entries(rows):
         entries.append({**plans[uid].to_dict(), "tree_id": f"{uid}|{len(row['prompt'])}", "response_index": index,
                         "num_responses": count})
     return entries
+
+
+def _plans(micro_batches, cp_degrees=(1,), **kw):
+    """The engine's decoding of the plan field: (one plan per tree, fallbacks)."""
+    entries = [e for mb in micro_batches for e in mb[PLAN_FIELD]]
+    return tree_plans(build_trees(micro_batches), entries, cp_degrees, **kw)
 
 
 def _expected_tokens(batch):
@@ -144,7 +149,7 @@ def test_split_plan_placement_follows_the_planners_response_order():
     rows = H.group_rows(GROUPS)
     batch = H.rows_to_batch(rows, extra={PLAN_FIELD: _plan_entries(rows)})
     micro_batches, _ = prepare_micro_batches(batch)
-    plans, fallbacks = plans_for_trees(micro_batches, build_trees(micro_batches))
+    plans, fallbacks = _plans(micro_batches)
     # Our response i of group 0 is the planner's response (i + 1) % 4.
     assert plans[0].placement == tuple(SPLIT.placement[(i + 1) % 4] for i in range(4))
     assert (plans[1], plans[2], plans[3], fallbacks) == (RING, Plan(), RING, 1)
@@ -159,14 +164,13 @@ def test_context_parallel_plans_apply_where_the_engine_has_that_degree():
     entries = [{**entry, **cp_ring.to_dict()} if row["uid"] == "group-1" else entry
                for row, entry in zip(rows, _plan_entries(rows))]
     micro_batches, _ = prepare_micro_batches(H.rows_to_batch(rows, extra={PLAN_FIELD: entries}))
-    grouped = build_trees(micro_batches)
-    plans, fallbacks = plans_for_trees(micro_batches, grouped)
+    plans, fallbacks = _plans(micro_batches)
     assert (plans[1], plans[3], fallbacks) == (one_device, RING, 2)
-    plans, fallbacks = plans_for_trees(micro_batches, grouped, (1, 2))
+    plans, fallbacks = _plans(micro_batches, (1, 2))
     assert (plans[1], plans[3], fallbacks) == (cp_ring, RING, 1)
     longest = 4 + 6  # group 1: prompt 4, longest response 6
     for threshold, want in ((longest, cp_ring), (longest + 1, one_device)):
-        plans, fallbacks = plans_for_trees(micro_batches, grouped, (1, 2), min_cp_tokens=threshold)
+        plans, fallbacks = _plans(micro_batches, (1, 2), min_cp_tokens=threshold)
         assert (plans[1], fallbacks) == (want, 1), threshold
 
 
@@ -189,21 +193,30 @@ def test_training_with_plans_is_still_exact(engine):
         assert torch.equal(grads[0][name], grads[1][name]), name
 
 
-def test_group_totals_keep_every_counter(single_process_group):
-    """A CP group's combined stats carry every counter, byte key, plan count and phase time (the offload
-    counters included)."""
+def test_group_totals_and_metrics_keep_every_counter(single_process_group):
+    """A CP group's combined stats and the step's metrics carry every counter field of ``ReplayStats``, every
+    byte key and plan count, and every phase time (they are read from the dataclass fields)."""
     from dataclasses import fields
 
-    from augtree_verl.integration.metrics import COUNTERS, group_totals
+    from augtree_verl.integration.metrics import group_totals, step_metrics
     from augtree_verl.replay import ReplayStats
     from augtree_verl.replay.stats import PHASES
 
+    counters = tuple(f.name for f in ReplayStats.counters())
+    assert {f.name for f in fields(ReplayStats) if f.type == "int"} == set(counters), \
+        "an int field of ReplayStats that is not a counter(): nothing sums or reports it"
     stats = ReplayStats(**{name: 0.5 + k for k, name in enumerate(PHASES)},
-                        **{name: 10 + k for k, name in enumerate(COUNTERS)})
-    stats.comm_bytes["move_q/bwd"] += 7
-    stats.plans["ring"] += 2
-    counted = {f.name for f in fields(ReplayStats) if f.type == "int"}
-    assert counted == set(COUNTERS), "a ReplayStats counter group_totals does not sum"
+                        **{name: 10 + k for k, name in enumerate(counters)})
+    keyed = [(f.name, key) for f in ReplayStats.keyed() for key in f.metadata["keys"]]
+    for k, (name, key) in enumerate(keyed):
+        getattr(stats, name)[key] += 100 + k
     total = group_totals(stats, None, torch.device("cpu"))
-    assert [getattr(total, n) for n in PHASES + COUNTERS] == [getattr(stats, n) for n in PHASES + COUNTERS]
-    assert total.comm_bytes["move_q/bwd"] == 7 and total.plans["ring"] == 2
+    assert [getattr(total, n) for n in PHASES + counters] == [getattr(stats, n) for n in PHASES + counters]
+    assert [getattr(total, name)[key] for name, key in keyed] == [100 + k for k in range(len(keyed))]
+    metrics = {k: v.values[0] for k, v in step_metrics(stats, [], plan_fallbacks=0).items()}
+    for name in PHASES + counters:
+        assert metrics["augtree/" + ReplayStats.metric_name(name)] == getattr(stats, name), name
+    for k, (name, key) in enumerate(keyed):
+        assert metrics[f"augtree/{name}/{key}"] == 100 + k
+    assert metrics["augtree/delayed_backward_s"] == stats.prompt_backward_s  # the names verl users see
+    assert metrics["augtree/offload/copies"] == stats.offload_copies

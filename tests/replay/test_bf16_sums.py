@@ -12,7 +12,7 @@ import copy
 
 import torch
 
-from augtree_verl import ReplayTree, replay
+from augtree_verl import StepPlan, Tree, per_response, replay
 from augtree_verl.replay.baseline import flattened_replay
 from tests.parity import VOCAB, rel_err, tiny_model
 
@@ -31,7 +31,7 @@ def test_bf16_replay_is_as_accurate_as_the_flattened_bf16_baseline():
     bf16 = tiny_model().to(torch.bfloat16)
     reference = copy.deepcopy(bf16).float()
     g = torch.Generator().manual_seed(0)
-    tree = ReplayTree(prompt=torch.randint(0, VOCAB, (PROMPT,), generator=g),
+    tree = Tree.of_tokens(prompt=torch.randint(0, VOCAB, (PROMPT,), generator=g),
                       responses=[torch.randint(0, VOCAB, (RESPONSE,), generator=g) for _ in range(G)])
     advantages = torch.randn(G, generator=g)
     stats = {}
@@ -39,7 +39,8 @@ def test_bf16_replay_is_as_accurate_as_the_flattened_bf16_baseline():
     def ours(model, trees, loss_fn):
         from augtree_verl.replay import ReplayStats
         stats["replay"] = ReplayStats()
-        return replay(model, trees, loss_fn, micro_batch_tokens=RESPONSE, stats=stats["replay"])
+        step_plan = StepPlan.build(trees, micro_batch_tokens=RESPONSE, stats=stats["replay"])
+        return replay(model, step_plan, per_response(loss_fn))
 
     want_logp, want_grads = _run(flattened_replay, reference, tree, advantages)
     base_logp, base_grads = _run(flattened_replay, bf16, tree, advantages)

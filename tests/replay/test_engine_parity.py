@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from augtree_verl import ReplayStats, replay
+from augtree_verl import ReplayStats, StepPlan, per_response, replay
 from augtree_verl.replay.baseline import flattened_replay
 from tests.parity import MODELS, assert_grads_match, assert_logps_match, grads, random_trees, rel_err, tiny_model
 
@@ -16,7 +16,7 @@ def grpo_like_loss(advantages):
 def run_both(model, trees, loss_fn, **kw):
     temperature = kw.pop("temperature", 1.0)
     model.zero_grad(set_to_none=True)
-    got = replay(model, trees, loss_fn, temperature=temperature, **kw)
+    got = replay(model, StepPlan.build(trees, temperature=temperature, **kw), per_response(loss_fn))
     got_grads = grads(model)
     model.zero_grad(set_to_none=True)
     want = flattened_replay(model, trees, loss_fn, temperature=temperature)
@@ -73,7 +73,7 @@ def test_reentrant_checkpointing_is_refused():
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
     trees = random_trees([8], [[3, 4]])
     with pytest.raises(ValueError, match="use_reentrant=False"):
-        replay(model, trees, lambda t, i, lp: lp.sum())
+        replay(model, StepPlan.build(trees), per_response(lambda t, i, lp: lp.sum()))
 
 
 @pytest.mark.slow
@@ -103,7 +103,7 @@ def test_several_optimizer_steps_stay_in_parity():
 def test_forward_only_builds_no_graph_and_matches():
     model = tiny_model("qwen3-gqa", seed=8)
     trees = random_trees([25], [[5, 1, 9]], seed=8)
-    got = replay(model, trees, temperature=1.3)
+    got = replay(model, StepPlan.build(trees, temperature=1.3))
     want = flattened_replay(model, trees, temperature=1.3)
     assert_logps_match(got, want)
     assert all(not lp.requires_grad for row in got for lp in row)
@@ -114,7 +114,7 @@ def test_stats_count_prompt_once():
     model = tiny_model("qwen2-gqa")
     trees = random_trees([50], [[4, 4, 4, 4]])
     stats = ReplayStats()
-    replay(model, trees, lambda t, i, lp: lp.sum(), micro_batch_tokens=100, stats=stats)
+    replay(model, StepPlan.build(trees, micro_batch_tokens=100, stats=stats), per_response(lambda t, i, lp: lp.sum()))
     assert stats.logical_tokens == 4 * (50 + 4)
     assert stats.executed_tokens == 50 + 4 * 3   # prompt once; each response feeds R - 1 tokens
     assert stats.trees == 1 and stats.micro_batches == 1
@@ -124,6 +124,6 @@ def test_model_outside_replay_runs_its_own_attention():
     model = tiny_model("llama-mha", seed=9).eval()
     ids = random_trees([20], [[1]])[0].prompt[None]
     before = model(input_ids=ids).logits
-    replay(model, random_trees([5], [[3, 2]]))
+    replay(model, StepPlan.build(random_trees([5], [[3, 2]])))
     assert model.config._attn_implementation == "augtree"
     assert torch.equal(model(input_ids=ids).logits, before)

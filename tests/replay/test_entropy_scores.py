@@ -4,7 +4,7 @@ per response micro-batch, against the flattened baseline (log-probs, entropies, 
 import pytest
 import torch
 
-from augtree_verl import replay
+from augtree_verl import StepPlan, replay
 from augtree_verl.replay.baseline import flattened_replay
 from tests.parity import RTOL, assert_grads_match, assert_logps_match, grads, random_trees, rel_err, tiny_model
 
@@ -32,8 +32,8 @@ def test_entropy_scores_and_micro_batch_loss_match_flattened(checkpointing):
         return sum(loss(t, i, s[:, 0], s[:, 1]) for i, s in zip(rows, scores))
 
     model.zero_grad(set_to_none=True)
-    got = replay(model, trees, temperature=0.8, micro_batch_tokens=10, entropy_fn=entropy,
-                 micro_batch_loss=micro_batch_loss)
+    step_plan = StepPlan.build(trees, temperature=0.8, micro_batch_tokens=10, entropy_fn=entropy)
+    got = replay(model, step_plan, micro_batch_loss)
     got_grads = grads(model)
     assert all(s.shape == (n, 2) and not s.requires_grad for tree, row in zip(trees, got)
                for s, n in zip(row, tree.response_lens))
@@ -49,9 +49,3 @@ def test_entropy_scores_and_micro_batch_loss_match_flattened(checkpointing):
         for i, s in enumerate(row):
             assert rel_err(s[:, 1], entropies[(t, i)].detach()) <= RTOL
     assert_grads_match(got_grads, grads(model))
-
-
-def test_loss_fn_and_micro_batch_loss_are_exclusive():
-    model = tiny_model()
-    with pytest.raises(ValueError, match="not both"):
-        replay(model, random_trees([3], [[2]]), lambda t, i, lp: lp.sum(), micro_batch_loss=lambda t, r, s: None)

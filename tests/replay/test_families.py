@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from augtree_verl import ReplayTree, replay
+from augtree_verl import StepPlan, Tree, per_response, replay
 from augtree_verl.replay.baseline import flattened_replay
 from tests.families import PARITY, VOCAB, family_model
 from tests.parity import assert_grads_match, assert_logps_match, grads
@@ -16,7 +16,7 @@ from tests.parity import assert_grads_match, assert_logps_match, grads
 def _trees():
     g = torch.Generator().manual_seed(0)
     ids = lambda n: torch.randint(3, VOCAB, (n,), generator=g)
-    return [ReplayTree(ids(9), [ids(4), ids(6), ids(2)]), ReplayTree(ids(3), [ids(5)])]
+    return [Tree.of_tokens(ids(9), [ids(4), ids(6), ids(2)]), Tree.of_tokens(ids(3), [ids(5)])]
 
 
 def _loss(t, i, logp):
@@ -27,7 +27,7 @@ def _loss(t, i, logp):
 def test_family_replays_exactly(name):
     model = family_model(name)
     trees = _trees()
-    got = replay(model, trees, _loss, micro_batch_tokens=8)
+    got = replay(model, StepPlan.build(trees, micro_batch_tokens=8), per_response(_loss))
     got_grads = grads(model)
     model.zero_grad(set_to_none=True)
     want = flattened_replay(model, trees, _loss)

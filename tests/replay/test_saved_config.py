@@ -9,14 +9,14 @@ import json
 import torch
 from transformers import AutoModelForCausalLM
 
-from augtree_verl import replay
+from augtree_verl import StepPlan, per_response, replay
 from tests.parity import random_trees, tiny_model
 
 
 def test_saved_config_has_no_key_of_ours(tmp_path):
     model = tiny_model("qwen2-gqa")
     before = model.config.to_dict()
-    replay(model, random_trees([5], [[3, 2]]), lambda t, i, lp: lp.sum())
+    replay(model, StepPlan.build(random_trees([5], [[3, 2]])), per_response(lambda t, i, lp: lp.sum()))
     assert model.config._attn_implementation == "augtree"
     model.save_pretrained(tmp_path)
     saved = json.loads((tmp_path / "config.json").read_text())

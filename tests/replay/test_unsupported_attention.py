@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import Gemma2Config, Gemma2ForCausalLM, GptOssConfig, GptOssForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from augtree_verl import ReplayTree, replay
+from augtree_verl import StepPlan, Tree, per_response, replay
 
 TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=8, max_position_embeddings=128)
@@ -16,7 +16,7 @@ TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_laye
 
 def _trees():
     g = torch.Generator().manual_seed(0)
-    return [ReplayTree(torch.randint(0, 64, (6,), generator=g), [torch.randint(0, 64, (3,), generator=g)])]
+    return [Tree.of_tokens(torch.randint(0, 64, (6,), generator=g), [torch.randint(0, 64, (3,), generator=g)])]
 
 
 def _loss(t, i, logp):
@@ -38,9 +38,9 @@ def test_unsupported_attention_features_are_refused(model, train, match):
     torch.manual_seed(0)
     m = model().train(train)
     with pytest.raises(ValueError, match=match):
-        replay(m, _trees(), _loss)
+        replay(m, StepPlan.build(_trees()), per_response(_loss))
 
 
 def test_plain_qwen2_in_training_mode_replays():
     m = Qwen2ForCausalLM(Qwen2Config(**TINY)).train()  # attention_dropout 0.0: dropout=0.0 is not a feature
-    assert replay(m, _trees(), _loss)[0][0].shape == (3,)
+    assert replay(m, StepPlan.build(_trees()), per_response(_loss))[0][0].shape == (3,)

@@ -1,12 +1,14 @@
-"""The augtree_plan batch field: one entry per sample, regrouped by tree in any order."""
+"""The augtree_plan batch field: one entry per sample, regrouped by tree in any order, and matched to the
+engine's trees (which carry the trainer's tree id)."""
 
 import random
 
 import pytest
+import torch
 
 from augtree_verl.groups import find_trees
 from augtree_verl.plan import Plan
-from augtree_verl.plan_field import group_plan_entries, plan_entries
+from augtree_verl.plan_field import group_plan_entries, plan_entries, tree_plans
 
 UIDS = ["b", "a", "b", "a", "a", "b", "c"]
 PROMPTS = [700, 300, 700, 300, 300, 700, 50]
@@ -58,3 +60,45 @@ def test_bad_plans_and_entries_are_clear_errors():
         group_plan_entries([entries[1], {**entries[3], "degree": 8}])
     with pytest.raises(ValueError, match="tree 'a\\|300' has response indices \\[1, 1\\]"):
         group_plan_entries([entries[3], entries[3]])
+
+
+def _engine_trees(order, prompt_of=lambda row: 0):
+    """The engine's trees of the batch rows ``order`` (the trainer's sample indices, in the worker's order):
+    token ids with the trainer's lengths; ``prompt_of(sample)`` seeds the prompt's tokens."""
+    sequences = [torch.cat([torch.full((PROMPTS[i],), prompt_of(i)), torch.arange(RESPONSES[i])]) for i in order]
+    return find_trees([UIDS[i] for i in order], [PROMPTS[i] for i in order], [RESPONSES[i] for i in order],
+                      sequences)
+
+
+def test_the_engine_finds_the_trainers_plans_under_the_trainers_tree_ids():
+    entries = plan_entries(find_trees(UIDS, PROMPTS, RESPONSES), PLANS, len(UIDS))
+    # the worker's rows: tree "a" arrives as the trainer's responses 2, 1, 0, tree "b" as 0, 2, 1
+    order = [4, 6, 0, 3, 5, 1, 2]
+    trees = _engine_trees(order)
+    assert [t.tree_id for t in trees] == ["a|300", "c|50", "b|700"]
+    plans, fallbacks = tree_plans(trees, [entries[i] for i in order], (1, 2, 4))
+    a = PLANS["a|300"].placement
+    assert plans[0].placement == (a[2], a[1], a[0]) and plans[0].degree == 2
+    b = PLANS["b|700"].placement
+    assert (plans[1], plans[2].placement, fallbacks) == (PLANS["c|50"], (b[0], b[2], b[1]), 0)
+    # without subgroups of 4 ranks, tree "b" runs on one device with the planner's one-rank estimate
+    plans, fallbacks = tree_plans(trees, [entries[i] for i in order], (1, 2))
+    assert (plans[2], fallbacks) == (Plan(est_time_s=PLANS["b|700"].est_single_s), 1)
+    assert tree_plans(trees, None) == ([None] * 3, 0)
+
+
+def test_a_row_planned_as_another_tree_is_refused_by_name():
+    entries = plan_entries(find_trees(UIDS, PROMPTS, RESPONSES), PLANS, len(UIDS))
+    entries[3] = {**entries[3], "tree_id": "z|300"}  # sample 3 (of tree "a|300") says it belongs to "z|300"
+    with pytest.raises(ValueError, match=r"batch row 3 of tree 1 \('a\|300'\) carries the plan of tree 'z\|300'"):
+        tree_plans(_engine_trees(range(len(UIDS))), entries)
+
+
+def test_prompts_that_differ_under_one_tree_id_replay_apart_on_one_device():
+    entries = plan_entries(find_trees(UIDS, PROMPTS, RESPONSES), PLANS, len(UIDS))
+    trees = _engine_trees(range(len(UIDS)), prompt_of=lambda i: int(i == 4))  # sample 4's prompt differs
+    assert [(t.tree_id, t.samples) for t in trees] == [("b|700", (0, 2, 5)), ("a|300", (1, 3)), ("a|300", (4,)),
+                                                       ("c|50", (6,))]
+    plans, fallbacks = tree_plans(trees, entries, (1, 2, 4))
+    assert plans[1] == plans[2] == Plan(est_time_s=PLANS["a|300"].est_single_s)  # part of a split plan: no plan
+    assert fallbacks == 2

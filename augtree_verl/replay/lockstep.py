@@ -1,4 +1,4 @@
-"""The replay schedule of one step on one rank, and its lock-step shape over an FSDP group.
+"""The lock-step shape of one step on one rank: its slots, agreed over an FSDP group.
 
 A slot is one tree's three parts: one prompt forward, ``calls`` response calls (one decoder call and one
 LM-head call each, and in training a backward each), and in training one delayed prompt backward. FSDP2
@@ -9,8 +9,8 @@ of a group agree on one shape and pad with one-token dummy calls.
 
 Phases by CP degree, largest first (C, ..., 2, then 1). Phase d > 1 holds the context-parallel trees of
 degree d: slot j of phase d holds, on every member of a d-subgroup, that subgroup's j-th tree (ordered by
-(most steps over its members, index), which every member computes identically from the shared trees and
-plans); its calls are the tree's CP steps (``cp.schedule``). Phase 1 holds each rank's own trees, the
+(most CP steps over its members, index), which every member computes identically from the shared trees and
+plans); its calls are the steps of the tree's CP schedule (``cp.schedule``). Phase 1 holds each rank's own trees, the
 largest (by micro-batch count) first; its calls are the tree's response micro-batches. Per phase the
 number of slots is the most any rank has, and ``calls`` per slot the most any rank has there (two small
 all-reduces); a rank short of work pads with dummy slots (``Slot.tree is None``) and dummy calls.
@@ -23,15 +23,15 @@ from dataclasses import dataclass
 import torch
 
 from augtree_verl.cp.schedule import CPTreeSchedule, cp_tree_schedule
+from augtree_verl.groups import Tree
 from augtree_verl.replay.microbatch import split_micro_batches
-from augtree_verl.replay.tree import ReplayTree
 
 
 @dataclass
 class Slot:
-    """One tree's place in the schedule: ``tree`` (an index, None for a dummy slot), ``degree`` (its
+    """One tree's place in the lock-step sequence: ``tree`` (an index, None for a dummy slot), ``degree`` (its
     phase), its work (one device: ``micro_batches``, lists of response indices; CP: ``cp``, this rank's
-    schedule of the tree) and ``calls`` >= that work's call count (the rest are dummy calls)."""
+    CP schedule of the tree) and ``calls`` >= that work's call count (the rest are dummy calls)."""
 
     tree: int | None
     degree: int
@@ -44,12 +44,12 @@ class Slot:
         return len(self.cp.steps) if self.cp is not None else len(self.micro_batches)
 
 
-def tree_schedule(trees: list[ReplayTree], plans: list, budget_tokens: int, *, mesh=None, placement=None,
-                  group=None, device: torch.device | None = None) -> list[Slot]:
+def lockstep_slots(trees: list[Tree], plans: list, budget_tokens: int, *, mesh=None, subgroups=None,
+                   group=None, device: torch.device | None = None) -> list[Slot]:
     """This rank's slots, in execution order (see the module docstring).
 
-    ``plans[t]``: a ``Plan`` or None; ``mesh`` (``cp.mesh.CPMesh``) and ``placement[t]`` (the subgroup
-    index of tree t, a CP rank for degree 1; see ``cp.mesh.schedule_trees``) when any tree runs
+    ``plans[t]``: a ``Plan`` or None; ``mesh`` (``cp.mesh.CPMesh``) and ``subgroups[t]`` (the subgroup
+    index of tree t, a CP rank for degree 1; see ``step_plan.assign_subgroups``) when any tree runs
     context-parallel, else every tree is this rank's and runs on one device. With ``group`` (a process
     group) the shape is agreed over it (int64 all-reduces on ``device``, the model's); without, no padding.
     """
@@ -57,14 +57,14 @@ def tree_schedule(trees: list[ReplayTree], plans: list, budget_tokens: int, *, m
     phases: list[tuple[int, list[Slot]]] = []
     for d in sorted(mesh.degrees if mesh is not None else (1,), reverse=True):
         if d == 1:
-            mine = [t for t in range(len(trees)) if degrees[t] == 1 and (mesh is None or placement[t] == mesh.cp_rank)]
-            slots = [Slot(t, 1, 0, split_micro_batches(trees[t].response_lens, budget_tokens)) for t in mine]
+            mine = [t for t in range(len(trees)) if degrees[t] == 1 and (mesh is None or subgroups[t] == mesh.cp_rank)]
+            slots = [Slot(t, 1, 0, split_micro_batches(list(trees[t].response_lens), budget_tokens)) for t in mine]
             key = {s.tree: len(s.micro_batches) for s in slots}
         else:
-            mine = [t for t in range(len(trees)) if degrees[t] == d and placement[t] == mesh.subgroup_index(d)]
-            slots = [Slot(t, d, 0, [], cp_tree_schedule(plans[t], trees[t].prompt_len, trees[t].response_lens,
+            mine = [t for t in range(len(trees)) if degrees[t] == d and subgroups[t] == mesh.subgroup_index(d)]
+            slots = [Slot(t, d, 0, [], cp_tree_schedule(plans[t], trees[t].prompt_len, list(trees[t].response_lens),
                                                         mesh.subgroup_rank(d))) for t in mine]
-            key = {t: max(len(cp_tree_schedule(plans[t], trees[t].prompt_len, trees[t].response_lens, r).steps)
+            key = {t: max(len(cp_tree_schedule(plans[t], trees[t].prompt_len, list(trees[t].response_lens), r).steps)
                           for r in range(d)) for t in mine}
         slots.sort(key=lambda s: (-key[s.tree], s.tree))
         phases.append((d, slots))
@@ -73,17 +73,18 @@ def tree_schedule(trees: list[ReplayTree], plans: list, budget_tokens: int, *, m
             for s in slots:
                 s.calls = s.own_calls
         return [s for _, slots in phases for s in slots]
-    counts = torch.tensor([len(slots) for _, slots in phases], dtype=torch.int64, device=device)
-    torch.distributed.all_reduce(counts, op=torch.distributed.ReduceOp.MAX, group=group)
-    counts = counts.tolist()
-    shape = torch.zeros(sum(counts), dtype=torch.int64, device=device)
+    agreed = torch.tensor([len(slots) for _, slots in phases], dtype=torch.int64, device=device)
+    torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MAX, group=group)
+    counts: list[int] = agreed.tolist()
+    agreed = torch.zeros(sum(counts), dtype=torch.int64, device=device)
     start = 0
     for (_, slots), n in zip(phases, counts):
-        shape[start: start + len(slots)] = torch.tensor([s.own_calls for s in slots], dtype=torch.int64)
+        agreed[start: start + len(slots)] = torch.tensor([s.own_calls for s in slots], dtype=torch.int64)
         start += n
-    torch.distributed.all_reduce(shape, op=torch.distributed.ReduceOp.MAX, group=group)
-    shape = shape.tolist()
-    out, start = [], 0
+    torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MAX, group=group)
+    shape: list[int] = agreed.tolist()
+    out: list[Slot] = []
+    start = 0
     for (d, slots), n in zip(phases, counts):
         for j in range(n):
             slot = slots[j] if j < len(slots) else Slot(None, d, 0, [])

@@ -1,0 +1,200 @@
+"""``StepPlan``: everything one replay step decides before any model call, built once (plan once, run once).
+
+flashinfer's plan/run shape: ``StepPlan.build`` (or ``StepPlan.from_batch``, the engine's, which decodes
+the trainer's plan field) takes the trees of the step and fixes
+
+- the trees (``groups.Tree``, with tokens) and one ``Plan`` (or None) per tree;
+- the subgroups: per tree, the subgroup of the CP group it runs on (``subgroups[t]``, of its plan's
+  degree; a CP rank for degree 1), chosen by ``assign_subgroups`` unless given;
+- the lock-step shape: this rank's slots (``replay.lockstep``), agreed over ``lockstep_group``;
+- how to run: temperature, entropy, offload, and the ``ReplayStats`` the run adds to.
+
+``replay(model, step_plan, loss)`` then runs it. Every rank of a CP group builds the same plan from the same
+trees (the policy reads only the trees and plans, which every member shares).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from augtree_verl.cp.mesh import CPMesh
+from augtree_verl.groups import Tree, tree_workload
+from augtree_verl.plan import Plan
+from augtree_verl.plan_field import tree_plans
+from augtree_verl.replay.lockstep import Slot, lockstep_slots
+from augtree_verl.replay.microbatch import DEFAULT_MICRO_BATCH_TOKENS
+from augtree_verl.replay.offload import Offload
+from augtree_verl.replay.scoring import EntropyFn
+from augtree_verl.replay.stats import ReplayStats
+
+
+@dataclass
+class StepPlan:
+    """One step's replay, decided (see the module docstring); build it with ``build`` or ``from_batch``.
+
+    ``trees[t]``: tokens on the model's device; ``plans[t]``: its ``Plan`` or None (one device, no planner);
+    ``mesh``: the CP group facts (None: every tree on this device); ``subgroups[t]``: the subgroup tree t runs
+    on (with a mesh); ``slots``: this rank's lock-step sequence; ``fallbacks``: trees whose planned plan
+    could not apply here (``plan_field.tree_plans``).
+    """
+
+    trees: list[Tree]
+    plans: list[Plan | None]
+    slots: list[Slot]
+    mesh: CPMesh | None = None
+    subgroups: list[int] | None = None
+    temperature: float = 1.0
+    entropy_fn: EntropyFn | None = None
+    offload: Offload | None = None
+    stats: ReplayStats = field(default_factory=ReplayStats)
+    fallbacks: int = 0
+
+    @classmethod
+    def build(cls, trees: Sequence[Tree], *, plans: Sequence[Plan | None] | None = None, mesh: CPMesh | None = None,
+              subgroups: Sequence[int] | None = None, rebalance: bool = False,
+              micro_batch_tokens: int = DEFAULT_MICRO_BATCH_TOKENS, temperature: float = 1.0,
+              entropy_fn: EntropyFn | None = None, offload: Offload | None = None, stats: ReplayStats | None = None,
+              lockstep_group=None, device: torch.device | None = None) -> StepPlan:
+        """The plan of one step; ``ValueError`` naming the tree, plan or value on bad input.
+
+        ``trees``: ``Tree.of_tokens`` trees. ``plans``: one ``Plan`` (or None) per tree; a plan of degree
+        d > 1 runs context-parallel on d ranks of ``mesh`` (without a mesh, over the whole world: every
+        degree must then be 1 or the world size). ``subgroups``: per tree, its subgroup (default:
+        ``assign_subgroups``; ``rebalance`` lets it run trees on one rank each where that finishes the CP
+        group sooner, which needs the planner's estimates). ``micro_batch_tokens``: the token budget of a
+        one-device response micro-batch. ``temperature`` > 0 divides the logits; ``entropy_fn`` (tempered
+        float32 logits [N, V] -> entropy [N]) adds entropies to the scores. ``offload``
+        (``replay.offload.Offload``; training only): each prompt's saved activations wait in host memory
+        between its prefill and its delayed backward. ``stats``: where the run counts (default: a new
+        ``ReplayStats``). ``lockstep_group``: a process group whose ranks all replay together on one
+        FSDP2-sharded model; every rank then issues the same sequence of model calls and backwards (agreed
+        here with two int64 all-reduces on ``device``, default the trees' device).
+        """
+        trees = list(trees)
+        for t, tree in enumerate(trees):
+            tree.check_tokens(t)
+        if temperature <= 0:
+            raise ValueError(f"temperature must be > 0, got {temperature}")
+        if micro_batch_tokens < 1:
+            raise ValueError(f"micro_batch_tokens must be >= 1, got {micro_batch_tokens}")
+        plans = _check_plans(plans, trees)
+        if mesh is None and any(plan is not None and plan.degree > 1 for plan in plans):
+            mesh = _world_mesh()
+        if mesh is not None:
+            plans, subgroups = _check_subgroups(mesh, plans, subgroups, trees, rebalance)
+        elif subgroups is not None:
+            raise ValueError("subgroups place trees in a CP group: pass a mesh or a plan of degree > 1")
+        if device is None:
+            device = trees[0].prompt.device if trees else torch.device("cpu")
+        slots = lockstep_slots(trees, plans, micro_batch_tokens, mesh=mesh, subgroups=subgroups, group=lockstep_group,
+                               device=device)
+        return cls(trees=trees, plans=plans, slots=slots, mesh=mesh, subgroups=subgroups, temperature=temperature,
+                   entropy_fn=entropy_fn, offload=offload, stats=stats if stats is not None else ReplayStats())
+
+    @classmethod
+    def from_batch(cls, trees: Sequence[Tree], entries: Sequence[dict] | None, *, mesh: CPMesh | None,
+                   min_cp_tokens: int = 0, **options) -> StepPlan:
+        """The engine's plan: ``trees`` of a batch (``Tree.samples``: rows of the batch) with the trainer's
+        plans decoded from the batch's plan field (``entries[row]``, ``plan_field.PLAN_FIELD``; None: no
+        plans), demoted where they cannot apply here (counted in ``fallbacks``), placed with ``rebalance``.
+        ``mesh``: the engine's (its degrees are the ones a plan may have). ``options``: those of ``build``."""
+        degrees = mesh.degrees if mesh is not None else (1,)
+        plans, fallbacks = tree_plans(trees, entries, degrees, min_cp_tokens=min_cp_tokens)
+        step_plan = cls.build(trees, plans=plans, mesh=mesh if mesh is not None and mesh.cp_size > 1 else None,
+                              rebalance=True, **options)
+        step_plan.fallbacks = fallbacks
+        return step_plan
+
+
+def assign_subgroups(trees: Sequence[Tree], plans: Sequence[Plan | None], cp_size: int, *,
+                     rebalance: bool = True) -> tuple[list[int], list[int]]:
+    """(degree, subgroup) per tree, for one CP group of ``cp_size`` ranks that replays ``trees``.
+
+    The planner plans each tree alone; a CP group holding several trees may finish sooner running some of
+    them on one rank each, side by side. With ``rebalance`` and when every plan carries the planner's
+    estimates (``est_time_s``, and ``est_single_s`` for a plan of degree d > 1), trees are demoted to
+    degree 1 in order of their parallel efficiency T_1 / (d T_d), least efficient first, and the number of
+    demotions with the smallest estimated makespan (``pack_subgroups``) wins (none, on a tie). Otherwise the
+    planned degrees stand and trees are packed by their ``groups.tree_workload``.
+    """
+    degrees = [plan.degree if plan is not None else 1 for plan in plans]
+    if not rebalance or not all(plan is not None and plan.est_time_s is not None for plan in plans):
+        works = [float(tree_workload(tree.prompt_len, tree.response_lens)) for tree in trees]
+        return degrees, pack_subgroups(works, degrees, cp_size)[0]
+    multi = [plan.est_time_s for plan in plans]
+    single = [plan.est_time_s if plan.degree == 1 else plan.est_single_s for plan in plans]
+    demotable = sorted((t for t in range(len(plans)) if degrees[t] > 1 and single[t] is not None),
+                       key=lambda t: (single[t] / (degrees[t] * multi[t]), t))
+    best = None
+    for k in range(len(demotable) + 1):
+        if k:
+            degrees[demotable[k - 1]] = 1
+        works = [single[t] if degrees[t] == 1 else multi[t] * degrees[t] for t in range(len(plans))]
+        subgroups, makespan = pack_subgroups(works, degrees, cp_size)
+        if best is None or makespan < best[0]:
+            best = (makespan, list(degrees), subgroups)
+    return best[1], best[2]
+
+
+def pack_subgroups(works: Sequence[float], degrees: Sequence[int], cp_size: int) -> tuple[list[int], float]:
+    """(subgroup per tree, makespan): the subgroup (of ``degrees[t]`` consecutive CP ranks; index 0 ..
+    cp_size / d - 1) each tree runs on, and the most work any rank gets.
+
+    Longest-processing-time first: each tree, heaviest first, goes to the subgroup whose busiest member
+    has the least work so far, and adds ``works[t] / d`` to every member. Ties go to the lowest index.
+    """
+    for t, d in enumerate(degrees):
+        if d < 1 or cp_size % d:
+            raise ValueError(f"tree {t}: degree {d} does not divide the CP group size {cp_size}")
+    load = [0.0] * cp_size
+    subgroups = [0] * len(works)
+    for t in sorted(range(len(works)), key=lambda t: (-works[t], t)):
+        d = degrees[t]
+        best = min(range(cp_size // d), key=lambda s: (max(load[s * d: (s + 1) * d]), s))
+        subgroups[t] = best
+        for r in range(best * d, (best + 1) * d):
+            load[r] += works[t] / d
+    return subgroups, max(load, default=0.0)
+
+
+def _check_plans(plans, trees) -> list[Plan | None]:
+    if plans is None:
+        return [None] * len(trees)
+    plans = list(plans)
+    if len(plans) != len(trees):
+        raise ValueError(f"got {len(plans)} plans for {len(trees)} trees; give one plan (or None) per tree")
+    for t, (plan, tree) in enumerate(zip(plans, trees)):
+        if plan is not None:
+            plan.check_responses(len(tree.responses), tree=t)
+    return plans
+
+
+def _world_mesh() -> CPMesh:
+    if not torch.distributed.is_available() or not torch.distributed.is_initialized():
+        raise ValueError("context-parallel replay (a plan with degree > 1) needs torch.distributed initialised")
+    return CPMesh.whole_world()
+
+
+def _check_subgroups(mesh: CPMesh, plans: list[Plan | None], subgroups, trees,
+                     rebalance: bool) -> tuple[list[Plan | None], list[int]]:
+    """(plans, subgroups): the given subgroups checked, or ``assign_subgroups``' (a tree it moves to one rank
+    runs there with the one-device plan, carrying the planner's one-rank estimate)."""
+    degrees = [plan.degree if plan is not None else 1 for plan in plans]
+    for t, d in enumerate(degrees):
+        if d > 1 and d not in mesh.subgroups:
+            raise ValueError(f"tree {t}: plan degree {d} differs from the CP group size {mesh.cp_size} "
+                             f"(CP degrees here: {list(mesh.degrees)})")
+    if subgroups is None:
+        degrees, subgroups = assign_subgroups(trees, plans, mesh.cp_size, rebalance=rebalance)
+        return [plan if plan is None or plan.degree == d else Plan(est_time_s=plan.est_single_s)
+                for plan, d in zip(plans, degrees)], subgroups
+    subgroups = list(subgroups)
+    if len(subgroups) != len(trees):
+        raise ValueError(f"got {len(subgroups)} subgroups for {len(trees)} trees")
+    for t, (d, s) in enumerate(zip(degrees, subgroups)):
+        if not 0 <= s < mesh.cp_size // d:
+            raise ValueError(f"tree {t}: subgroup {s} outside the {mesh.cp_size // d} subgroups of degree {d}")
+    return plans, subgroups

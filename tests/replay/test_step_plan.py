@@ -1,0 +1,103 @@
+"""The step plan: what it decides without a CP group, and its CP placement policy (which subgroup of a CP
+group replays which tree, at which degree: ``assign_subgroups``, ``pack_subgroups``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from augtree_verl.groups import Tree, find_trees
+from augtree_verl.plan import Plan
+from augtree_verl.plan_field import plan_entries
+from augtree_verl.replay.step_plan import StepPlan, assign_subgroups, pack_subgroups
+from tests.parity import random_trees
+
+
+def test_without_a_cp_group_every_tree_is_a_slot_here_most_micro_batches_first():
+    trees = random_trees([4, 4, 4], [[2], [3, 3, 3], [2, 2]])
+    plan = StepPlan.build(trees, micro_batch_tokens=3)  # rows x longest row <= 3: [3] [3] [3], [2] [2], [2]
+    assert [(s.tree, s.degree, s.calls, s.micro_batches) for s in plan.slots] == [
+        (1, 1, 3, [[0], [1], [2]]), (2, 1, 2, [[0], [1]]), (0, 1, 1, [[0]])]
+    assert (plan.plans, plan.mesh, plan.subgroups, plan.fallbacks) == ([None] * 3, None, None, 0)
+
+
+def test_from_batch_decodes_the_trainers_plans_and_counts_what_cannot_apply_here():
+    uids, prompt_lens, response_lens = ["a", "b", "a"], [4, 3, 4], [2, 5, 3]
+    sequences = [torch.arange(p + r) for p, r in zip(prompt_lens, response_lens)]
+    planned = {"a|4": Plan(degree=2, est_time_s=1.0, est_single_s=1.5), "b|3": Plan(est_time_s=0.5)}
+    entries = plan_entries(find_trees(uids, prompt_lens, response_lens), planned, len(uids))
+    trees = find_trees(uids, prompt_lens, response_lens, sequences)
+    step_plan = StepPlan.from_batch(trees, entries, mesh=None)  # no CP group: the degree-2 plan cannot apply
+    assert (step_plan.plans, step_plan.fallbacks) == ([Plan(est_time_s=1.5), planned["b|3"]], 1)
+    assert [(s.tree, s.micro_batches) for s in step_plan.slots] == [(0, [[1, 0]]), (1, [[0]])]
+    assert StepPlan.from_batch(trees, None, mesh=None).plans == [None, None]
+
+
+def test_subgroups_need_a_cp_group():
+    with pytest.raises(ValueError, match="subgroups place trees in a CP group"):
+        StepPlan.build(random_trees([4], [[2]]), subgroups=[0])
+
+
+def test_heaviest_first_onto_the_least_loaded_subgroup():
+    # Group of 4 ranks, by weight: 8 (degree 4) loads [2, 2, 2, 2]; 6 (degree 2) -> subgroup {0, 1}: [5, 5, 2, 2];
+    # 3 -> rank 2: [5, 5, 5, 2]; 2 (degree 2) ties at 5 -> subgroup {0, 1}: [6, 6, 5, 2]; 1 and 1 -> rank 3.
+    works = [8.0, 6.0, 2.0, 3.0, 1.0, 1.0]
+    degrees = [4, 2, 2, 1, 1, 1]
+    assert pack_subgroups(works, degrees, 4) == ([0, 0, 0, 2, 3, 3], 6.0)
+
+
+def test_every_tree_is_placed_once_and_ties_go_low():
+    assert pack_subgroups([1.0] * 5, [1] * 5, 2) == ([0, 1, 0, 1, 0], 3.0)
+    assert pack_subgroups([], [], 8) == ([], 0.0)
+    assert pack_subgroups([5.0, 5.0], [1, 1], 1) == ([0, 0], 10.0)
+
+
+def test_a_degree_that_does_not_divide_the_group_names_the_tree():
+    with pytest.raises(ValueError, match="tree 1: degree 3 does not divide the CP group size 4"):
+        pack_subgroups([1.0, 2.0], [2, 3], 4)
+
+
+def _trees(n):
+    return [Tree(uid="u", prompt_len=8, response_lens=(2,))] * n
+
+
+def _cp(single_s, efficiency=0.8, degree=2):
+    """A degree-2 plan whose parallel efficiency T_1 / (d T_d) is ``efficiency``."""
+    return Plan(degree=degree, est_time_s=single_s / (degree * efficiency), est_single_s=single_s)
+
+
+def test_trees_that_balance_side_by_side_run_on_one_rank_each():
+    # Two equal trees on 2 ranks: both at degree 2 take 2 x 0.625 = 1.25; side by side 1.0.
+    assert assign_subgroups(_trees(2), [_cp(1.0), _cp(1.0)], 2) == ([1, 1], [0, 1])
+
+
+def test_a_long_tree_beside_a_short_one_keeps_its_cp_plan():
+    # 8 s at degree 2 (5 s) + a 1 s tree: 5 + 1 on one rank, 5 on the other = 6 < 8 side by side.
+    plans = [_cp(8.0), Plan(est_time_s=1.0)]
+    assert assign_subgroups(_trees(2), plans, 2) == ([2, 1], [0, 0])
+
+
+def test_short_inefficient_trees_are_demoted_around_a_long_cp_tree():
+    # 4 ranks: a long tree (8 s alone, 90% efficient at degree 4: 2.22 s on every rank) and three 1 s trees
+    # planned at degree 2 with 50% efficiency (1 s on two ranks each). As planned: 2.22 + 1 + 1 = 4.22.
+    # Demoting two short trees (the least efficient first, then by index): 2.22 + 1 on every rank = 3.22;
+    # the third demotion ties (3.22) and is not taken; demoting the long tree would cost 8.
+    plans = [_cp(8.0, efficiency=0.9, degree=4)] + [_cp(1.0, efficiency=0.5)] * 3
+    degrees, placement = assign_subgroups(_trees(4), plans, 4)
+    assert degrees == [4, 1, 1, 2]
+    assert pack_subgroups([8.0 / 0.9, 1.0, 1.0, 2.0], degrees, 4)[1] == pytest.approx(8.0 / 3.6 + 1.0)
+
+
+def test_three_trees_on_two_ranks_run_side_by_side():
+    plans = [_cp(2.0, efficiency=0.5), _cp(4.0, efficiency=0.95), _cp(1.0, efficiency=0.9)]
+    assert assign_subgroups(_trees(3), plans, 2)[0] == [1, 1, 1]  # makespan 4.0 vs 4.66 as planned
+
+
+def test_without_planner_estimates_the_planned_degrees_stand():
+    trees = _trees(2)
+    assert assign_subgroups(trees, [None, None], 2) == ([1, 1], [0, 1])
+    assert assign_subgroups(trees, [Plan(degree=2), Plan(degree=2, est_time_s=1.0)], 2)[0] == [2, 2]
+
+
+def test_without_rebalance_the_planned_degrees_stand():
+    assert assign_subgroups(_trees(2), [_cp(1.0), _cp(1.0)], 2, rebalance=False) == ([2, 2], [0, 0])
