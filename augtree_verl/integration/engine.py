@@ -50,6 +50,7 @@ from augtree_verl.integration.metrics import group_totals, step_metrics
 from augtree_verl.integration.plans import plans_for_trees
 from augtree_verl.plan import Plan
 from augtree_verl.replay import Offload, ReplayStats, replay
+from augtree_verl.replay.linear_state import demote_cp_plans
 from augtree_verl.replay.model_check import check_model, probe_exactness
 
 logger = logging.getLogger(__name__)
@@ -139,7 +140,7 @@ class AugTreeEngine(FSDPEngineWithLMHead):
             stats = group_totals(stats, self.cp_mesh.cp_group, batch_num_tokens.device)
         output_lst[0]["metrics"] = {**output_lst[0]["metrics"],
                                     **step_metrics(stats, step.plans,
-                                                   plan_fallbacks=step.plan_fallbacks)}
+                                                   plan_fallbacks=step.plan_fallbacks, cp_demoted=step.cp_demoted)}
         return postprocess_batch_func(output_lst=output_lst, indices=indices, data=data)
 
     def _stream(self, step: _Step, micro_batches: list[TensorDict], loss_function, forward_only: bool,
@@ -152,6 +153,7 @@ class AugTreeEngine(FSDPEngineWithLMHead):
         # The trainer's plans (``use_planner`` says only where the trainer got them); none without them.
         plans, fallbacks = plans_for_trees(micro_batches, grouped, self.cp_mesh.degrees,
                                            min_cp_tokens=self.engine_config.fallback_threshold_tokens)
+        plans, demoted = demote_cp_plans(self.module.config, plans)
         mesh, placement = None, None
         if self.cp_mesh.cp_size > 1:
             mesh = self.cp_mesh
@@ -161,6 +163,7 @@ class AugTreeEngine(FSDPEngineWithLMHead):
                      for plan, d in zip(plans, degrees)]
         step.plans += plans
         step.plan_fallbacks += fallbacks
+        step.cp_demoted += demoted
         flat_rows = {row: r for r, row in
                      enumerate((m, k) for m, mb in enumerate(micro_batches) for k in range(len(mb)))}
         flat = tu.concat_tensordict(micro_batches) if train else None
@@ -212,6 +215,7 @@ class _Step:
         self.stats = ReplayStats()
         self.plans: list[Plan | None] = []
         self.plan_fallbacks = 0
+        self.cp_demoted = 0  # CP plans run on one device: the model cannot run them (``demote_cp_plans``)
 
 
 def _check_supported(data: TensorDict) -> None:

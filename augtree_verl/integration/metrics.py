@@ -46,9 +46,10 @@ def group_totals(stats: ReplayStats, group, device) -> ReplayStats:
     return total
 
 
-def step_metrics(stats: ReplayStats, plans: list[Plan | None], *, plan_fallbacks: int) -> dict:
+def step_metrics(stats: ReplayStats, plans: list[Plan | None], *, plan_fallbacks: int, cp_demoted: int) -> dict:
     """``stats`` of the step's replays: prefills, response micro-batches (forward and backward: ``replay_s``)
-    and the delayed prompt backwards (0 when forward-only)."""
+    and the delayed prompt backwards (0 when forward-only); ``cp_demoted``: context-parallel plans run on one
+    device because the model cannot run them (linear attention, ``replay.linear_state.demote_cp_plans``)."""
     measured = stats.prefill_s + stats.replay_s + stats.prompt_backward_s
     predicted = sum(p.est_time_s for p in plans if p is not None and p.est_time_s is not None)
     degrees = [p.degree if p is not None else 1 for p in plans] or [1]
@@ -68,6 +69,7 @@ def step_metrics(stats: ReplayStats, plans: list[Plan | None], *, plan_fallbacks
                                              stats.executed_tokens / max(stats.logical_tokens, 1)),
         "trees": total(stats.trees),
         "plan_fallbacks": total(plan_fallbacks),
+        "planner/cp_demoted_linear_attention": total(cp_demoted),
         "offload/offloaded_bytes": total(stats.offloaded_bytes),
         "offload/prefetched_bytes": total(stats.prefetched_bytes),
         "offload/copies": total(stats.offload_copies),

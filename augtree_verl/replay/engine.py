@@ -23,6 +23,7 @@ from augtree_verl.plan import Plan
 from augtree_verl.replay.attention import use_augtree_attention
 from augtree_verl.replay.calls import ModelCalls
 from augtree_verl.replay.cp_tree import LOGP_EXCHANGE, CPTreeRun
+from augtree_verl.replay.linear_state import refuse_cp_plans
 from augtree_verl.replay.schedule import tree_schedule
 from augtree_verl.replay.scoring import EntropyFn
 from augtree_verl.replay.stats import ReplayStats
@@ -81,6 +82,7 @@ def replay(
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     plans = _check_plans(plans, trees)
+    refuse_cp_plans(model.config, plans)
     if loss_fn is not None and micro_batch_loss is not None:
         raise ValueError("pass one of loss_fn and micro_batch_loss, not both")
     if loss_fn is not None:
