@@ -20,7 +20,7 @@ WORLD = 2
 # float32: the probe's rounding error was at most 8.8e-7 over 11 families and 3 seeds (replay/model_check.py)
 PROBE_BOUND = 1e-4
 GROUPS = [(9, [3, 5, 4, 2]), (4, [6, 2, 3, 1]), (6, [4, 2, 3, 1])]  # rows dealt round-robin: 6 a rank
-FAMILIES = ["granite", "cohere", "gemma2", "qwen3-moe"]
+FAMILIES = ["granite", "cohere", "gemma2", "qwen3-moe", "qwen3.5-moe"]
 
 
 def _save(name: str, directory) -> str:
