@@ -13,6 +13,8 @@ from augtree_verl.replay import calls as calls_module
 from augtree_verl.testing import harness as H
 from tests.families import family_model
 from tests.integration.test_engine_parity_dp2 import _rank_main
+from tests.integration.test_engine_streaming import GROUPS as STREAM_GROUPS
+from tests.integration.test_engine_streaming import _steps as stream_steps
 
 pytestmark = pytest.mark.slow  # spawns process groups and builds verl engines
 
@@ -40,10 +42,23 @@ def one_rank(single_process_group):
     H.use_cpu_platform()
 
 
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("setting,checkpointing", [("rows-1", True), ("dynamic", False)])
+def test_hybrid_micro_batch_settings_match_stock_engine(one_rank, tmp_path, setting, checkpointing):
+    """A hybrid (Qwen3.5: Gated DeltaNet state) under verl's other micro-batch settings (rows-2: the dp2 family
+    run), world 1, 3 steps: the streamed schedule's check."""
+    path = _save("qwen3.5", tmp_path / "qwen3.5")
+    common = dict(loss_agg_mode="seq-mean-token-mean", entropy_coeff=0.01, gradient_checkpointing=checkpointing)
+    stock, stock_loss = H.build_engine("fsdp2", path, **common)
+    ours, our_loss = H.build_engine("augtree", path, **common)
+    rows = list(range(sum(len(rs) for _, rs in STREAM_GROUPS)))
+    stream_steps(stock, stock_loss, ours, our_loss, rows, rows, setting, setting, STREAM_GROUPS, 0.01)
+
+
 @pytest.mark.timeout(120)
-def test_hybrid_model_refused_at_build(one_rank, tmp_path):
-    with pytest.raises(ValueError, match=r"'qwen3_next'.*layer 0: linear attention.*strategy=fsdp2"):
-        H.build_engine("augtree", _save("qwen3-next", tmp_path / "qwen3-next"))
+def test_unimplemented_linear_attention_refused_at_build(one_rank, tmp_path):
+    with pytest.raises(ValueError, match=r"'olmo_hybrid'.*layer 0: linear attention outside .*strategy=fsdp2"):
+        H.build_engine("augtree", _save("olmo-hybrid", tmp_path / "olmo-hybrid"))
 
 
 @pytest.mark.timeout(120)
