@@ -108,7 +108,7 @@ class StateCapture:
     """Prefill: zero initial state; the layer's final (conv, recurrent) go to ``sink[layer]`` once."""
 
     def __init__(self, sink: dict[int, tuple[torch.Tensor, torch.Tensor]]):
-        self.sink, self.conv = sink, None
+        self.sink, self.conv = sink, torch.empty(0)  # set by the layer before its recurrent state
 
     def has_previous_state(self, layer: int | None = None) -> bool:
         return False
