@@ -10,8 +10,10 @@ import torch
 
 from augtree_verl import ReplayTree, replay
 from augtree_verl.plan import Plan
+from augtree_verl.replay import Offload, ReplayStats
 from augtree_verl.replay.baseline import flattened_replay
 from augtree_verl.replay.linear_state import demote_cp_plans
+from augtree_verl.replay.model_check import PROBE_TOLERANCE, probe_exactness
 from augtree_verl.replay.prompt_kv import PromptKV
 from tests.families import VOCAB, family_model
 from tests.parity import assert_grads_match, assert_logps_match
@@ -30,7 +32,7 @@ def _trees(seed: int = 0) -> list[ReplayTree]:
 
 @pytest.mark.parametrize("name,checkpointing,micro_batch_tokens", [
     ("qwen3.5", False, 1),           # one row per call
-    ("qwen3-next", True, 16),        # several rows per call, right padded
+    ("qwen3-next", True, 16),        # several rows per call, right padded; prompt activations offloaded
 ])
 def test_optimizer_steps_match_flattened(name, checkpointing, micro_batch_tokens):
     """Before each of 2 SGD steps, replay and the flattened baseline on the same weights agree."""
@@ -39,7 +41,9 @@ def test_optimizer_steps_match_flattened(name, checkpointing, micro_batch_tokens
         model.gradient_checkpointing_enable()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     for step in range(2):
-        got, gg, want, gw = run_both(model, _trees(step), LOSS, micro_batch_tokens=micro_batch_tokens)
+        offload = Offload(ReplayStats(), min_bytes=0) if checkpointing else None
+        got, gg, want, gw = run_both(model, _trees(step), LOSS, micro_batch_tokens=micro_batch_tokens,
+                                     offload=offload)
         assert_logps_match(got, want)
         assert_grads_match(gg, gw)
         for p, g in zip(model.parameters(), gg.values()):
@@ -74,6 +78,14 @@ def test_forward_only_matches():
     model = family_model("qwen3.5-moe")
     got = replay(model, _trees(), temperature=0.7)
     assert_logps_match(got, flattened_replay(model, _trees(), temperature=0.7))
+
+
+def test_bf16_probe_passes():
+    """(float16: the model's own torch kernels give non-finite gradients in the flattened forward too, and the
+    probe refuses.)"""
+    result = probe_exactness(*[family_model("qwen3-next", dtype=torch.bfloat16)] * 2, train=True)
+    tol = PROBE_TOLERANCE[torch.bfloat16]
+    assert result.dtype == torch.bfloat16 and result.logp_err <= tol.logp and result.grad_err <= tol.grad
 
 
 @pytest.mark.parametrize("name", ["qwen3-moe", "qwen3.5-moe"])
