@@ -97,11 +97,8 @@ def _with_state(module, args, kwargs):
     if ctx is None:
         return None
     hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-    state = getattr(ctx, "linear_state", None)
-    if state is None:
-        raise ValueError(f"layer {module.layer_idx} ({type(module).__name__}): {type(ctx).__name__} carries no "
-                         "linear-attention state (context-parallel replay of linear attention is not implemented)")
-    return args, {**kwargs, "cache_params": state(module.layer_idx, hidden.shape[0]), "attention_mask": None}
+    return args, {**kwargs, "cache_params": ctx.linear_state(module.layer_idx, hidden.shape[0]),
+                  "attention_mask": None}
 
 
 class StateCapture:
