@@ -12,6 +12,8 @@ import torch
 from augtree_verl.replay import calls as calls_module
 from augtree_verl.testing import harness as H
 from tests.families import family_model
+from tests.integration.test_engine_cp import PLANS_DEGREE_2
+from tests.integration.test_engine_cp import _rank_main as cp_rank_main
 from tests.integration.test_engine_parity_dp2 import _rank_main
 from tests.integration.test_engine_streaming import GROUPS as STREAM_GROUPS
 from tests.integration.test_engine_streaming import _steps as stream_steps
@@ -53,6 +55,14 @@ def test_hybrid_micro_batch_settings_match_stock_engine(one_rank, tmp_path, sett
     ours, our_loss = H.build_engine("augtree", path, **common)
     rows = list(range(sum(len(rs) for _, rs in STREAM_GROUPS)))
     stream_steps(stock, stock_loss, ours, our_loss, rows, rows, setting, setting, STREAM_GROUPS, 0.01)
+
+
+@pytest.mark.timeout(420)
+def test_hybrid_cp_plans_run_on_one_rank(tmp_path):
+    """World 2, one CP group of both ranks, plans of degree 2 (MoveQ, TreeMoveKV, ring): a hybrid's run on one
+    rank each, counted, and the step still matches the stock engine (``test_engine_cp``'s rank)."""
+    H.spawn(cp_rank_main, (WORLD, H.free_port(), _save("qwen3.5", tmp_path / "qwen3.5"), [1, 2], PLANS_DEGREE_2, 1,
+                           "token-mean", 0.0), nprocs=WORLD, timeout_s=360)
 
 
 @pytest.mark.timeout(120)
