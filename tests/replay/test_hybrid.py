@@ -24,6 +24,11 @@ PROMPTS, RESPONSES = [70, 3], [[5, 1, 9, 2], [4, 2]]
 LOSS = grpo_like_loss([[1.0, -0.5, 2.0, 0.3], [0.7, -1.1]])
 
 
+def _replay(model, trees, loss=None, **kw):
+    """The module's direct ``replay`` calls (``run_both`` makes the others)."""
+    return replay(model, trees, loss, **kw)
+
+
 def _trees(seed: int = 0) -> list[ReplayTree]:
     g = torch.Generator().manual_seed(seed)
     ids = lambda n: torch.randint(0, VOCAB, (n,), generator=g)
@@ -63,7 +68,7 @@ def test_linear_state_leaves_take_the_responses_gradients(monkeypatch):
 
     monkeypatch.setattr(PromptKV, "backward", record)
     model = family_model("qwen3.5")
-    replay(model, _trees()[:1], LOSS)
+    _replay(model, _trees()[:1], LOSS)
     attn = model.model.layers[1].self_attn
     linear = model.model.layers[0].linear_attn
     kv_shape = (1, model.config.num_key_value_heads, PROMPTS[0], attn.head_dim)
@@ -76,7 +81,7 @@ def test_linear_state_leaves_take_the_responses_gradients(monkeypatch):
 
 def test_forward_only_matches():
     model = family_model("qwen3.5-moe")
-    got = replay(model, _trees(), temperature=0.7)
+    got = _replay(model, _trees(), temperature=0.7)
     assert_logps_match(got, flattened_replay(model, _trees(), temperature=0.7))
 
 
@@ -104,7 +109,7 @@ def test_context_parallel_plan_refused_by_name():
     model = family_model("qwen3-next")
     plans = [None, Plan(degree=2)]
     with pytest.raises(ValueError, match=r"tree 1: a plan of degree 2, but model 'qwen3_next' has linear-attention"):
-        replay(model, _trees(), LOSS, plans=plans)
+        _replay(model, _trees(), LOSS, plans=plans)
 
 
 def test_context_parallel_plans_demoted_and_counted():
