@@ -30,7 +30,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from augtree_verl import Plan, ReplayStats, StepPlan, Tree, per_response, replay
 from augtree_verl.cp.cost import AttentionShape, analytic_bytes
-from augtree_verl.replay.cp_tree import LOGP_EXCHANGE
+from augtree_verl.replay.cp_tree import SCORE_EXCHANGE
 
 CONFIG = dict(vocab_size=4096, hidden_size=512, intermediate_size=512, num_hidden_layers=1,
               num_attention_heads=8, num_key_value_heads=2, head_dim=64, max_position_embeddings=32768,
@@ -73,7 +73,7 @@ def _rank_main(rank, world, port, groups, queue):
             got = {k: stats.comm_bytes.get(f"{plan.primitive}/{k}", 0) for k in ("fwd", "bwd")}
             assert got == want, f"rank {rank} {name} {label}: measured {got} != analytic {want}"
             row = dict(group=name, plan=label, rank=rank, seconds=elapsed, fwd=got["fwd"], bwd=got["bwd"],
-                       logp=stats.comm_bytes.get(f"{LOGP_EXCHANGE}/fwd", 0), executed_tokens=stats.executed_tokens)
+                       logp=stats.comm_bytes.get(f"{SCORE_EXCHANGE}/fwd", 0), executed_tokens=stats.executed_tokens)
             rows = [None] * world
             dist.all_gather_object(rows, row)
             if rank == 0:

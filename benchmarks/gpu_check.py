@@ -33,6 +33,10 @@ Checks (sizes on a GPU; ``--cpu-smoke`` shrinks every one):
     and a step must make no more host syncs than without offload; the line gives both peaks, the step-time
     cost (median of paired ratios; an upper bound: two layers without checkpointing save far more bytes per
     FLOP than 28 checkpointed layers, so less of the copying hides behind compute) and the prefetched share.
+ 9. a hybrid Gated DeltaNet model (2 layers of a Qwen3.5 shape: one linear-attention, one full-attention;
+    ``replay.linear_state``) in bf16 vs the float32 flattened baseline, as in 3; the line names the delta-rule
+    kernel the layer runs (flash-linear-attention's ``chunk_gated_delta_rule`` when installed, else the torch
+    fallback).
 Expected on one H200: about 2 minutes, peak about 45 GiB (the float32 reference of the 4k x 16k block).
 """
 
@@ -51,7 +55,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3_5ForCausalLM, Qwen3_5TextConfig
+from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
 
 from augtree_verl import Plan, ReplayStats, StepPlan, Tree, per_response, replay
 from augtree_verl.ops.attention import attention_backward, attention_forward, cuda_backend_name
@@ -72,6 +77,12 @@ ERR_FLOOR = 1e-4
 QWEN25_7B = dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_attention_heads=28,
                  num_key_value_heads=4, max_position_embeddings=32768, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
                  tie_word_embeddings=False)
+# Qwen3.5-9B-like layer shapes (hidden 4096, Gated DeltaNet 16 key / 32 value heads of 128, attention 16 / 4
+# heads of 256), vocabulary cut to Qwen2.5's
+QWEN35_SHAPE = dict(vocab_size=152064, hidden_size=4096, intermediate_size=12288, num_attention_heads=16,
+                    num_key_value_heads=4, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32,
+                    linear_key_head_dim=128, linear_value_head_dim=128, max_position_embeddings=32768,
+                    tie_word_embeddings=False)
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
             max_position_embeddings=4096, tie_word_embeddings=False)
 
@@ -90,17 +101,21 @@ class Sizes:
     prefill: int                 # prompt tokens of the memory check
     speed: dict                  # name -> (P, R, G)
     repeats: int
+    hybrid: dict                 # the hybrid check's model shape (check 9)
 
 
 GPU = Sizes(heads=((28, 4), (40, 8), (32, 32)), dims=(64, 128),
             blocks=((777, 777, True), (513, 2049, False), (1, 3001, False)), big_block=(4096, 16384),
             merge=(1024, 3000), prefix=(1500, (257, 100, 31, 2)), model=QWEN25_7B, layers=2,
             trees=((1024, (200, 64, 129, 17)), (333, (50, 300))), prefill=32000,
-            speed={"prompt-heavy": (16384, 256, 8), "response-heavy": (512, 4096, 8)}, repeats=3)
+            speed={"prompt-heavy": (16384, 256, 8), "response-heavy": (512, 4096, 8)}, repeats=3,
+            hybrid=QWEN35_SHAPE)
 SMOKE = Sizes(heads=((4, 2), (4, 4)), dims=(16,), blocks=((37, 37, True), (21, 70, False), (1, 45, False)),
               big_block=(64, 256), merge=(24, 60), prefix=(40, (9, 4, 1, 2)), model=TINY, layers=2,
               trees=((24, (7, 3, 5, 1)), (9, (4, 6))), prefill=512,
-              speed={"prompt-heavy": (128, 8, 2), "response-heavy": (8, 48, 2)}, repeats=1)
+              speed={"prompt-heavy": (128, 8, 2), "response-heavy": (8, 48, 2)}, repeats=1,
+              hybrid=dict(TINY, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                          linear_value_head_dim=16))
 
 
 class Report:
@@ -467,6 +482,29 @@ def check_offload(report, sizes, model, device):
                  f"(tol {OPS_RTOL})")
 
 
+# ---- 9. hybrid Gated DeltaNet -------------------------------------------------------------------------------
+
+def check_hybrid(report, sizes, device):
+    config = Qwen3_5TextConfig(**sizes.hybrid, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
+                               attn_implementation="sdpa")
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Qwen3_5ForCausalLM(config).float().train()
+    linear = model.model.layers[0].linear_attn
+    with torch.no_grad():  # a decay that keeps ~90% of the state per token (the prompt's state reaches the responses)
+        linear.A_log.copy_(torch.empty_like(linear.A_log).uniform_(0.02, 0.2).log())
+    trees = make_trees(sizes.trees, config.vocab_size, device)
+    adv = advantages(trees)
+    kernel = linear.chunk_gated_delta_rule  # the module's pick: fla's on CUDA when installed
+    linear.chunk_gated_delta_rule = torch_chunk_gated_delta_rule  # the float32 reference on the torch kernel
+    reference = run_step(model, flattened_replay, trees, adv)
+    linear.chunk_gated_delta_rule = kernel
+    low = model.to(torch.bfloat16)
+    baseline = errors(run_step(low, flattened_replay, trees, adv), reference)
+    judge(report, f"hybrid replay bf16 vs fp32 ({kernel.__module__.split('.')[0]} delta rule)",
+          errors(run_step(low, replay, trees, adv), reference), baseline)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cpu-smoke", action="store_true", help="the same checks on CPU, small shapes")
@@ -493,6 +531,8 @@ def main(argv=None) -> int:
     check_host_syncs(report, sizes, model, device)
     check_speed(report, sizes, model, device)
     check_offload(report, sizes, model, device)
+    del model
+    check_hybrid(report, sizes, device)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(device=str(device), backend=backend, rows=report.rows), f, indent=1)

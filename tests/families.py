@@ -23,6 +23,12 @@ _SHAPE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden
               pad_token_id=0, bos_token_id=1, eos_token_id=2)
 _FULL = dict(layer_types=["full_attention"] * 2)
 _MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+_LINEAR = dict(head_dim=8, linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=8,
+               linear_value_head_dim=8, layer_types=["linear_attention", "full_attention"])
+# Gated DeltaNet's per-token decay is exp(-A softplus(a + dt_bias)); transformers initialises A in (0, 16), a
+# decay near exp(-10) that forgets a prompt within a token or two and leaves the decay parameters' gradients
+# at ~1e-9. A in (0.02, 0.2) keeps ~90% of the state per token, so the prompt's state reaches the responses.
+LINEAR_A = (0.02, 0.2)
 
 # name: (config class, model class, config kwargs)
 PARITY = {
@@ -41,6 +47,10 @@ PARITY = {
     "gemma3": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM, dict(head_dim=8, final_logit_softcapping=0.1,
                                                                query_pre_attn_scalar=8, **_FULL)),
     "mistral-no-window": (tf.MistralConfig, tf.MistralForCausalLM, dict(sliding_window=None)),
+    # Hybrid Gated DeltaNet + attention: the prompt's per-layer state is K/V or (conv window, recurrent state)
+    "qwen3.5": (tf.Qwen3_5TextConfig, tf.Qwen3_5ForCausalLM, dict(_LINEAR)),
+    "qwen3.5-moe": (tf.Qwen3_5MoeTextConfig, tf.Qwen3_5MoeForCausalLM, dict(**_LINEAR, **_MOE)),
+    "qwen3-next": (tf.Qwen3NextConfig, tf.Qwen3NextForCausalLM, dict(**_LINEAR, **_MOE)),
 }
 REFUSED = {
     "gemma2-default": (tf.Gemma2Config, tf.Gemma2ForCausalLM, dict(head_dim=8, sliding_window=4),
@@ -55,14 +65,8 @@ REFUSED = {
     "gpt-oss": (tf.GptOssConfig, tf.GptOssForCausalLM, dict(head_dim=8, num_local_experts=2, num_experts_per_tok=1,
                                                            sliding_window=4, attn_implementation="eager"),
                 r"'gpt_oss'.*attention sinks"),
-    "qwen3-next": (tf.Qwen3NextConfig, tf.Qwen3NextForCausalLM,
-                   dict(head_dim=8, linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=8,
-                        linear_value_head_dim=8, layer_types=["linear_attention", "full_attention"], **_MOE),
-                   r"'qwen3_next'.*layer 0.*linear_attention"),
-    "qwen3.5": (tf.Qwen3_5TextConfig, tf.Qwen3_5ForCausalLM,
-                dict(head_dim=8, linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=8,
-                     linear_value_head_dim=8, layer_types=["linear_attention", "full_attention"]),
-                r"'qwen3_5_text'.*layer 0.*linear_attention"),
+    "olmo-hybrid": (tf.OlmoHybridConfig, tf.OlmoHybridForCausalLM, dict(_LINEAR),
+                    r"'olmo_hybrid'.*layer 0: linear attention outside Qwen3NextGatedDeltaNet.*'linear_attention'"),
 }
 
 
@@ -71,4 +75,9 @@ def family_model(name: str, seed: int = 0, dtype: torch.dtype = torch.float32):
     config_cls, model_cls, kwargs = (PARITY.get(name) or REFUSED[name])[:3]
     torch.manual_seed(seed)
     config = config_cls(**{**_SHAPE, "attn_implementation": "sdpa", **kwargs})
-    return model_cls(config).to(dtype).train()
+    model = model_cls(config)
+    with torch.no_grad():
+        for module in model.modules():
+            if hasattr(module, "A_log"):
+                module.A_log.copy_(torch.empty_like(module.A_log).uniform_(*LINEAR_A).log())
+    return model.to(dtype).train()

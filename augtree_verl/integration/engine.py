@@ -141,7 +141,7 @@ class AugTreeEngine(FSDPEngineWithLMHead):
             stats = group_totals(stats, self.cp_mesh.cp_group, batch_num_tokens.device)
         output_lst[0]["metrics"] = {**output_lst[0]["metrics"],
                                     **step_metrics(stats, step.plans,
-                                                   plan_fallbacks=step.plan_fallbacks)}
+                                                   plan_fallbacks=step.plan_fallbacks, cp_demoted=step.cp_demoted)}
         return postprocess_batch_func(output_lst=output_lst, indices=indices, data=data)
 
     def _stream(self, step: _Step, micro_batches: list[TensorDict], loss_function, forward_only: bool,
@@ -160,9 +160,11 @@ class AugTreeEngine(FSDPEngineWithLMHead):
             micro_batch_tokens=min(self.engine_config.micro_batch_tokens, _largest_micro_batch(micro_batches)),
             temperature=step.temperature, entropy_fn=self._entropy if step.want_entropy else None,
             offload=Offload(step.stats) if self.engine_config.offload_prompt_activations else None, stats=step.stats,
-            lockstep_group=torch.distributed.group.WORLD if world > 1 else None)
+            lockstep_group=torch.distributed.group.WORLD if world > 1 else None,
+            model_config=self.module.config)
         step.plans += step_plan.plans
         step.plan_fallbacks += step_plan.fallbacks
+        step.cp_demoted += step_plan.cp_demoted
         flat = tu.concat_tensordict(micro_batches) if train else None
 
         def micro_batch_loss(t, rows, scores):
@@ -209,6 +211,7 @@ class _Step:
         self.stats = ReplayStats()
         self.plans: list[Plan | None] = []
         self.plan_fallbacks = 0
+        self.cp_demoted = 0  # CP plans run on one device: the model cannot run them (``demote_cp_plans``)
 
 
 def _check_supported(data: TensorDict) -> None:

@@ -66,6 +66,9 @@ class FSDPReplayModel:
     def get_input_embeddings(self):
         return self._root.get_input_embeddings()
 
+    def modules(self):
+        return self._root.modules()
+
     def get_decoder(self):
         return _ThroughRoot(self._root, self._root.get_decoder())
 

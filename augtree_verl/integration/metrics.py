@@ -40,9 +40,11 @@ def group_totals(stats: ReplayStats, group, device) -> ReplayStats:
     return total
 
 
-def step_metrics(stats: ReplayStats, plans: list[Plan | None], *, plan_fallbacks: int) -> dict:
+def step_metrics(stats: ReplayStats, plans: list[Plan | None], *, plan_fallbacks: int, cp_demoted: int) -> dict:
     """``stats`` of the step's replays (every phase and counter field, summed over the step; the delayed
-    backward is 0 when forward-only), the predicted replay time, fallbacks and CP degrees."""
+    backward is 0 when forward-only), the predicted replay time, fallbacks, CP degrees and ``cp_demoted``:
+    context-parallel plans run on one device because the model cannot run them (linear attention,
+    ``replay.linear_state.demote_cp_plans``)."""
     measured = stats.prefill_s + stats.replay_s + stats.prompt_backward_s
     predicted = sum(p.est_time_s for p in plans if p is not None and p.est_time_s is not None)
     degrees = [p.degree if p is not None else 1 for p in plans] or [1]
@@ -60,6 +62,7 @@ def step_metrics(stats: ReplayStats, plans: list[Plan | None], *, plan_fallbacks
         "executed_per_logical_token": Metric(AggregationType.MEAN,
                                              stats.executed_tokens / max(stats.logical_tokens, 1)),
         "plan_fallbacks": total(plan_fallbacks),
+        "planner/cp_demoted_linear_attention": total(cp_demoted),
         "cp_degree_mean": Metric(AggregationType.MEAN, sum(degrees) / len(degrees)),
         "cp_degree_max": Metric(AggregationType.MAX, float(max(degrees))),
     })

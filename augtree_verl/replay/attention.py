@@ -17,6 +17,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from augtree_verl.replay.linear_state import StateCapture, StateStart, route_linear_attention
 from augtree_verl.replay.prefix_attention import prefix_causal_attention
 
 ATTN_NAME = "augtree"
@@ -27,10 +28,12 @@ ATTN_NAME = "augtree"
 
 
 class PrefillContext:
-    """Phase A: causal attention over the prompt; captures each layer's post-RoPE K/V.
+    """Phase A: causal attention over the prompt; captures each layer's state: an attention layer's post-RoPE
+    K/V, a linear-attention layer's final (conv, recurrent) state (``linear_state``).
 
-    ``kv[layer] = (k, v)``, each [1, H_kv, P, D], still attached to the prompt graph. The first capture
-    wins, so a checkpoint recompute during the delayed backward cannot replace it.
+    ``kv[layer] = (k, v)``, each [1, H_kv, P, D], or (conv, recurrent) (shapes in ``linear_state``), still
+    attached to the prompt graph. The first capture wins, so a checkpoint recompute during the delayed
+    backward cannot replace it.
     """
 
     def __init__(self):
@@ -40,11 +43,16 @@ class PrefillContext:
         self.kv.setdefault(layer, (k, v))
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=True)
 
+    def linear_state(self, layer: int, rows: int) -> StateCapture:
+        return StateCapture(self.kv)
+
 
 class ResponseContext:
-    """Phase B: response queries attend to [prompt K/V ; own K/V] (see ``prefix_attention``).
+    """Phase B: response queries attend to [prompt K/V ; own K/V] (see ``prefix_attention``); linear-attention
+    layers start from the prompt's state (``linear_state``).
 
-    ``prompt_kv[layer] = (k, v)``, each [1, H_kv, P, D]: the leaves that collect dK/dV.
+    ``prompt_kv[layer]``: the leaves that collect the gradients, (k, v) each [1, H_kv, P, D] for an attention
+    layer, (conv, recurrent) for a linear-attention one.
     """
 
     def __init__(self, prompt_kv: list[tuple[torch.Tensor, torch.Tensor]]):
@@ -53,6 +61,9 @@ class ResponseContext:
     def attend(self, layer: int, q, k, v, scaling: float) -> torch.Tensor:
         pk, pv = self.prompt_kv[layer]
         return prefix_causal_attention(q, k, v, pk, pv, scaling)
+
+    def linear_state(self, layer: int, rows: int) -> StateStart:
+        return StateStart(layer, self.prompt_kv[layer], rows)
 
 
 def augtree_attention_forward(module, query, key, value, attention_mask, scaling=None, augtree_ctx=None, **kwargs):
@@ -97,8 +108,6 @@ def _describe(value) -> str:
 
 AttentionInterface.register(ATTN_NAME, augtree_attention_forward)
 
-# A mask dict makes transformers skip building its own masks: the contexts carry theirs.
-NO_MASKS = {"full_attention": None, "sliding_attention": None}
 # The model's own attention implementation once its config routes through "augtree", by ``id(config)``
 # (configs are unhashable; an entry leaves with its config). Kept off the config itself: every attribute of a
 # config is written to the config.json of a saved checkpoint (``_attn_implementation`` is not).
@@ -106,7 +115,8 @@ _FALLBACKS: dict[int, str] = {}
 
 
 def use_augtree_attention(model) -> None:
-    """Route ``model``'s attention through "augtree" (idempotent, and left in place).
+    """Route ``model``'s attention through "augtree", and its Gated DeltaNet layers through the replay's state
+    (``linear_state.route_linear_attention``); idempotent, and left in place.
 
     It stays in place (no swap back and forth per call), so a checkpointed layer recomputed in any later
     backward dispatches like its original forward. Calls without a replay context run the model's original
@@ -118,6 +128,7 @@ def use_augtree_attention(model) -> None:
         _FALLBACKS[id(config)] = config._attn_implementation
         weakref.finalize(config, _FALLBACKS.pop, id(config), None)
         config._attn_implementation = ATTN_NAME
+    route_linear_attention(model)
 
 
 @contextlib.contextmanager

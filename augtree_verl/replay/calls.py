@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from augtree_verl.replay.attention import NO_MASKS, PrefillContext
+from augtree_verl.replay.attention import PrefillContext
+from augtree_verl.replay.linear_state import MIN_CALL_TOKENS, has_linear_attention
 from augtree_verl.replay.logits import family_logits
 from augtree_verl.replay.prompt_kv import PromptKV
 from augtree_verl.replay.scoring import EntropyFn, token_scores
@@ -37,11 +38,14 @@ class ModelCalls:
         self.loss, self.train = micro_batch_loss, micro_batch_loss is not None
         self.offload = offload if self.train else None  # forward only: no graph to keep, nothing to move
         self.device = model.get_input_embeddings().weight.device
+        # tokens a response call feeds per row at least (a linear-attention layer's one-token step writes in place)
+        self.min_tokens = MIN_CALL_TOKENS if has_linear_attention(model.config) else 1
 
     def decoder(self, ids: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
-        """ids, positions [B, S] -> final hidden states [B, S, H] (attention through ``ctx``)."""
+        """ids, positions [B, S] -> final hidden states [B, S, H] (attention through ``ctx``). No mask: the
+        contexts carry theirs, and transformers builds none for "augtree", which registers no mask function."""
         self.stats.executed_tokens += ids.numel()
-        return self.base(input_ids=ids, position_ids=positions, attention_mask=NO_MASKS, use_cache=False,
+        return self.base(input_ids=ids, position_ids=positions, attention_mask=None, use_cache=False,
                          augtree_ctx=ctx).last_hidden_state
 
     def scores(self, states: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -21,6 +21,7 @@ from augtree_verl.cp.comm import Meter
 from augtree_verl.replay.attention import use_augtree_attention
 from augtree_verl.replay.calls import ModelCalls
 from augtree_verl.replay.cp_tree import SCORE_EXCHANGE, CPTreeRun, exchange_scores
+from augtree_verl.replay.linear_state import refuse_cp_plans
 from augtree_verl.replay.step_plan import StepPlan
 from augtree_verl.replay.tree_run import run_tree
 
@@ -46,6 +47,7 @@ def replay(model, step_plan: StepPlan, loss: MicroBatchLossFn | None = None) -> 
     vocab = model.get_input_embeddings().num_embeddings
     for t, tree in enumerate(trees):
         tree.check_tokens(t, vocab, device)
+    refuse_cp_plans(model.config, step_plan.plans)
     mesh, stats = step_plan.mesh, step_plan.stats
     if mesh is not None and any(p is not None and p.degree > 1 for p in step_plan.plans) and model.training \
             and getattr(model.config, "attention_dropout", 0.0):

@@ -1,7 +1,7 @@
 """What the replay refuses, by name, before any work, and the start-up exactness probe.
 
 ``check_model(model)`` reads the model's config and modules: every layer type or feature the replay does not
-implement (a non-full-attention layer type such as Gated DeltaNet's ``linear_attention``, sliding windows,
+implement (a layer type other than full attention and the Gated DeltaNet layers of ``linear_state``, sliding windows,
 attention logit soft-capping, attention sinks, attention dropout, a forward without ``logits_to_keep``)
 raises one ``ValueError`` naming the model type, the layers, the features with their settings, and the
 setting that trains the model on verl's stock engine instead (``STOCK_ENGINE``).
@@ -25,9 +25,10 @@ import time
 import torch
 
 from augtree_verl.groups import Tree
-from augtree_verl.replay.attention import NO_MASKS, PrefillContext, original_attention, use_augtree_attention
+from augtree_verl.replay.attention import PrefillContext, original_attention, use_augtree_attention
 from augtree_verl.replay.baseline import flattened_replay
 from augtree_verl.replay.engine import per_response, replay
+from augtree_verl.replay.linear_state import STATE_MODULES, linear_attention_modules
 from augtree_verl.replay.step_plan import StepPlan
 
 # The setting that runs a refused model on verl's stock engine.
@@ -35,7 +36,7 @@ STOCK_ENGINE = ("actor_rollout_ref.actor.strategy=fsdp2 (and actor_rollout_ref.r
                 "model)")
 # ``config.layer_types`` entries and what the replay would need to implement for them.
 LAYER_TYPE_FEATURES = {"sliding_attention": "sliding-window attention",
-                       "linear_attention": "linear attention (Gated DeltaNet state, not K/V)",
+                       "linear_attention": f"linear attention outside {', '.join(sorted(STATE_MODULES))}",
                        "chunked_attention": "chunked attention"}
 
 
@@ -87,8 +88,11 @@ def check_model(model, *, training: bool = True) -> None:
             None, type(model).__name__)
     layer_types = getattr(config, "layer_types", None)
     window = getattr(config, "sliding_window", None)
+    with_state = {m.layer_idx for m in linear_attention_modules(model)}  # Gated DeltaNet layers (``linear_state``)
     if layer_types:
         for i, kind in enumerate(layer_types):
+            if kind == "linear_attention" and i in with_state:
+                continue
             if kind != "full_attention":
                 window_setting = f", sliding_window={window}" if kind == "sliding_attention" else ""
                 setting = f"layer_types {kind!r}" + window_setting
@@ -207,14 +211,14 @@ def probe_exactness(replay_model, forward_model, *, train: bool, lockstep_group=
 
 
 def _check_hooked_layers(replay_model, forward_model, model_type, tree) -> torch.dtype:
-    """Every decoder layer's attention runs through the replay's hook (one prefill of the probe prompt, no
-    grad); returns the compute dtype: that of the keys the layers computed (under FSDP2 mixed precision the
-    parameters' storage dtype and an output cast may differ from it)."""
+    """Every decoder layer's attention (or linear-attention state) runs through the replay's hooks (one prefill
+    of the probe prompt, no grad); returns the compute dtype: that of the first layer's captured K (or conv
+    window) (under FSDP2 mixed precision the parameters' storage dtype and an output cast may differ from it)."""
     use_augtree_attention(replay_model)
     ctx = PrefillContext()
     positions = torch.arange(tree.prompt_len, device=tree.prompt.device)[None]
     with torch.no_grad():
-        replay_model.get_decoder()(input_ids=tree.prompt[None], position_ids=positions, attention_mask=NO_MASKS,
+        replay_model.get_decoder()(input_ids=tree.prompt[None], position_ids=positions, attention_mask=None,
                                    use_cache=False, augtree_ctx=ctx)
     n = getattr(_text_config(forward_model.config), "num_hidden_layers", len(ctx.kv))
     missing = [i for i in range(n) if i not in ctx.kv]
@@ -222,7 +226,8 @@ def _check_hooked_layers(replay_model, forward_model, model_type, tree) -> torch
         layers = getattr(forward_model.get_decoder(), "layers", None)
         names = sorted({type(layers[i]).__name__ for i in missing}) if layers is not None else ["?"]
         raise ValueError(refusal(model_type, {
-            "attention that does not run through transformers' attention interface": (missing, ", ".join(names))}))
+            "attention that does not run through the replay's hooks (transformers' attention interface, the "
+            "linear-attention cache)": (missing, ", ".join(names))}))
     return ctx.kv[0][0].dtype
 
 

@@ -1,7 +1,12 @@
-"""``PromptKV``: one prompt's K/V between its prefill and its delayed backward, on one device or one CP rank.
+"""``PromptKV``: one prompt's per-layer state between its prefill and its delayed backward, on one device or
+one CP rank. Each layer's state is a pair, by layer kind (gpt-fast's one cache entry per layer):
 
-    live_kv[layer] = (k, v)   in the prompt graph; one device [1, H_kv, P, D], a CP rank [H_kv, p, D] (its shard)
-    kv[layer]      = (k, v)   leaves sharing their storage (training) or the live tensors (forward only)
+    attention layer          (k, v)               one device [1, H_kv, P, D], a CP rank [H_kv, p, D] (its shard)
+    linear-attention layer   (conv, recurrent)    [1, conv_dim, K] and [1, H_v, D_k, D_v] (``linear_state``;
+                                                  one device only)
+
+    live_kv[layer]            the pair in the prompt graph
+    kv[layer]                 leaves sharing their storage (training) or the live tensors (forward only)
     hidden         [n, H]     live final hidden states the delayed backward starts from (a CP rank: its whole
                               shard, so that every member reaches every ring step of the prompt graph)
     last           [H]        leaf of the hidden state at prompt position P - 1 (row ``last_row`` of

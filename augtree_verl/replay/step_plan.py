@@ -24,6 +24,7 @@ from augtree_verl.cp.mesh import CPMesh
 from augtree_verl.groups import Tree, tree_workload
 from augtree_verl.plan import Plan
 from augtree_verl.plan_field import tree_plans
+from augtree_verl.replay.linear_state import demote_cp_plans
 from augtree_verl.replay.lockstep import Slot, lockstep_slots
 from augtree_verl.replay.microbatch import DEFAULT_MICRO_BATCH_TOKENS
 from augtree_verl.replay.offload import Offload
@@ -38,7 +39,8 @@ class StepPlan:
     ``trees[t]``: tokens on the model's device; ``plans[t]``: its ``Plan`` or None (one device, no planner);
     ``mesh``: the CP group facts (None: every tree on this device); ``subgroups[t]``: the subgroup tree t runs
     on (with a mesh); ``slots``: this rank's lock-step sequence; ``fallbacks``: trees whose planned plan
-    could not apply here (``plan_field.tree_plans``).
+    could not apply here (``plan_field.tree_plans``); ``cp_demoted``: trees whose context-parallel plan runs on
+    one device because the model cannot run it (``linear_state.demote_cp_plans``).
     """
 
     trees: list[Tree]
@@ -51,6 +53,7 @@ class StepPlan:
     offload: Offload | None = None
     stats: ReplayStats = field(default_factory=ReplayStats)
     fallbacks: int = 0
+    cp_demoted: int = 0
 
     @classmethod
     def build(cls, trees: Sequence[Tree], *, plans: Sequence[Plan | None] | None = None, mesh: CPMesh | None = None,
@@ -96,16 +99,19 @@ class StepPlan:
 
     @classmethod
     def from_batch(cls, trees: Sequence[Tree], entries: Sequence[dict] | None, *, mesh: CPMesh | None,
-                   min_cp_tokens: int = 0, **options) -> StepPlan:
+                   model_config, min_cp_tokens: int = 0, **options) -> StepPlan:
         """The engine's plan: ``trees`` of a batch (``Tree.samples``: rows of the batch) with the trainer's
         plans decoded from the batch's plan field (``entries[row]``, ``plan_field.PLAN_FIELD``; None: no
-        plans), demoted where they cannot apply here (counted in ``fallbacks``), placed with ``rebalance``.
-        ``mesh``: the engine's (its degrees are the ones a plan may have). ``options``: those of ``build``."""
+        plans), demoted where they cannot apply here (counted in ``fallbacks``) or where the model
+        (``model_config``: its Hugging Face config) cannot run them context-parallel (counted in
+        ``cp_demoted``), placed with ``rebalance``. ``mesh``: the engine's (its degrees are the ones a plan may
+        have). ``options``: those of ``build``."""
         degrees = mesh.degrees if mesh is not None else (1,)
         plans, fallbacks = tree_plans(trees, entries, degrees, min_cp_tokens=min_cp_tokens)
+        plans, cp_demoted = demote_cp_plans(model_config, plans)
         step_plan = cls.build(trees, plans=plans, mesh=mesh if mesh is not None and mesh.cp_size > 1 else None,
                               rebalance=True, **options)
-        step_plan.fallbacks = fallbacks
+        step_plan.fallbacks, step_plan.cp_demoted = fallbacks, cp_demoted
         return step_plan
 
 

@@ -49,10 +49,10 @@ def run_tree(calls: ModelCalls, t: int, tree: Tree, slot: Slot) -> list[torch.Te
 
 
 def _score(calls: ModelCalls, tree: Tree, rows: list[int], prompt: PromptKV) -> list[torch.Tensor]:
-    """Scores of responses ``rows`` of ``tree``: one decoder call (at least one token per row, so that every
-    call runs every layer) and one LM-head call."""
+    """Scores of responses ``rows`` of ``tree``: one decoder call (at least ``calls.min_tokens`` tokens per row,
+    so that every call runs every layer) and one LM-head call."""
     p, lengths = tree.prompt_len, [tree.response_lens[i] for i in rows]
-    rq = max(max(lengths) - 1, 1)  # tokens each row feeds (right padded)
+    rq = max(max(lengths) - 1, calls.min_tokens)  # tokens each row feeds (right padded)
     ids = torch.full((len(rows), rq), PAD_ID, dtype=tree.prompt.dtype, device=tree.prompt.device)
     for b, i in enumerate(rows):
         ids[b, : lengths[b] - 1] = tree.responses[i][:-1]

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from tensordict import TensorDict
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers import AutoConfig, Qwen2Config, Qwen2ForCausalLM
 
 from augtree_verl.testing import verl_batch
 
@@ -119,7 +119,10 @@ def build_engine(strategy: str, model_path: str, *, loss_agg_mode: str = "token-
 
     from augtree_verl.integration.config import AugTreeEngineConfig
 
-    model_config = HFModelConfig(path=model_path, load_tokenizer=False, use_remove_padding=True,
+    # verl packs rows for use_remove_padding, which hybrid linear-attention models (Qwen3.5, Qwen3-Next) do not
+    # support on the torch kernels (the recurrence would run across rows): verl's note for them is False.
+    hybrid = "linear_attention" in (getattr(AutoConfig.from_pretrained(model_path), "layer_types", None) or ())
+    model_config = HFModelConfig(path=model_path, load_tokenizer=False, use_remove_padding=not hybrid,
                                  enable_gradient_checkpointing=gradient_checkpointing,
                                  override_config={"attn_implementation": "sdpa"})
     common: dict[str, Any] = dict(mixed_precision=FP32, use_torch_compile=False, forward_only=forward_only)

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from augtree_verl.plan import Plan
+from augtree_verl.replay.linear_state import has_linear_attention
 from augtree_verl.testing import harness as H
 
 pytestmark = pytest.mark.slow  # spawns process groups, Ray, verl engines or subprocesses
@@ -48,6 +49,10 @@ def _plan_entries(rows, specs):
         plans[tree.tree_id] = plan if isinstance(plan, Plan) else plan_tree(
             tree.prompt_len, tree.response_lens, degrees=(plan[1],), force_primitive=plan[0])
     return plan_entries(trees, plans, len(rows))
+
+
+def _degree(spec) -> int:
+    return spec.degree if isinstance(spec, Plan) else spec[1]
 
 
 def _gather_rows(indices: list[int], values: list[torch.Tensor]) -> dict[int, torch.Tensor]:
@@ -102,14 +107,19 @@ def _rank_main(rank: int, world: int, port: int, model_path: str, cp_degrees: li
         batch = H.rows_to_batch(our_rows, micro_batch_size=len(our_rows),
                                 extra={"augtree_plan": _plan_entries(our_rows, specs)})
         stock_batch = H.rows_to_batch([rows[k] for k in stock_idx])
-        for b in (batch, stock_batch):
-            tu.assign_non_tensor(b, global_batch_size=len(rows))
+        for b in (batch, stock_batch):  # use_remove_padding as verl's worker sets it (False for hybrids)
+            tu.assign_non_tensor(b, global_batch_size=len(rows),
+                                 use_remove_padding=stock.model_config.use_remove_padding)
         infer_both_and_set_old(stock, ours, stock_batch, batch, stock_idx, ours_idx, len(rows), f"rank {rank}", step)
         for b in (batch, stock_batch):
             tu.assign_non_tensor(b, calculate_entropy=entropy_coeff != 0)
         out_stock, out_ours = _train(stock, stock_loss, stock_batch), _train(ours, our_loss, batch)
         metrics = out_ours["metrics"]
         assert metrics["augtree/plan_fallbacks"].aggregate() == 0
+        # a hybrid's CP plans run on one rank, counted (linear attention has no CP replay)
+        cp_trees = {row["uid"] for row in our_rows if _degree(specs[int(row["uid"].split("-")[1])]) > 1}
+        assert metrics["augtree/planner/cp_demoted_linear_attention"].aggregate() == (
+            len(cp_trees) if has_linear_attention(ours.module.config) else 0)
         # The CP group's totals on every rank: each tree once, whichever ranks replayed it.
         assert metrics["augtree/trees"].aggregate() == len({row["uid"] for row in our_rows})
         assert metrics["augtree/logical_tokens"].aggregate() == sum(len(r["prompt"]) + len(r["response"])

@@ -12,7 +12,11 @@ import torch
 from augtree_verl.replay import calls as calls_module
 from augtree_verl.testing import harness as H
 from tests.families import family_model
+from tests.integration.test_engine_cp import PLANS_DEGREE_2
+from tests.integration.test_engine_cp import _rank_main as cp_rank_main
 from tests.integration.test_engine_parity_dp2 import _rank_main
+from tests.integration.test_engine_streaming import GROUPS as STREAM_GROUPS
+from tests.integration.test_engine_streaming import _steps as stream_steps
 
 pytestmark = pytest.mark.slow  # spawns process groups and builds verl engines
 
@@ -20,7 +24,7 @@ WORLD = 2
 # float32: the probe's rounding error was at most 8.8e-7 over 11 families and 3 seeds (replay/model_check.py)
 PROBE_BOUND = 1e-4
 GROUPS = [(9, [3, 5, 4, 2]), (4, [6, 2, 3, 1]), (6, [4, 2, 3, 1])]  # rows dealt round-robin: 6 a rank
-FAMILIES = ["granite", "cohere", "gemma2", "qwen3-moe"]
+FAMILIES = ["granite", "cohere", "gemma2", "qwen3-moe", "qwen3.5-moe"]
 
 
 def _save(name: str, directory) -> str:
@@ -40,10 +44,31 @@ def one_rank(single_process_group):
     H.use_cpu_platform()
 
 
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("setting,checkpointing", [("rows-1", True), ("dynamic", False)])
+def test_hybrid_micro_batch_settings_match_stock_engine(one_rank, tmp_path, setting, checkpointing):
+    """A hybrid (Qwen3.5: Gated DeltaNet state) under verl's other micro-batch settings (rows-2: the dp2 family
+    run), world 1, 3 steps: the streamed schedule's check."""
+    path = _save("qwen3.5", tmp_path / "qwen3.5")
+    common = dict(loss_agg_mode="seq-mean-token-mean", entropy_coeff=0.01, gradient_checkpointing=checkpointing)
+    stock, stock_loss = H.build_engine("fsdp2", path, **common)
+    ours, our_loss = H.build_engine("augtree", path, **common)
+    rows = list(range(sum(len(rs) for _, rs in STREAM_GROUPS)))
+    stream_steps(stock, stock_loss, ours, our_loss, rows, rows, setting, setting, STREAM_GROUPS, 0.01)
+
+
+@pytest.mark.timeout(420)
+def test_hybrid_cp_plans_run_on_one_rank(tmp_path):
+    """World 2, one CP group of both ranks, plans of degree 2 (MoveQ, TreeMoveKV, ring): a hybrid's run on one
+    rank each, counted, and the step still matches the stock engine (``test_engine_cp``'s rank)."""
+    H.spawn(cp_rank_main, (WORLD, H.free_port(), _save("qwen3.5", tmp_path / "qwen3.5"), [1, 2], PLANS_DEGREE_2, 1,
+                           "token-mean", 0.0), nprocs=WORLD, timeout_s=360)
+
+
 @pytest.mark.timeout(120)
-def test_hybrid_model_refused_at_build(one_rank, tmp_path):
-    with pytest.raises(ValueError, match=r"'qwen3_next'.*layer 0: linear attention.*strategy=fsdp2"):
-        H.build_engine("augtree", _save("qwen3-next", tmp_path / "qwen3-next"))
+def test_unimplemented_linear_attention_refused_at_build(one_rank, tmp_path):
+    with pytest.raises(ValueError, match=r"'olmo_hybrid'.*layer 0: linear attention outside .*strategy=fsdp2"):
+        H.build_engine("augtree", _save("olmo-hybrid", tmp_path / "olmo-hybrid"))
 
 
 @pytest.mark.timeout(120)

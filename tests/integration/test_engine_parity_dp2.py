@@ -32,7 +32,9 @@ def _rank_main(rank: int, port: int, model_path: str, groups=GROUPS, probe_bound
     for step in range(STEPS):
         rows = H.group_rows(groups, seed=step)[rank::WORLD]
         batch = H.rows_to_batch(rows)
-        tu.assign_non_tensor(batch, global_batch_size=len(rows) * WORLD)
+        # as verl's worker does: the batch carries the model config's use_remove_padding (False for hybrids)
+        tu.assign_non_tensor(batch, global_batch_size=len(rows) * WORLD,
+                             use_remove_padding=stock.model_config.use_remove_padding)
         want, got = _infer(stock, batch, entropy=True), _infer(ours, batch, entropy=True)
         for key in ("log_probs", "entropy"):
             for row, (g, w) in enumerate(zip(H.response_logps(got, batch, key), H.response_logps(want, batch, key))):

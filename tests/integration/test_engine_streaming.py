@@ -56,8 +56,10 @@ def _steps(stock, stock_loss, ours, our_loss, stock_rows, our_rows, setting, whe
     seen = {"stock": 0, "ours": 0}
     for step in range(STEPS):
         rows = H.group_rows(global_rows, seed=step)
-        batch = _batch([rows[k] for k in our_rows], setting)
-        stock_batch = _batch([rows[k] for k in stock_rows], setting)
+        # as verl's worker does: the batches carry the model config's use_remove_padding (False for hybrids)
+        padding = dict(use_remove_padding=stock.model_config.use_remove_padding)
+        batch = _batch([rows[k] for k in our_rows], setting, **padding)
+        stock_batch = _batch([rows[k] for k in stock_rows], setting, **padding)
         for b in (batch, stock_batch):
             tu.assign_non_tensor(b, global_batch_size=len(rows))
         infer_both_and_set_old(stock, ours, stock_batch, batch, stock_rows, our_rows, len(rows), where, step)

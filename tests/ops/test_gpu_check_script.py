@@ -33,7 +33,7 @@ sys.meta_path[:] = [Hide(f) for f in sys.meta_path]
 CHECKS = ["ops h4/kv2 d16 causal", "ops h4/kv2 d16 single-query", "ops merge of 3", "prefix attention",
           "replay bf16 vs fp32", "cp tree run world 1 ring", "cp tree run world 1 tree_move_kv",
           "cp tree run world 1 move_q", "prefill peak memory", "host syncs", "speed prompt-heavy",
-          "speed response-heavy", "offload long prompt"]
+          "speed response-heavy", "offload long prompt", "hybrid replay bf16 vs fp32"]
 
 
 def run_hidden(code: str, timeout: int):

@@ -66,7 +66,7 @@ def test_parity_with_offload_over_several_optimizer_steps():
 
 def _saved_storages(model, trees):
     """(storage bytes the prefill saves (every saved tensor's storage once), those of parameters)."""
-    from augtree_verl.replay.attention import NO_MASKS, PrefillContext, use_augtree_attention
+    from augtree_verl.replay.attention import PrefillContext, use_augtree_attention
     use_augtree_attention(model)
     seen, params = {}, {}
 
@@ -77,7 +77,7 @@ def _saved_storages(model, trees):
         return x
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
-        model.get_decoder()(input_ids=trees[0].prompt[None], attention_mask=NO_MASKS, use_cache=False,
+        model.get_decoder()(input_ids=trees[0].prompt[None], attention_mask=None, use_cache=False,
                             augtree_ctx=PrefillContext())
     return seen, params
 
