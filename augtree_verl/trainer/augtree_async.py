@@ -31,3 +31,8 @@ class AugTreeSeparateAsyncTrainer(AugTreeTrainerMixin, PPOTrainerSeparateAsync):
     """A standalone rollout pool beside the trainer (which may lend its GPUs to the rollout when idle)."""
 
     trainer_mode = verl_compat.trainer_mode_as("separate_async")
+
+    def __init__(self, config):
+        if not config.actor_rollout_ref.get("hybrid_engine", True):
+            verl_compat.quiet_separate_async_info_log()  # verl's log line there raises otherwise
+        super().__init__(config)
