@@ -33,6 +33,7 @@ import pickle
 import time
 from collections.abc import AsyncGenerator, Generator
 from dataclasses import dataclass
+from typing import Any
 
 import ray
 import torch
@@ -82,7 +83,7 @@ class GlooCheckpointEngine(CheckpointEngine):
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.rank: int | None = None
         self._store: dist.TCPStore | None = None
-        self._group: dist.ProcessGroupGloo | None = None
+        self._group: Any = None  # a ProcessGroupGloo (torch's stubs lack its collectives)
 
     def prepare(self) -> StoreAddress | None:
         """On the master: a new TCP store on a free port of this node, and its address; elsewhere None."""
@@ -104,10 +105,11 @@ class GlooCheckpointEngine(CheckpointEngine):
             raise ValueError(f"checkpoint engine {BACKEND}: trainer rank 0 must be the master (is_master=True) "
                              f"and return its store address from prepare, got {master!r}")
         world_size = 1 + rollout_world_size
-        actor = {"rank": [SENDER] + [OUTSIDE] * (actor_wg_world_size - 1),
-                 "world_size": [world_size] * actor_wg_world_size, "master": [master] * actor_wg_world_size}
-        rollout = {"rank": list(range(1, world_size)), "world_size": [world_size] * rollout_world_size,
-                   "master": [master] * rollout_world_size}
+        actor: dict[str, list] = {"rank": [SENDER] + [OUTSIDE] * (actor_wg_world_size - 1),
+                                  "world_size": [world_size] * actor_wg_world_size,
+                                  "master": [master] * actor_wg_world_size}
+        rollout: dict[str, list] = {"rank": list(range(1, world_size)), "world_size": [world_size] * rollout_world_size,
+                                    "master": [master] * rollout_world_size}
         return actor, rollout
 
     def init_process_group(self, rank: int, world_size: int, master: StoreAddress) -> None:
