@@ -60,4 +60,10 @@ def colocate_async_run(assets, tmp_path_factory) -> Run:
 
 @pytest.fixture(scope="session")
 def separate_async_run(assets, tmp_path_factory) -> Run:
-    return _mode_run(assets, tmp_path_factory.mktemp("separate-async"), SEPARATE_ASYNC_MODE)
+    """Without verl's warm-up batch: each step's batch is sampled after the previous step's weights were pushed
+    to the rollout pool, so step 1 trains the dataloader's first batch (as the sync trainer does: comparable
+    with the stock engine) and step 2's rollout shows the pushed weights. (With a warm-up batch, step 1 takes
+    whichever of the two batches' groups verl's replay buffer lists first: uids sorted by step, ties in set
+    order.) colocate_async_run keeps the warm-up batch."""
+    return _mode_run(assets, tmp_path_factory.mktemp("separate-async"), SEPARATE_ASYNC_MODE,
+                     "trainer.v1.separate_async.num_warmup_batches=0")

@@ -1,16 +1,15 @@
 """The async trainer modes through verl's own ``main_ppo`` on CPU: ``examples/run_cpu.sh`` (GRPO recipe, AugTree
 engine, rollout ``hf``, two trainer worker processes, Ray) for 2 steps with ``trainer.v1.trainer_mode`` set to
 ``augtree_colocate_async`` or ``augtree_separate_async`` (its own rollout worker, weights pushed through the CPU
-checkpoint engine ``gloo``); the steps are read back from verl's file logger."""
+checkpoint engine ``gloo``); the steps are read back from verl's file logger (the runs: ``conftest``)."""
 
 from __future__ import annotations
 
 import pytest
 from transformers import AutoModelForCausalLM
 
-from augtree_verl.trainer.augtree_async import SEPARATE_ASYNC_MODE
-from tests.e2e.runs import LR, STAGES, STEPS, read_steps, run_env, run_script
-from tests.e2e.test_cpu_loop import assert_same_step_one
+from tests.e2e.runs import STAGES, STEPS, read_steps
+from tests.e2e.test_cpu_loop import ROLLOUT_PROB_ATOL, assert_same_step_one
 
 pytestmark = pytest.mark.slow
 
@@ -41,35 +40,33 @@ def test_every_stage_runs_with_plans_from_the_rollout(request, mode):
 
 
 @pytest.mark.timeout(1300)
-@pytest.mark.parametrize("mode", MODES)
-def test_step_two_trains_a_batch_sampled_before_step_one_updated(request, mode):
-    """The modes are really verl's async ones: a warm-up batch (``num_warmup_batches``, default 1) is sampled
+def test_colocate_async_step_two_trains_a_batch_sampled_before_step_one_updated(colocate_async_run):
+    """The mode is really verl's colocate_async: a warm-up batch (``num_warmup_batches``, default 1) is sampled
     beside step 1's, so step 2 trains groups sampled one weight version late (verl's off-policy staleness),
     with their plans kept by uid until then."""
-    first, second = request.getfixturevalue(mode).steps
+    first, second = colocate_async_run.steps
     assert first["training/off_policy/trajectory_staleness/max"] == 0
     assert second["training/off_policy/trajectory_staleness/min"] >= 1
 
 
 @pytest.mark.timeout(1300)
 def test_separate_async_pushes_every_weight_to_its_rollout_pool_each_step(separate_async_run, assets):
+    """Through the CPU checkpoint engine: every tensor, every byte, after every step; without a warm-up batch
+    (staleness 0, as configured) step 2's responses were sampled with the weights pushed after step 1, and the
+    rollout's log-probs are the trainer's to float32 rounding."""
     model = AutoModelForCausalLM.from_pretrained(assets / "model")
     weights = model.state_dict()
     for step, metrics in enumerate(separate_async_run.steps, 1):
         assert metrics["augtree/weight_sync/tensors"] == len(weights), step
         assert metrics["augtree/weight_sync/bytes"] == sum(t.nbytes for t in weights.values()), step
         assert metrics["augtree/weight_sync/buckets"] >= 1
+        assert metrics["training/off_policy/trajectory_staleness/max"] == 0, step
+        diff = metrics["training/rollout_probs_diff_max"]
+        assert diff <= ROLLOUT_PROB_ATOL, f"step {step}: rollout probabilities off by {diff:.1e}"
 
 
 @pytest.mark.timeout(1300)
-def test_separate_async_step_one_is_the_stock_engines(assets, compared, tmp_path):
-    """Without the warm-up batch, separate_async's step 1 trains the dataloader's first batch, as the sync
-    trainer does: the same update as verl's stock engine in the compare run (with a warm-up batch, step 1 takes
-    whichever of the two batches' groups verl's replay buffer lists first)."""
-    log = tmp_path / "metrics.jsonl"
-    run_script("run_cpu.sh", run_env(assets, tmp_path, STEPS="1", VERL_FILE_LOGGER_PATH=str(log)), tmp_path,
-               f"trainer.v1.trainer_mode={SEPARATE_ASYNC_MODE}", "trainer.v1.separate_async.num_warmup_batches=0",
-               f"actor_rollout_ref.actor.optim.lr={LR}")
-    (ours,) = read_steps(log)
-    assert ours["augtree/planner/plans_from_rollout"] == ours["augtree/balance/groups"]
-    assert_same_step_one(ours, read_steps(compared / "fsdp2.jsonl")[0])
+def test_separate_async_step_one_is_the_stock_engines(separate_async_run, compared):
+    """separate_async's step 1 trains the dataloader's first batch from the initial weights, as the compare
+    run's stock engine (sync trainer) does: the same responses and update."""
+    assert_same_step_one(separate_async_run.steps[0], read_steps(compared / "fsdp2.jsonl")[0])
