@@ -80,7 +80,7 @@ def test_a_submitted_cpu_job_resumes_the_sync_run(head, sync_run, assets, tmp_pa
                           f"trainer.default_local_dir={checkpoints}", "trainer.resume_mode=auto"],
                          env=env, capture_output=True, text=True, timeout=1100)
     output = run.stdout + run.stderr
-    assert run.returncode == 0, output[-6000:]
+    assert run.returncode == 0, f"exit status {run.returncode}:\n{output[-6000:]}"
     assert "succeeded" in output.lower()
     # the job's logs, read back from the cluster
     job_id = next(line.split("'")[1] for line in output.splitlines() if "submitted successfully" in line)
