@@ -1,6 +1,7 @@
 """The full RL loop on CPU: ``examples/compare_engines.sh`` runs ``examples/run_cpu.sh`` (verl's main_ppo, our
-GRPO recipe, rollout ``hf``, two worker processes, Ray) for 2 steps with each engine; the steps are read back
-from verl's file logger, the runs from wandb's offline files."""
+GRPO recipe, rollout ``hf``, two worker processes, Ray) for 2 steps with each engine (``conftest.compared``, a
+checkpoint after each step, which ``test_ray_job`` resumes); the steps are read back from verl's file logger,
+the runs from wandb's offline files."""
 
 from __future__ import annotations
 
