@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import datetime
-import logging
 import pickle
 import time
 from collections.abc import AsyncGenerator, Generator
@@ -45,8 +44,6 @@ from verl.checkpoint_engine.base import (
     split_weight_chunks,
 )
 from verl.workers.rollout.utils import ensure_async_iterator
-
-logger = logging.getLogger(__name__)
 
 BACKEND = "gloo"
 SENDER = 0
@@ -68,9 +65,11 @@ class StoreAddress:
 class GlooCheckpointEngine(CheckpointEngine):
     """Bucketed broadcast of the weights from trainer rank 0 to every rollout worker, over gloo (see the module).
 
-    ``bucket_size``: bytes per bucket (two buckets are held on the sender, one on a receiver; untouched pages
-    of a large bucket cost no memory). ``is_master``: trainer rank 0 (verl passes it on the trainer side only).
-    ``timeout_s``: the group's timeout for each collective (``engine_kwargs.gloo.timeout_s``).
+    ``bucket_size``: bytes per bucket (the sender holds two buckets, a receiver one, during a sync: verl's
+    default 2048 MB is 4 GB of host memory on trainer rank 0 for a model that large; set
+    ``update_weights_bucket_megabytes`` to what the hosts can spare). ``is_master``: trainer rank 0 (verl
+    passes it on the trainer side only). ``timeout_s``: the group's timeout for each collective
+    (``engine_kwargs.gloo.timeout_s``).
     """
 
     def __init__(self, bucket_size: int, is_master: bool = False, timeout_s: float = 600.0) -> None:
