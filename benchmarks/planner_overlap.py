@@ -1,6 +1,8 @@
-"""Plans ready before the batch: the planner actor fed live by a simulated rollout, against planning at balance.
+"""Plans ready before the batch: the planner actor fed live by a simulated rollout, against planning at balance;
+or, with ``--separate-async STEPS``, by the rollout pool of a real ``augtree_separate_async`` run.
 
     python benchmarks/planner_overlap.py [--groups 512] [--group-size 8] [--rollout-s 2] [--repeats 3] [--json PATH]
+    python benchmarks/planner_overlap.py --separate-async 4 [--json PATH]
 
 A simulated rollout stream: ``--groups`` groups drawn in turn from the shipped length tables (longdoc, rag,
 chat, reasoning; each group's first ``--group-size`` responses, repeated cyclically if it has fewer), each
@@ -20,16 +22,28 @@ Reported (median over ``--repeats`` streams):
   the critical path).
 ``--json PATH`` writes ``{"groups", "ready_after_last_finish_ms", "at_balance_ms", ...}``. Times taken on a
 shared machine are noisy; the ratio is the point.
+
+``--separate-async STEPS`` runs ``examples/run_cpu.sh trainer.v1.trainer_mode=augtree_separate_async`` (verl's
+main_ppo on CPU: the GRPO recipe, its own rollout worker, ``STEPS`` steps) and reports per step, from verl's
+metrics: the groups trained, how many plans came from the rollout workers, and how long before the trainer's
+balance (its dispatch to the workers) those plans were ready (``augtree/planner/plan_lead_s_min`` / ``_mean``,
+on the planner actor's clock), against the step's ``timing_s/gen`` (the trainer's wait for the batch).
+``--json`` then writes ``{"separate_async": [one row per step]}``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 import uuid
+from pathlib import Path
 
 import ray
 
@@ -43,6 +57,12 @@ DEGREES = (1, 2, 4, 8)
 PREFILL_TOKENS_PER_DECODE_TOKEN = 50      # a prompt token costs ~1/50 of a decoded token (batched prefill)
 SPEED_JITTER = 0.1                        # decode speed factor drawn uniformly in [1 - 0.1, 1 + 0.1]
 GOAL_MS = 5.0
+REPO = Path(__file__).resolve().parents[1]
+# What --separate-async reports per step (verl's metric names).
+LEAD_METRICS = {"groups": "augtree/balance/groups", "from_rollout": "augtree/planner/plans_from_rollout",
+                "lead_min_s": "augtree/planner/plan_lead_s_min", "lead_mean_s": "augtree/planner/plan_lead_s_mean",
+                "plan_wait_s": "augtree/planner/plan_wait_s", "gen_s": "timing_s/gen",
+                "staleness_max": "training/off_policy/trajectory_staleness/max"}
 
 
 def rollout_stream(num_groups: int, group_size: int, rollout_s: float,
@@ -89,6 +109,23 @@ def run_stream(actor, feed: PlannerFeed, client: PlannerClient, stream) -> dict[
             "from_rollout": from_rollout}
 
 
+def separate_async_leads(steps: int) -> list[dict[str, float]]:
+    """Per step of an ``augtree_separate_async`` main_ppo run on CPU: ``LEAD_METRICS`` (nan where absent)."""
+    with tempfile.TemporaryDirectory(prefix="planner-overlap-") as out:
+        log = Path(out) / "metrics.jsonl"
+        env = dict(os.environ, STEPS=str(steps), VERL_FILE_LOGGER_PATH=str(log), PYTHON=sys.executable,
+                   TORCHINDUCTOR_CACHE_DIR=str(Path(out) / "inductor"))
+        env.pop("RAY_ADDRESS", None)
+        run = subprocess.run(["bash", str(REPO / "examples/run_cpu.sh"),
+                              "trainer.v1.trainer_mode=augtree_separate_async"],
+                             cwd=out, env=env, capture_output=True, text=True)
+        if run.returncode != 0:
+            raise SystemExit(f"run_cpu.sh failed:\n{(run.stdout + run.stderr)[-4000:]}")
+        rows = [json.loads(line)["data"] for line in log.read_text().splitlines()]
+    return [{"step": row["training/global_step"], **{k: float(row.get(m, "nan")) for k, m in LEAD_METRICS.items()}}
+            for row in rows]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--groups", type=int, default=512)
@@ -96,7 +133,22 @@ def main() -> None:
     parser.add_argument("--rollout-s", type=float, default=2.0, help="when the last group finishes")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", help="write the result to this file")
+    parser.add_argument("--separate-async", type=int, metavar="STEPS",
+                        help="instead: an augtree_separate_async main_ppo run of STEPS steps on CPU")
     args = parser.parse_args()
+    if args.separate_async is not None:
+        if args.separate_async < 1:
+            parser.error("--separate-async must be >= 1")
+        rows = separate_async_leads(args.separate_async)
+        print("step  groups  from rollout  plans ready before dispatch: least / mean s  trainer's wait gen s  "
+              "staleness")
+        for r in rows:
+            print(f"{r['step']:4d}  {r['groups']:6.0f}  {r['from_rollout']:12.0f}  {r['lead_min_s']:27.3f} / "
+                  f"{r['lead_mean_s']:.3f}  {r['gen_s']:20.3f}  {r['staleness_max']:9.0f}")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"separate_async": rows}, f, indent=2)
+        return
     for name in ("groups", "group_size", "repeats"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")

@@ -17,6 +17,11 @@
 #   LOGGER      trainer.logger (default [console], plus file when VERL_FILE_LOGGER_PATH is set)
 # Further arguments are hydra overrides, applied last.
 #
+# Trainer modes: trainer.v1.trainer_mode=augtree_sync (the recipes' default), augtree_colocate_async or
+# augtree_separate_async as an argument. separate_async gets its rollout pool: one rollout worker of its own (a
+# logical GPU more), no rollout on the trainer workers (hybrid_engine=false), weights pushed after every
+# mini-batch (parameter_sync_step=1) through this package's CPU checkpoint engine "gloo".
+#
 # The rollout is the CPU backend "hf" of this package (one replica over the NPROC workers, seeded sampling);
 # the Ray settings below let everything be placed on a 2-core machine (a logical CPU count, one storage unit,
 # one agent-loop and one reward worker; a logical GPU count that satisfies verl's resource check). With
@@ -30,6 +35,18 @@ STEPS="${STEPS:-2}"
 NPROC="${NPROC:-2}"
 ASSETS_DIR="${ASSETS_DIR:-$HOME/.cache/augtree-verl/cpu_loop}"
 PYTHON="${PYTHON:-python}"
+ROLLOUT_TP="$NPROC"
+ROLLOUT_GPUS=0
+MODE_ARGS=()
+for arg in "$@"; do
+    if [[ "$arg" == trainer.v1.trainer_mode=*separate_async ]]; then
+        ROLLOUT_TP=1
+        ROLLOUT_GPUS=1
+        MODE_ARGS=(actor_rollout_ref.hybrid_engine=false
+                   actor_rollout_ref.rollout.nnodes=1 actor_rollout_ref.rollout.n_gpus_per_node="$ROLLOUT_GPUS"
+                   trainer.v1.separate_async.parameter_sync_step=1)
+    fi
+done
 
 case "$RECIPE" in
     grpo_augtree|dapo_augtree) ;;
@@ -58,7 +75,7 @@ FP32="{param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}"
 RAY_ARGS=()
 if [[ -z "${RAY_ADDRESS:-}" ]]; then
     RAY_ARGS=(+ray_kwargs.ray_init.address=local ray_kwargs.ray_init.num_cpus=16
-              +ray_kwargs.ray_init.num_gpus="$NPROC" +ray_kwargs.ray_init.include_dashboard=false
+              +ray_kwargs.ray_init.num_gpus="$((NPROC + ROLLOUT_GPUS))" +ray_kwargs.ray_init.include_dashboard=false
               +ray_kwargs.ray_init.runtime_env.env_vars.VERL_PLATFORM=cpu)
 fi
 
@@ -80,7 +97,9 @@ exec "$PYTHON" -m verl.trainer.main_ppo \
     +actor_rollout_ref.ref.fsdp_config.mixed_precision="$FP32" \
     actor_rollout_ref.rollout.name=hf \
     actor_rollout_ref.rollout.n=4 \
-    actor_rollout_ref.rollout.tensor_model_parallel_size="$NPROC" \
+    actor_rollout_ref.rollout.tensor_model_parallel_size="$ROLLOUT_TP" \
+    actor_rollout_ref.rollout.checkpoint_engine.backend=gloo \
+    actor_rollout_ref.rollout.checkpoint_engine.custom_backend_module=augtree_verl.rollout.checkpoint_engine \
     actor_rollout_ref.rollout.agent.num_workers=1 \
     reward.num_workers=1 \
     reward.custom_reward_function.path=pkg://augtree_verl.cpu_loop.reward \
@@ -89,5 +108,5 @@ exec "$PYTHON" -m verl.trainer.main_ppo \
     trainer.total_training_steps="$STEPS" \
     trainer.logger="$LOGGER" \
     trainer.val_before_train=false trainer.test_freq=-1 trainer.save_freq=-1 trainer.resume_mode=disable \
-    "${ENGINE_ARGS[@]}" "${RECIPE_ARGS[@]}" "${RAY_ARGS[@]}" \
+    "${ENGINE_ARGS[@]}" "${RECIPE_ARGS[@]}" "${RAY_ARGS[@]}" "${MODE_ARGS[@]}" \
     "$@"

@@ -5,8 +5,9 @@
 #   RAY_ADDRESS=http://127.0.0.1:8265 bash examples/submit_cpu_job.sh [hydra overrides...]
 #   DRY_RUN=1 bash examples/submit_cpu_job.sh                                   # print the submit command
 #
-# The head needs a logical CPU count that fits the trainer's actors (16 here) and NPROC logical GPUs (verl's
-# resource check counts GPUs; on the CPU platform its workers ask for CPUs). The repository is uploaded as
+# The head needs a logical CPU count that fits the trainer's actors (16 here) and NPROC logical GPUs, NPROC + 1
+# for trainer.v1.trainer_mode=augtree_separate_async (its rollout worker; verl's resource check counts GPUs;
+# on the CPU platform its workers ask for CPUs). The repository is uploaded as
 # the job's working_dir; RECIPE, STRATEGY, STEPS, NPROC, MODEL_PATH, TRAIN_FILE, VAL_FILE, ASSETS_DIR,
 # VERL_FILE_LOGGER_PATH, LOGGER and PYTHON are forwarded to the job when set (paths must exist where the
 # job runs). Extra arguments are hydra overrides.

@@ -86,9 +86,17 @@ VERL_NAMES = {
         "verl.trainer.ppo.v1.agent_loop_tq.AgentLoopManagerTQ",
         "verl.trainer.ppo.v1.agent_loop_tq.AgentLoopWorkerTQ",
     ),
+    "rollout/checkpoint_engine.py": (
+        "verl.checkpoint_engine.base.CheckpointEngine",
+        "verl.checkpoint_engine.base.CheckpointEngineRegistry",
+        "verl.checkpoint_engine.base.merge_weight_chunks",
+        "verl.checkpoint_engine.base.split_weight_chunks",
+        "verl.workers.rollout.utils.ensure_async_iterator",
+    ),
     "rollout/hf.py": (
         "verl.workers.rollout.base.BaseRollout",
         "verl.workers.rollout.replica.RolloutReplica",
+        "verl.workers.rollout.utils.ensure_async_iterator",
     ),
     "rollout/hf_server.py": (
         "verl.utils.config.omega_conf_to_dataclass",
@@ -230,6 +238,15 @@ def serve_strategy_in_detach_actor_worker(engine_workers_module, strategy: str) 
 
     _get_strategy_handlers.served_strategy = strategy  # type: ignore[attr-defined]  # a marker on the function
     worker_cls._get_strategy_handlers = _get_strategy_handlers
+
+
+def quiet_separate_async_info_log() -> None:
+    """verl/trainer/ppo/v1/trainer_separate_async.py PPOTrainerSeparateAsync._setup logs with
+    ``logger.info(..., flush=True)`` when ``actor_rollout_ref.hybrid_engine=false``: a TypeError (``flush`` is
+    print's keyword) whenever that module's logger has INFO on, as verl's default ``VERL_LOGGING_LEVEL`` has.
+    Raise that one logger to WARNING."""
+    separate_async_logger = logging.getLogger("verl.trainer.ppo.v1.trainer_separate_async")
+    separate_async_logger.setLevel(max(separate_async_logger.getEffectiveLevel(), logging.WARNING))
 
 
 def register_rollout_adapter(rollout_package_base, name: str, adapter_fqdn: str, mode: str = "async") -> None:

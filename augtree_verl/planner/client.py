@@ -18,7 +18,9 @@ as unplannable, never raised.
 ``plans_from_rollout``, ``plans_in_process``, ``plan_wait_s`` (time spent in ``plans``), ``queue_depth``
 (groups the actor holds, reported but not trained yet), ``evicted`` (entries dropped by TTL or size bound),
 and the causes: ``missing``, ``mismatched``, ``unplannable``, ``unreachable``, ``restarts``,
-``reported_twice``, ``rejected``; plus plans per primitive, mean degree and mean solve time.
+``reported_twice``, ``rejected``; plus plans per primitive, mean degree and mean solve time; and, when plans came
+from the actor, ``plan_lead_s_min`` / ``plan_lead_s_mean``: how long those plans had been ready when the trainer
+took them (the actor's clock; the least is the plan made last, the one the trainer came closest to waiting for).
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ class PlannerClient:
         self._instance = None                       # the actor instance last heard from
         self._seen = dict.fromkeys(ACTOR_COUNTERS, 0)
         self._counts: defaultdict[str, float] = defaultdict(float)
+        self._leads: list[float] = []               # waited_s of the actor's plans since the last reset
         self._queue_depth = 0.0
 
     def plans(self, groups: Mapping[str, tuple], from_rollout: Collection[str] = ()) -> dict[str, Plan]:
@@ -99,6 +102,7 @@ class PlannerClient:
                 plans[tree_id] = Plan.from_dict(result["plan"])
                 self._count_plan(plans[tree_id], result["solve_ms"])
                 self._counts["planner/plans_from_rollout"] += 1
+                self._leads.append(result["waited_s"])
                 continue
             if tree_id in wanted and reached:
                 if result is None:
@@ -123,8 +127,12 @@ class PlannerClient:
         out["planner/solve_ms_mean"] = c["planner/solve_ms_total"] / planned if planned else 0.0
         out["planner/degree_mean"] = c["planner/degree_total"] / planned if planned else 0.0
         out.update({f"planner/plans_{p}": c[f"planner/plans_{p}"] for p in PRIMITIVES})
+        if self._leads:
+            out["planner/plan_lead_s_min"] = min(self._leads)
+            out["planner/plan_lead_s_mean"] = sum(self._leads) / len(self._leads)
         if reset:
             self._counts.clear()
+            self._leads.clear()
         return out
 
     # ---- internals -------------------------------------------------------------------------------

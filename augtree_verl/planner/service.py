@@ -40,7 +40,7 @@ class _Entry:
     prompt_len: int
     response_lens: tuple[int, ...]
     result: dict           # {"plan": Plan dict, "solve_ms": float} or {"error": message}
-    arrived_s: float       # time.monotonic() at report
+    arrived_s: float       # time.monotonic() when its plan was made (at report)
     sent_ns: int           # the reporter's time.time_ns() at sending: which of two reports is newer
 
 
@@ -115,7 +115,8 @@ class PlannerService:
         Waits at most ``wait_s`` for the uids in ``wait_for`` that have not been reported yet (a report sent
         just before its group was marked finished may still be on its way: Ray orders calls per caller only).
         Returns ``{"results": {uid: result}, ...state}`` where result is the entry's ``{"plan", "solve_ms"}``
-        or ``{"error"}`` if its lengths equal the request, ``{"mismatch": (prompt_len, response_lens)}`` (the
+        or ``{"error"}``, with ``waited_s`` (how long its plan was ready before this call handed it over), if its
+        lengths equal the request, ``{"mismatch": (prompt_len, response_lens)}`` (the
         reported lengths) if they differ, and absent if the uid was never reported (or already evicted).
         Every requested entry is removed.
         """
@@ -129,13 +130,14 @@ class PlannerService:
             except asyncio.TimeoutError:
                 break
         self._evict()
+        now = time.monotonic()
         results = {}
         for uid, (prompt_len, response_lens) in requests.items():
             entry = self.entries.pop(uid, None)
             if entry is None:
                 continue
             if (entry.prompt_len, entry.response_lens) == (int(prompt_len), tuple(int(r) for r in response_lens)):
-                results[uid] = entry.result
+                results[uid] = {**entry.result, "waited_s": now - entry.arrived_s}
             else:
                 results[uid] = {"mismatch": (entry.prompt_len, list(entry.response_lens))}
         return {"results": results, **self._state()}

@@ -5,4 +5,6 @@
 ``sampling``: the seeded decoder;
 ``hf_server``: the server actor; ``hf``: the replica (driver side) and the weight-sync adapter (worker side).
 ``agent_loop``: the agent-loop manager whose workers report finished groups' lengths to the planner service.
+``checkpoint_engine``: the CPU checkpoint engine ``gloo`` (trainer weights to separate_async's rollout pool;
+verl imports it through ``rollout.checkpoint_engine.custom_backend_module``).
 """

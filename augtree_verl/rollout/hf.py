@@ -8,7 +8,9 @@ GPU (tests, laptops); on GPUs use vLLM. Two halves, as verl's own backends have:
   workers' CPUs) on the node of the replica's first worker.
 - ``HFServerAdapter`` (trainer-worker side, built on every rank in ``init_model``): ``update_weights``
   walks the weight generator on every rank (FSDP gathers each full tensor collectively) and the replica's
-  first rank ships the state dict and the step to its server. ``resume``/``release`` are no-ops.
+  first rank ships the state dict and the step to its server. ``resume``/``release`` are no-ops. In
+  separate_async's standalone rollout pool the adapter runs in verl's rollout workers instead, fed by the
+  checkpoint engine (``checkpoint_engine``, the CPU engine ``gloo``).
 
 Reproducible runs: with one replica (``tensor_model_parallel_size`` = the number of trainer workers) every
 request goes to one server, whose sampling is seeded (see ``hf_server``). With several replicas verl's router
@@ -18,13 +20,14 @@ spreads a group's requests by load, so which replica (and seed) serves which req
 from __future__ import annotations
 
 import os
-from collections.abc import Generator
+from collections.abc import AsyncGenerator, Generator
 
 import ray
 import torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from verl.workers.rollout.base import BaseRollout
 from verl.workers.rollout.replica import RolloutReplica
+from verl.workers.rollout.utils import ensure_async_iterator
 
 from augtree_verl.integration import verl_compat
 from augtree_verl.rollout.hf_server import HFRolloutServer
@@ -83,15 +86,17 @@ class HFServerAdapter(BaseRollout):
         return None
 
     @torch.no_grad()
-    async def update_weights(self, weights: Generator[tuple[str, torch.Tensor], None, None],
+    async def update_weights(self, weights: Generator[tuple[str, torch.Tensor], None, None]
+                             | AsyncGenerator[tuple[str, torch.Tensor], None],
                              wire_format: str = "named_tensors", global_steps: int | None = None, **kwargs):
         if wire_format != "named_tensors":
             raise ValueError(f"the hf rollout takes full named tensors, got wire_format={wire_format!r}")
         if kwargs.get("peft_config") is not None:
             raise ValueError("the hf rollout does not load LoRA adapters; set actor_rollout_ref.model.lora.merge=true")
-        # Every rank walks the generator: each full tensor is gathered collectively.
+        # Every rank walks the weights: a trainer's generator gathers each full tensor collectively; a
+        # checkpoint engine's (separate_async's rollout pool) hands out views of its receive buffer.
         state_dict = {}
-        for name, tensor in weights:
+        async for name, tensor in ensure_async_iterator(weights):
             if self.is_leader_rank:
                 state_dict[name] = tensor.detach().to("cpu", copy=True)
         if self.is_leader_rank:

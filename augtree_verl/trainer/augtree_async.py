@@ -6,8 +6,8 @@ uid until then. They read verl's ``trainer.v1.colocate_async`` / ``trainer.v1.se
 
 separate_async runs the actor in verl's ``DetachActorWorker``, which saves and restores the weights on the
 CPU by strategy; ``trainer/__init__`` makes it serve strategy ``augtree`` with FSDP2's handlers (our engine
-is FSDP2). verl also requires there a non-naive checkpoint engine (``rollout.checkpoint_engine.backend``) and
-calls the balance once per mini-batch.
+is FSDP2). verl also requires there a non-naive checkpoint engine (``rollout.checkpoint_engine.backend``; on
+CPU ``rollout.checkpoint_engine`` of this package, ``gloo``) and calls the balance once per mini-batch.
 """
 
 from verl.trainer.ppo.v1 import PPOTrainerColocateAsync, PPOTrainerSeparateAsync, register_trainer
@@ -31,3 +31,8 @@ class AugTreeSeparateAsyncTrainer(AugTreeTrainerMixin, PPOTrainerSeparateAsync):
     """A standalone rollout pool beside the trainer (which may lend its GPUs to the rollout when idle)."""
 
     trainer_mode = verl_compat.trainer_mode_as("separate_async")
+
+    def __init__(self, config):
+        if not config.actor_rollout_ref.get("hybrid_engine", True):
+            verl_compat.quiet_separate_async_info_log()  # verl's log line there raises otherwise
+        super().__init__(config)

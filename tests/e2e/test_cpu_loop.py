@@ -1,32 +1,22 @@
 """The full RL loop on CPU: ``examples/compare_engines.sh`` runs ``examples/run_cpu.sh`` (verl's main_ppo, our
-GRPO recipe, rollout ``hf``, two worker processes, Ray) for 2 steps with each engine; the steps are read back
-from verl's file logger, the runs from wandb's offline files."""
+GRPO recipe, rollout ``hf``, two worker processes, Ray) for 2 steps with each engine (``conftest.compared``, a
+checkpoint after each step, which ``test_ray_job`` resumes); the steps are read back from verl's file logger,
+the runs from wandb's offline files."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from augtree_verl.cpu_loop.task import TaskConfig, write_task
+from tests.e2e.runs import STAGES, STEPS, read_steps, run_env, run_script
 
-REPO = Path(__file__).resolve().parents[2]
-STEPS = 2
-# Every stage of a step, as verl's marked_timer names them (timing_s/*).
-STAGES = ("gen", "old_log_prob", "ref", "adv", "update_actor", "update_weights", "step")
 # Step 1 runs the same sampled responses through both engines from the same weights, so the update is the
 # same up to float32 rounding (the parity tests bound that at 1e-5 relative).
 RTOL = 1e-5
 # Step 1's GRPO pg_loss is a sum of terms that cancel (importance ratios are 1, a group's advantages sum to
 # 0): its value is rounding noise, so only an absolute bound says anything.
 PG_LOSS_ATOL = 1e-6
-# A learning rate at which one update moves the policy visibly, so step 2's rollout shows whether the
-# rollout server got the updated weights (the recipe's 1e-6 barely moves a random tiny model).
-LR = 1e-3
 # verl compares the rollout's log-probs with the trainer's recomputed ones (training/rollout_probs_diff_max:
 # max |p_rollout - p_trainer| over tokens). Same weights, float32, another kernel: rounding only.
 ROLLOUT_PROB_ATOL = 1e-5
@@ -36,46 +26,20 @@ OURS = ("timing_s/balance", "actor/augtree/prefill_s", "actor/augtree/delayed_ba
         "augtree/planner/plans",
         "augtree/planner/plans_from_rollout", "augtree/planner/plans_in_process", "augtree/planner/plan_wait_s",
         "augtree/balance/groups")
+# The step-1 metrics two runs on the same batch from the same weights must share (means may be summed in
+# another row order).
+STEP_ONE = ("critic/score/mean", "response_length/mean", "prompt_length/mean", "actor/grad_norm", "actor/entropy")
+
+
+def assert_same_step_one(ours: dict, stock: dict) -> None:
+    """``ours`` and ``stock`` (a step's metrics) trained the same batch from the same weights to the same update."""
+    for key in STEP_ONE:
+        assert abs(ours[key] - stock[key]) <= RTOL * abs(stock[key]), (key, ours[key], stock[key])
+    assert abs(ours["actor/pg_loss"] - stock["actor/pg_loss"]) <= PG_LOSS_ATOL
 
 
 @pytest.fixture(scope="module")
-def assets(tmp_path_factory):
-    out = tmp_path_factory.mktemp("cpu-loop")
-    write_task(out, TaskConfig(train_rows=8, test_rows=2))
-    return out
-
-
-def _env(assets: Path, log_dir: Path, **overrides) -> dict:
-    """The scripts' environment: our checkout first on the path, a local Ray, wandb offline."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "WANDB_API_KEY")}
-    env.update(ASSETS_DIR=str(assets), STEPS=str(STEPS), PYTHON=sys.executable,
-               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-               TORCHINDUCTOR_CACHE_DIR=str(log_dir / "inductor"), WANDB_MODE="offline", WANDB_SILENT="true")
-    env.update(overrides)
-    return env
-
-
-def _run(script: str, env: dict, cwd: Path, *overrides: str) -> None:
-    run = subprocess.run(["bash", str(REPO / "examples" / script), *overrides], cwd=cwd, env=env,
-                         capture_output=True, text=True, timeout=1100)
-    assert run.returncode == 0, (run.stdout + run.stderr)[-6000:]
-
-
-def read_steps(log: Path) -> list[dict]:
-    return [json.loads(line)["data"] for line in log.read_text().splitlines()]
-
-
-@pytest.fixture(scope="module")
-def compared(assets, tmp_path_factory):
-    """OUT_DIR of ``examples/compare_engines.sh``: <engine>.jsonl, compare.png, wandb/."""
-    out = tmp_path_factory.mktemp("compare")
-    _run("compare_engines.sh", _env(assets, out, OUT_DIR=str(out), WANDB_DIR=str(out)), out,
-         f"actor_rollout_ref.actor.optim.lr={LR}")
-    return out
-
-
-@pytest.fixture(scope="module")
-def steps(compared):
+def steps(compared: Path) -> dict[str, list[dict]]:
     return {strategy: read_steps(compared / f"{strategy}.jsonl") for strategy in ("augtree", "fsdp2")}
 
 
@@ -99,12 +63,8 @@ def test_every_stage_runs_for_each_step(steps, strategy):
 @pytest.mark.slow
 @pytest.mark.timeout(1300)
 def test_step_one_update_is_the_same_with_both_engines(steps):
-    ours, stock = steps["augtree"][0], steps["fsdp2"][0]
-    # same seed, same weights: the same responses and rewards (means may be summed in another row order)
-    for key in ("critic/score/mean", "response_length/mean", "prompt_length/mean", "actor/grad_norm",
-                "actor/entropy"):
-        assert abs(ours[key] - stock[key]) <= RTOL * abs(stock[key]), (key, ours[key], stock[key])
-    assert abs(ours["actor/pg_loss"] - stock["actor/pg_loss"]) <= PG_LOSS_ATOL
+    # same seed, same weights: the same responses and rewards
+    assert_same_step_one(steps["augtree"][0], steps["fsdp2"][0])
 
 
 @pytest.mark.slow
@@ -138,8 +98,8 @@ def test_compare_engines_writes_the_picture_and_one_wandb_run_per_engine(compare
 def test_dapo_recipe_runs_a_step_on_our_engine(assets, tmp_path):
     """DAPO: no reference model, dynamic sampling (filter_groups), the dapo reward manager's overlong shaping."""
     log = tmp_path / "metrics.jsonl"
-    _run("run_cpu.sh", _env(assets, tmp_path, STEPS="1", RECIPE="dapo_augtree", VERL_FILE_LOGGER_PATH=str(log)),
-         cwd=tmp_path)
+    run_script("run_cpu.sh", run_env(assets, tmp_path, STEPS="1", RECIPE="dapo_augtree",
+                                      VERL_FILE_LOGGER_PATH=str(log)), cwd=tmp_path)
     (metrics,) = read_steps(log)
     assert "timing_s/ref" not in metrics and "timing_s/update_actor" in metrics
     assert metrics["actor/grad_norm"] > 0 and "actor/augtree/logical_tokens" in metrics

@@ -1,5 +1,5 @@
-"""``examples/submit_cpu_job.sh`` against a Ray head started here (127.0.0.1): a 1-step CPU job submitted,
-waited for, its logs read; the head is stopped at the end (only the processes this test started)."""
+"""``examples/submit_cpu_job.sh`` against a Ray head started here (127.0.0.1): a CPU job that resumes a run
+submitted, waited for, its logs read; the head is stopped at the end (only the processes this test started)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from augtree_verl.cpu_loop.task import TaskConfig, write_task
+from tests.e2e.runs import STEPS, stopped_after
+from tests.e2e.test_resume import assert_resumed
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -64,23 +65,27 @@ def head(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)
-def test_a_submitted_cpu_job_runs_a_step(head, tmp_path):
+@pytest.mark.timeout(1300)
+def test_a_submitted_cpu_job_resumes_the_sync_run(head, sync_run, assets, tmp_path):
+    """The job resumes the compare script's augtree_sync run (``conftest``) from its step-1 checkpoint and runs
+    step 2, which must be that run's step 2 (``test_resume``'s check: a resumed run on another Ray cluster)."""
     address, env = head
-    assets = tmp_path / "assets"
-    write_task(assets, TaskConfig(train_rows=4, test_rows=2))
+    stopped_after(sync_run.dir, 1, tmp_path)
+    checkpoints = next(tmp_path.glob("checkpoints/augtree"))
     log = tmp_path / "metrics.jsonl"
-    env = dict(env, RAY_ADDRESS=address, STEPS="1", ASSETS_DIR=str(assets), VERL_FILE_LOGGER_PATH=str(log),
+    env = dict(env, RAY_ADDRESS=address, STEPS=str(STEPS), ASSETS_DIR=str(assets), VERL_FILE_LOGGER_PATH=str(log),
                PYTHON=sys.executable, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-    run = subprocess.run(["bash", str(REPO / "examples/submit_cpu_job.sh")], env=env, capture_output=True,
-                         text=True, timeout=800)
+    # the job runs in Ray's copy of the repository: the checkpoint folder by its absolute path
+    run = subprocess.run(["bash", str(REPO / "examples/submit_cpu_job.sh"), *sync_run.overrides,
+                          f"trainer.default_local_dir={checkpoints}", "trainer.resume_mode=auto"],
+                         env=env, capture_output=True, text=True, timeout=1100)
     output = run.stdout + run.stderr
-    assert run.returncode == 0, output[-6000:]
+    assert run.returncode == 0, f"exit status {run.returncode}:\n{output[-6000:]}"
     assert "succeeded" in output.lower()
     # the job's logs, read back from the cluster
     job_id = next(line.split("'")[1] for line in output.splitlines() if "submitted successfully" in line)
     logs = subprocess.run([str(BIN / "ray"), "job", "logs", job_id, "--address", address], env=env,
                           capture_output=True, text=True, timeout=120).stdout
-    assert "step:1 - " in logs and "actor/augtree/logical_tokens" in logs
+    assert f"step:{STEPS} - " in logs and "actor/augtree/logical_tokens" in logs
     (metrics,) = [json.loads(line)["data"] for line in log.read_text().splitlines()]
-    assert metrics["training/global_step"] == 1 and "timing_s/update_actor" in metrics
+    assert_resumed(metrics, sync_run.steps[1], restored_groups=False)

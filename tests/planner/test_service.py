@@ -68,6 +68,7 @@ def test_reported_groups_are_planned_before_the_trainer_asks_and_used_once():
     for uid, (p, rs) in groups.items():
         assert feed.report(uid, p, rs)
     assert settle(actor, 3)["queue_depth"] == 3
+    time.sleep(0.2)                       # the trainer asks a while after the last plan was made
     plans = client.plans(request(groups), from_rollout=request(groups))
     assert list(plans) == ["a|131072", "b|512", "c|300"]
     for uid, group in groups.items():
@@ -77,11 +78,14 @@ def test_reported_groups_are_planned_before_the_trainer_asks_and_used_once():
     assert m["planner/queue_depth"] == 0 and m["planner/evicted"] == 0
     assert m["planner/plans_move_q"] >= 1 and m["planner/plans_tree_move_kv"] >= 1
     assert 0 < m["planner/plan_wait_s"] < client.timeout_s
+    # how long the plans were ready before the trainer took them: at least the pause, the last-made one least
+    assert 0.2 <= m["planner/plan_lead_s_min"] <= m["planner/plan_lead_s_mean"] < 60
     # Used once: asking again finds nothing and plans in-process.
     again = client.plans(request({"a": PROMPT_HEAVY}), from_rollout=request({"a": PROMPT_HEAVY}))
     assert again["a|131072"] == expected(PROMPT_HEAVY)
     m = client.metrics(reset=True)
     assert m["planner/plans_in_process"] == 1 and m["planner/missing"] == 1
+    assert "planner/plan_lead_s_min" not in m, "no plan came from the actor this time"
 
 
 @pytest.mark.timeout(300)
