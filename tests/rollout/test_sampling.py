@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from augtree_verl.rollout.sampling import SamplingConfig, sample
+from augtree_verl.rollout.sampling import SamplingConfig, decode, prefill, sample
 from tests.parity import tiny_model
 
 PROMPT = [5, 17, 42, 8, 99, 3]
@@ -66,3 +66,19 @@ def test_bad_sampling_knobs_are_named(bad, match):
 def test_empty_prompt_is_refused(model):
     with pytest.raises(ValueError, match="non-empty prompt"):
         sample(model, [], SamplingConfig(max_tokens=2), stop_ids=set(), generator=torch.Generator())
+
+
+def test_responses_from_one_shared_prefill_are_those_of_a_prefill_each(model):
+    """A group's responses decoded from one prefill (each from its own copy of the cache) are, token by token,
+    the responses of a prefill per request with the same seeds; decoding leaves the shared prefill as it was."""
+    config = SamplingConfig(max_tokens=10, temperature=1.0)
+    seeds = range(4)
+    each = [_sample(model, config, seed=seed) for seed in seeds]
+    shared = prefill(model, PROMPT)
+    keys = [layer.keys.clone() for layer in shared.cache.layers]
+    got = [decode(model, shared, config, stop_ids=set(), generator=torch.Generator().manual_seed(seed))
+           for seed in seeds]
+    assert [tokens for tokens, _ in got] == [tokens for tokens, _ in each]
+    assert [logps for _, logps in got] == [logps for _, logps in each]
+    assert len({tuple(tokens) for tokens, _ in got}) > 1
+    assert all(torch.equal(layer.keys, k) for layer, k in zip(shared.cache.layers, keys))
