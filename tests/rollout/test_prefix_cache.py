@@ -31,7 +31,8 @@ def _server(model_dir, n=GROUP):
 
 
 def _generate(server, prompt):
-    return asyncio.run(server.generate(prompt_ids=prompt, sampling_params={"temperature": 1.0}, request_id="r"))
+    return asyncio.run(server.generate(prompt_ids=prompt, sampling_params={"temperature": 1.0, "logprobs": True},
+                                       request_id="r"))
 
 
 def test_interleaved_groups_get_the_tokens_of_a_prefill_per_request(model_dir):
@@ -39,13 +40,14 @@ def test_interleaved_groups_get_the_tokens_of_a_prefill_per_request(model_dir):
     order = [0, 1, 0, 0, 1, 1, 0, 1]    # two groups' requests, interleaved as the agent loop's tasks run
     got = {0: [], 1: []}
     for p in order:
-        got[p].append(_generate(server, PROMPTS[p]).token_ids)
+        out = _generate(server, PROMPTS[p])
+        got[p].append((out.token_ids, out.log_probs))
     config = server._sampling_config(len(PROMPTS[0]), {"temperature": 1.0})
     for p, responses in got.items():
         want = [sample(server.model, PROMPTS[p], config, stop_ids=server.stop_ids,
-                       generator=torch.Generator().manual_seed(request_seed(server.config.seed, 0, PROMPTS[p], i)))[0]
+                       generator=torch.Generator().manual_seed(request_seed(server.config.seed, 0, PROMPTS[p], i)))
                 for i in range(GROUP)]
-        assert responses == want
+        assert responses == want      # the tokens and their log-probs, bit for bit
     stats = asyncio.run(server.prefix_cache_stats())
     assert stats == {"misses": 2, "hits": 6, "completed": 2, "entries": 0, "prompts_counted": 2}
 
