@@ -1,0 +1,139 @@
+"""The soak: the CPU loop for many steps with each engine, GRPO and DAPO; nothing grows, the engines agree.
+
+    python benchmarks/soak.py [--steps 30] [--warmup 5] [--recipes grpo dapo] [--engines fsdp2 augtree]
+                              [--out results/soak]
+
+Each (recipe, engine) runs ``examples/run_cpu.sh`` (verl's main_ppo: two trainer workers, the ``hf`` rollout
+server, on augtree the planner service) for ``--steps`` steps, with every Python warning shown each time it
+is raised (``PYTHONWARNINGS=always``, Ray's log deduplication off). Each time verl's file logger writes a step,
+the RSS of every process of the run is sampled (``cpu_loop.soak.ProcessSampler``). The checks and their
+bounds (``cpu_loop.soak.checks``; each printed with its figures, the script exits 1 if one fails):
+
+- the run's processes include verl's driver and task runner, the trainer workers, the rollout server and,
+  on augtree, the planner actor;
+- every process's RSS grows by at most ``RSS_GROWTH_BOUND_MIB`` after the warm-up (``growth``: median of
+  the last ``WINDOW`` steps minus the median of the first ``WINDOW`` after ``--warmup``);
+- the planner actor's entries after the step's balance (``augtree/planner/queue_depth``) stay within
+  ``PLANNER_ENTRIES_BOUND_STEPS`` steps' groups after the warm-up;
+- the warnings per step do not grow after the warm-up (``growth`` of the per-step counts <= 0);
+- the reward and loss curves of the engines agree at every step within ``REWARD_TOL`` and ``LOSS_TOL``.
+
+Writes ``OUT/soak.json`` (the per-step series and the checks), ``OUT/soak.png`` and each run's log and
+metrics (``OUT/<recipe>_<engine>.{log,jsonl}``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+from augtree_verl.cpu_loop.compare import read_steps
+from augtree_verl.cpu_loop.soak import MIB, WINDOW, ProcessSampler, checks, message, warnings_per_step
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPES = {"grpo": "grpo_augtree", "dapo": "dapo_augtree"}
+POLL_S = 0.2
+
+
+def run(recipe: str, engine: str, steps: int, out: Path) -> dict:
+    """One run of ``examples/run_cpu.sh``; returns its per-step metrics, RSS series and warnings per step."""
+    name = f"{recipe}_{engine}"
+    metrics, log = out / f"{name}.jsonl", out / f"{name}.log"
+    metrics.unlink(missing_ok=True)
+    env = {**os.environ, "RECIPE": RECIPES[recipe], "STRATEGY": engine, "STEPS": str(steps),
+           "VERL_FILE_LOGGER_PATH": str(metrics), "PYTHONWARNINGS": "always", "RAY_DEDUP_LOGS": "0",
+           "PYTHON": sys.executable}
+    start = time.monotonic()
+    with open(log, "w") as log_file:
+        proc = subprocess.Popen(["bash", str(REPO / "examples/run_cpu.sh")], env=env, stdout=log_file,
+                                stderr=subprocess.STDOUT, cwd=out)
+        sampler = ProcessSampler(proc.pid)
+        logged = 0
+        while proc.poll() is None:
+            lines = _lines(metrics)
+            if lines > logged:   # a step ended: sample once per logged step
+                sampler.sample()
+                logged = lines
+            time.sleep(POLL_S)
+    if proc.returncode != 0:
+        raise SystemExit(f"{name}: examples/run_cpu.sh exited {proc.returncode}; see {log}")
+    rows = read_steps(metrics)
+    if len(rows) != steps or len(sampler.samples) != steps:
+        raise SystemExit(f"{name}: {len(rows)} steps logged and {len(sampler.samples)} sampled, expected {steps}")
+    warnings = warnings_per_step(log.read_text())
+    return {"wall_s": time.monotonic() - start, "steps": rows, "rss": sampler.series(),
+            "warnings_per_step": [len(warnings.get(step, [])) for step in range(1, steps + 1)],
+            "warnings": Counter(message(line) for lines in warnings.values() for line in lines).most_common(30)}
+
+
+def _lines(path: Path) -> int:
+    try:
+        return sum(1 for line in path.read_text().splitlines() if line.strip())
+    except FileNotFoundError:
+        return 0
+
+
+def plot(runs: dict[str, dict], out: Path) -> Path:
+    """Per run: RSS per process, planner entries, warnings per step, reward and loss, against the step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = ("RSS MiB", "planner entries", "warnings", "critic/score/mean", "actor/pg_loss")
+    fig, axes = plt.subplots(len(runs), len(panels), figsize=(4 * len(panels), 3 * len(runs)), squeeze=False)
+    for row, (name, result) in zip(axes, runs.items()):
+        steps = range(1, len(result["steps"]) + 1)
+        for process, rss in result["rss"].items():
+            if None not in rss:
+                row[0].plot(steps, [value / MIB for value in rss], label=process.split()[0])
+        row[1].plot(steps, [s.get("augtree/planner/queue_depth", 0) for s in result["steps"]])
+        row[2].plot(steps, result["warnings_per_step"])
+        for ax, key in zip(row[3:], panels[3:]):
+            ax.plot(steps, [s[key] for s in result["steps"]])
+        for ax, title in zip(row, panels):
+            ax.set_title(f"{name}: {title}", fontsize=9)
+            ax.grid(alpha=0.3)
+        row[0].legend(fontsize=6)
+    fig.tight_layout()
+    path = out / "soak.png"
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=5, help="steps before the flatness checks start")
+    parser.add_argument("--recipes", nargs="+", choices=sorted(RECIPES), default=sorted(RECIPES, reverse=True))
+    parser.add_argument("--engines", nargs="+", choices=("fsdp2", "augtree"), default=["fsdp2", "augtree"])
+    parser.add_argument("--groups-per-step", type=int, default=2, help="data.train_batch_size of run_cpu.sh")
+    parser.add_argument("--out", type=Path, default=Path("results/soak"))
+    args = parser.parse_args(argv)
+    if args.steps < args.warmup + 2 * WINDOW:
+        parser.error(f"--steps {args.steps} is too few for --warmup {args.warmup} and two windows of {WINDOW}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    runs = {}
+    for recipe in args.recipes:
+        for engine in args.engines:
+            runs[f"{recipe}_{engine}"] = run(recipe, engine, args.steps, args.out.resolve())
+            print(f"{recipe}_{engine}: {args.steps} steps in {runs[f'{recipe}_{engine}']['wall_s']:.0f} s", flush=True)
+    found = checks(runs, args.warmup, args.groups_per_step)
+    (args.out / "soak.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
+                                                    "checks": found, "runs": runs}, indent=1))
+    for check in found:
+        print(f"{'ok  ' if check['ok'] else 'FAIL'} {check['check']:<28} {check['run']:<40} "
+              f"{check['value']:>12.6g} <= {check['bound']:g}")
+    print(f"plot: {plot(runs, args.out)}")
+    return 0 if all(check["ok"] for check in found) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
