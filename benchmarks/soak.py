@@ -116,12 +116,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--engines", nargs="+", choices=("fsdp2", "augtree"), default=["fsdp2", "augtree"])
     parser.add_argument("--groups-per-step", type=int, default=2, help="data.train_batch_size of run_cpu.sh")
     parser.add_argument("--out", type=Path, default=Path("results/soak"))
+    parser.add_argument("--from-json", type=Path, help="check and plot the runs of an earlier soak.json again")
     args = parser.parse_args(argv)
     if args.steps < args.warmup + 2 * WINDOW:
         parser.error(f"--steps {args.steps} is too few for --warmup {args.warmup} and two windows of {WINDOW}")
     args.out.mkdir(parents=True, exist_ok=True)
-    runs = {}
-    for recipe in args.recipes:
+    runs = json.loads(args.from_json.read_text())["runs"] if args.from_json else {}
+    for recipe in args.recipes if not args.from_json else ():
         for engine in args.engines:
             runs[f"{recipe}_{engine}"] = run(recipe, engine, args.steps, args.out.resolve())
             print(f"{recipe}_{engine}: {args.steps} steps in {runs[f'{recipe}_{engine}']['wall_s']:.0f} s", flush=True)

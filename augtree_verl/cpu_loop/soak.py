@@ -21,11 +21,13 @@ from pathlib import Path
 import psutil
 
 MIB = 1 << 20
-# Allocator noise: glibc's arenas and torch's CPU allocator keep freed blocks, so a process's RSS moves by a
-# few MiB between steps doing the same work; a per-step leak of a step's batch, a prompt's prefill or a
-# planner entry, kept for the 20+ steps after the warm-up, exceeds it.
+# Allocator noise: glibc's arenas and torch's CPU allocator keep freed blocks, so a process's RSS moves between
+# steps doing the same work, in plateaus of several steps: verl's stock fsdp2 workers by up to 40 MiB (measured
+# 702-778 MiB over 30 steps, no trend), every other process by 1-2 MiB. The median of WINDOW steps smooths
+# that to within 9 MiB (measured); a leak of 0.8 MiB per step, over the 21 steps between the windows' middles
+# of a 30-step soak with a 5-step warm-up, exceeds the bound.
 RSS_GROWTH_BOUND_MIB = 16.0
-WINDOW = 3
+WINDOW = 5
 # The planner holds a group from its report until the balance takes it; DAPO's dropped groups stay until the
 # TTL. After the step's balance it may hold the groups of the batches sampled ahead (DAPO: up to
 # max_inflight_gen_batches), never more than this many steps' groups.

@@ -13,6 +13,7 @@ import pytest
 from augtree_verl.cpu_loop.soak import (
     MIB,
     RSS_GROWTH_BOUND_MIB,
+    WINDOW,
     ProcessSampler,
     checks,
     growth,
@@ -21,7 +22,7 @@ from augtree_verl.cpu_loop.soak import (
     warnings_per_step,
 )
 
-STEPS, WARMUP = 12, 3
+STEPS, WARMUP = 16, 3
 # A parent that starts a child holding 64 MiB of written (resident) bytes.
 TREE = ("import subprocess, sys, time\n"
         "subprocess.Popen([sys.executable, '-c', 'import time; b = bytes(range(256)) * (1 << 18); time.sleep(60)'])\n"
@@ -88,7 +89,8 @@ def test_flat_runs_with_equal_curves_pass():
 
 
 def test_growth_beyond_each_bound_fails_by_name():
-    leak = RSS_GROWTH_BOUND_MIB / (STEPS - WARMUP - 3) * 1.5       # MiB per step: past the bound by the end
+    leak = RSS_GROWTH_BOUND_MIB / (STEPS - WARMUP - WINDOW) * 1.5   # MiB per step: the windows' middles differ by
+    # STEPS - WARMUP - WINDOW steps
     grows = _run(leak, depth=7)
     grows["warnings_per_step"] = list(range(STEPS))
     del grows["rss"]["PlannerService 4"]
