@@ -34,11 +34,21 @@ from collections import Counter
 from pathlib import Path
 
 from augtree_verl.cpu_loop.compare import read_steps
-from augtree_verl.cpu_loop.soak import MIB, WINDOW, ProcessSampler, checks, message, warnings_per_step
+from augtree_verl.cpu_loop.soak import (
+    MIB,
+    REQUIRED_ROLES,
+    RSS_GROWTH_BOUND_MIB,
+    WINDOW,
+    ProcessSampler,
+    checks,
+    message,
+    warnings_per_step,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = {"grpo": "grpo_augtree", "dapo": "dapo_augtree"}
 POLL_S = 0.2
+MAIN_ROLES = (*REQUIRED_ROLES, "PlannerService", "PlannerFeedWorker", "AgentLoopWorkerTQ")
 
 
 def run(recipe: str, engine: str, steps: int, out: Path) -> dict:
@@ -79,20 +89,29 @@ def _lines(path: Path) -> int:
         return 0
 
 
-def plot(runs: dict[str, dict], out: Path) -> Path:
-    """Per run: RSS per process, planner entries, warnings per step, reward and loss, against the step."""
+def plot(runs: dict[str, dict], warmup: int, out: Path) -> Path:
+    """Per run: each process's RSS change since the warm-up (the main roles named, the others grey), the
+    planner's entries, the warnings, the reward and the loss per step."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = ("RSS MiB", "planner entries", "warnings", "critic/score/mean", "actor/pg_loss")
-    fig, axes = plt.subplots(len(runs), len(panels), figsize=(4 * len(panels), 3 * len(runs)), squeeze=False)
+    panels = (f"RSS - RSS at step {warmup} (MiB)", "planner entries", "warnings", "critic/score/mean",
+              "actor/pg_loss")
+    fig, axes = plt.subplots(len(runs), len(panels), figsize=(4 * len(panels), 2.8 * len(runs)), squeeze=False)
     for row, (name, result) in zip(axes, runs.items()):
         steps = range(1, len(result["steps"]) + 1)
-        for process, rss in result["rss"].items():
-            if None not in rss:
-                row[0].plot(steps, [value / MIB for value in rss], label=process.split()[0])
+        for process, rss in sorted(result["rss"].items()):
+            if None in rss:
+                continue
+            role = process.split()[0]
+            named = role in MAIN_ROLES
+            row[0].plot(steps, [(value - rss[warmup - 1]) / MIB for value in rss], lw=1.2 if named else 0.6,
+                        color=None if named else "0.75", label=role if named else None)
+        for bound in (-RSS_GROWTH_BOUND_MIB, RSS_GROWTH_BOUND_MIB):
+            row[0].axhline(bound, ls="--", color="red", lw=0.8)
+        row[0].legend(fontsize=6, ncol=2)
         row[1].plot(steps, [s.get("augtree/planner/queue_depth", 0) for s in result["steps"]])
         row[2].plot(steps, result["warnings_per_step"])
         for ax, key in zip(row[3:], panels[3:]):
@@ -100,10 +119,9 @@ def plot(runs: dict[str, dict], out: Path) -> Path:
         for ax, title in zip(row, panels):
             ax.set_title(f"{name}: {title}", fontsize=9)
             ax.grid(alpha=0.3)
-        row[0].legend(fontsize=6)
     fig.tight_layout()
     path = out / "soak.png"
-    fig.savefig(path, dpi=90)
+    fig.savefig(path, dpi=80)
     plt.close(fig)
     return path
 
@@ -132,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     for check in found:
         print(f"{'ok  ' if check['ok'] else 'FAIL'} {check['check']:<28} {check['run']:<40} "
               f"{check['value']:>12.6g} <= {check['bound']:g}")
-    print(f"plot: {plot(runs, args.out)}")
+    print(f"plot: {plot(runs, args.warmup, args.out)}")
     return 0 if all(check["ok"] for check in found) else 1
 
 
