@@ -89,6 +89,23 @@ def _lines(path: Path) -> int:
         return 0
 
 
+def summary(runs: dict[str, dict], found: list[dict], warmup: int) -> str:
+    """A markdown table per run (processes, the largest RSS growth, planner entries, warnings per step after
+    the warm-up) and the curves' largest differences between the engines."""
+    lines = [f"| run | steps | processes | largest RSS growth after step {warmup} | planner entries | "
+             f"warnings per step after step {warmup} |", "| --- | ---: | ---: | --- | ---: | ---: |"]
+    for name, result in runs.items():
+        rss = [c for c in found if c["check"] == "rss_growth_mib" and c["run"].startswith(name + " ")]
+        worst = max(rss, key=lambda c: c["value"])
+        depth = [s.get("augtree/planner/queue_depth") for s in result["steps"][warmup:]]
+        counts = result["warnings_per_step"][warmup:]
+        lines.append(f"| {name} | {len(result['steps'])} | {len(result['rss'])} | {worst['value']:.1f} MiB "
+                     f"({worst['run'].split()[1]}) | {'-' if depth[0] is None else f'max {max(depth):g}'} | "
+                     f"{min(counts)}-{max(counts)} |")
+    curves = [f"{c['run']} {c['check'].split()[1]} {c['value']:.2g}" for c in found if c["check"].startswith("curve")]
+    return "\n".join(lines) + "\n\nlargest difference between the engines per step: " + ", ".join(curves)
+
+
 def plot(runs: dict[str, dict], warmup: int, out: Path) -> Path:
     """Per run: each process's RSS change since the warm-up (the main roles named, the others grey), the
     planner's entries, the warnings, the reward and the loss per step."""
@@ -150,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     for check in found:
         print(f"{'ok  ' if check['ok'] else 'FAIL'} {check['check']:<28} {check['run']:<40} "
               f"{check['value']:>12.6g} <= {check['bound']:g}")
+    print(summary(runs, found, args.warmup))
     print(f"plot: {plot(runs, args.warmup, args.out)}")
     return 0 if all(check["ok"] for check in found) else 1
 
