@@ -138,7 +138,7 @@ def plot(runs: dict[str, dict], warmup: int, out: Path) -> Path:
             ax.grid(alpha=0.3)
     fig.tight_layout()
     path = out / "soak.png"
-    fig.savefig(path, dpi=80)
+    fig.savefig(path, dpi=64)
     plt.close(fig)
     return path
 
