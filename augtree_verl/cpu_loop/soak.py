@@ -50,11 +50,12 @@ PLANNER_ROLE = "PlannerService"
 
 
 def process_role(cmdline: Sequence[str], name: str) -> str:
-    """A process's role: a Ray worker's actor class (process title ``ray::Class`` or ``ray::Class.method``),
+    """A process's role: a Ray worker's actor class (process title ``ray::Class``, ``ray::Class.method`` or,
+    for a named actor, ``ray::name:Class.method``),
     ``idle`` for a Ray worker without an actor, else the executable's name."""
     title = " ".join(cmdline)
-    if title.startswith("ray::"):
-        role = title[len("ray::"):].split()[0].split(".")[0]
+    if title.startswith("ray::"):   # ray::[actor name:]Class[.method]
+        role = title[len("ray::"):].split()[0].split(".")[0].split(":")[-1]
         return "idle" if role == "IDLE" else role
     return Path(cmdline[0]).name if cmdline else name
 
@@ -133,16 +134,17 @@ def curve_differences(a: Sequence[dict], b: Sequence[dict], keys: Iterable[str])
 
 
 def checks(runs: dict[str, dict], warmup: int, groups_per_step: int) -> list[dict]:
-    """The soak's checks on finished runs (``name -> {"steps", "rss", "warnings_per_step"}``, names
-    ``<recipe>_<engine>``): the required processes were sampled, each process's RSS growth after the warm-up,
-    the planner's entries, the growth of the warnings per step, and the curves of the two engines per
-    recipe. Returns ``[{"check", "run", "value", "bound", "ok"}]``."""
+    """The soak's checks on finished runs (``name -> {"expected_steps", "steps", "rss", "warnings_per_step"}``,
+    names ``<recipe>_<engine>``): every step ran, the required processes were sampled, each process's RSS
+    growth after the warm-up, the planner's entries, the growth of the warnings per step, and the curves of
+    the two engines per recipe. Returns ``[{"check", "run", "value", "bound", "ok"}]``."""
     found = []
     for name, result in runs.items():
         roles = {process.split()[0] for process in result["rss"]}
         required = REQUIRED_ROLES + ((PLANNER_ROLE,) if name.endswith("augtree") else ())
         found.append(_check("processes_missing", f"{name} {sorted(set(required) - roles)}",
                             len(set(required) - roles), 0))
+        found.append(_check("steps_missing", name, result.get("expected_steps", 0) - len(result["steps"]), 0))
         for process, rss in result["rss"].items():
             if None in rss[warmup:]:   # started or ended after the warm-up: a short-lived helper process
                 continue

@@ -52,6 +52,7 @@ def test_the_sampler_sees_every_process_of_the_tree_with_its_rss_and_role():
 
 @pytest.mark.parametrize("cmdline, role", [(["ray::HFRolloutServer.generate"], "HFRolloutServer"),
                                            (["ray::WorkerDict"], "WorkerDict"), (["ray::IDLE"], "idle"),
+                                           (["ray::hf_server_0:HFRolloutServer.__init__"], "HFRolloutServer"),
                                            (["/usr/bin/raylet", "--x"], "raylet"), ([], "zombie")])
 def test_process_roles(cmdline, role):
     assert process_role(cmdline, "zombie") == role
@@ -71,9 +72,9 @@ def _run(rss_mib_per_step, warnings=0, depth=None, reward=0.5):
               **({} if depth is None else {"augtree/planner/queue_depth": depth})} for i in range(STEPS)]
     rss = [int((500 + rss_mib_per_step * i) * MIB) for i in range(STEPS)]
     flat = [int(500 * MIB)] * STEPS
-    return {"steps": steps, "rss": {"HFRolloutServer 5": rss, "helper 6": [None] * (STEPS - 1) + [MIB],
-                                    "driver 1": flat, "TaskRunnerV1 2": flat, "WorkerDict 3": flat,
-                                    **({} if depth is None else {"PlannerService 4": flat})},
+    processes = {"HFRolloutServer 5": rss, "helper 6": [None] * (STEPS - 1) + [MIB], "driver 1": flat,
+                 "TaskRunnerV1 2": flat, "WorkerDict 3": flat, **({} if depth is None else {"PlannerService 4": flat})}
+    return {"expected_steps": STEPS, "steps": steps, "rss": processes,
             "warnings_per_step": [warnings] * STEPS}
 
 
@@ -84,8 +85,8 @@ def _failed(found):
 def test_flat_runs_with_equal_curves_pass():
     found = checks({"grpo_fsdp2": _run(0.1), "grpo_augtree": _run(0.1, depth=0)}, WARMUP, groups_per_step=2)
     assert _failed(found) == [] and {c["check"] for c in found} == {
-        "processes_missing", "rss_growth_mib", "planner_entries", "warnings_growth", "curve critic/score/mean",
-        "curve actor/pg_loss"}
+        "processes_missing", "steps_missing", "rss_growth_mib", "planner_entries", "warnings_growth",
+        "curve critic/score/mean", "curve actor/pg_loss"}
 
 
 def test_growth_beyond_each_bound_fails_by_name():
@@ -94,10 +95,12 @@ def test_growth_beyond_each_bound_fails_by_name():
     grows = _run(leak, depth=7)
     grows["warnings_per_step"] = list(range(STEPS))
     del grows["rss"]["PlannerService 4"]
+    grows["expected_steps"] = STEPS + 1
     found = checks({"dapo_augtree": grows, "dapo_fsdp2": _run(0, reward=0.25)}, WARMUP, groups_per_step=2)
     assert _failed(found) == ["curve critic/score/mean dapo", "planner_entries dapo_augtree",
                               "processes_missing dapo_augtree ['PlannerService']",
-                              "rss_growth_mib dapo_augtree HFRolloutServer 5", "warnings_growth dapo_augtree"]
+                              "rss_growth_mib dapo_augtree HFRolloutServer 5", "steps_missing dapo_augtree",
+                              "warnings_growth dapo_augtree"]
 
 
 def test_growth_needs_enough_steps():
