@@ -9,6 +9,7 @@ is raised (``PYTHONWARNINGS=always``, Ray's log deduplication off). Each time ve
 the RSS of every process of the run is sampled (``cpu_loop.soak.ProcessSampler``). The checks and their
 bounds (``cpu_loop.soak.checks``; each printed with its figures, the script exits 1 if one fails):
 
+- every step ran (and was sampled);
 - the run's processes include verl's driver and task runner, the trainer workers, the rollout server and,
   on augtree, the planner actor;
 - every process's RSS grows by at most ``RSS_GROWTH_BOUND_MIB`` after the warm-up (``growth``: median of
@@ -102,7 +103,9 @@ def summary(runs: dict[str, dict], found: list[dict], warmup: int) -> str:
                      f"({worst['run'].split()[1]}) | {'-' if depth[0] is None else f'max {max(depth):g}'} | "
                      f"{min(counts)}-{max(counts)} |")
     curves = [f"{c['run']} {c['check'].split()[1]} {c['value']:.2g}" for c in found if c["check"].startswith("curve")]
-    return "\n".join(lines) + "\n\nlargest difference between the engines per step: " + ", ".join(curves)
+    if curves:
+        lines.append("\nlargest difference between the engines per step: " + ", ".join(curves))
+    return "\n".join(lines)
 
 
 def plot(runs: dict[str, dict], warmup: int, out: Path) -> Path:
