@@ -5,8 +5,7 @@ vLLM's sampling parameters as verl's agent loop sends them: ``temperature`` (0 =
 seeded generator gives the same tokens on every run.
 
 ``prefill`` runs a prompt once and ``decode`` samples one response from a copy of its cache, so a group's
-responses share one prefill (what vLLM's prefix caching does) and give the same tokens as ``sample``, which
-prefills per response.
+responses share one prefill (what vLLM's prefix caching does) and give the same tokens as a prefill each.
 """
 
 from __future__ import annotations
@@ -64,16 +63,15 @@ class Prefix:
 
     cache: Cache
     last_logits: torch.Tensor
-    prompt_len: int
 
 
 @torch.no_grad()
 def prefill(model, prompt_ids: list[int]) -> Prefix:
     """Run ``prompt_ids`` (a non-empty list of ids) through ``model`` once, keeping its K/V cache."""
     if not prompt_ids:
-        raise ValueError("sample needs a non-empty prompt")
+        raise ValueError("prefill needs a non-empty prompt")
     out = model(input_ids=torch.tensor([prompt_ids]), use_cache=True)
-    return Prefix(cache=out.past_key_values, last_logits=out.logits[0, -1].float(), prompt_len=len(prompt_ids))
+    return Prefix(cache=out.past_key_values, last_logits=out.logits[0, -1].float())
 
 
 @torch.no_grad()
@@ -97,9 +95,3 @@ def decode(model, prefix: Prefix, config: SamplingConfig, *, stop_ids: set[int],
             return tokens, logps
         out = model(input_ids=torch.tensor([[token]]), past_key_values=cache, use_cache=True)
         logits = out.logits[0, -1].float()
-
-
-def sample(model, prompt_ids: list[int], config: SamplingConfig, *, stop_ids: set[int],
-           generator: torch.Generator) -> tuple[list[int], list[float]]:
-    """One response to ``prompt_ids`` with its own prefill: ``decode(model, prefill(model, prompt_ids), ...)``."""
-    return decode(model, prefill(model, prompt_ids), config, stop_ids=stop_ids, generator=generator)

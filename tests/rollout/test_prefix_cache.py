@@ -12,7 +12,7 @@ from verl.workers.config import RolloutConfig
 
 from augtree_verl.cpu_loop.task import TaskConfig, save_model
 from augtree_verl.rollout.hf_server import HFRolloutServer, PrefixCache, request_seed
-from augtree_verl.rollout.sampling import sample
+from augtree_verl.rollout.sampling import decode, prefill
 from tests.parity import tiny_model
 
 GROUP = 4
@@ -35,6 +35,14 @@ def _generate(server, prompt):
                                        request_id="r"))
 
 
+def _own_prefill(server, prompt, global_steps, index):
+    """The request's response as a prefill per request gives it (the server's seed for it)."""
+    config = server._sampling_config(len(prompt), {"temperature": 1.0})
+    seed = request_seed(server.config.seed, global_steps, prompt, index)
+    return decode(server.model, prefill(server.model, prompt), config, stop_ids=server.stop_ids,
+                  generator=torch.Generator().manual_seed(seed))
+
+
 def test_interleaved_groups_get_the_tokens_of_a_prefill_per_request(model_dir):
     server = _server(model_dir)
     order = [0, 1, 0, 0, 1, 1, 0, 1]    # two groups' requests, interleaved as the agent loop's tasks run
@@ -42,11 +50,8 @@ def test_interleaved_groups_get_the_tokens_of_a_prefill_per_request(model_dir):
     for p in order:
         out = _generate(server, PROMPTS[p])
         got[p].append((out.token_ids, out.log_probs))
-    config = server._sampling_config(len(PROMPTS[0]), {"temperature": 1.0})
     for p, responses in got.items():
-        want = [sample(server.model, PROMPTS[p], config, stop_ids=server.stop_ids,
-                       generator=torch.Generator().manual_seed(request_seed(server.config.seed, 0, PROMPTS[p], i)))
-                for i in range(GROUP)]
+        want = [_own_prefill(server, PROMPTS[p], 0, i) for i in range(GROUP)]
         assert responses == want      # the tokens and their log-probs, bit for bit
     stats = asyncio.run(server.prefix_cache_stats())
     assert stats == {"misses": 2, "hits": 6, "completed": 2, "entries": 0, "prompts_counted": 2}
@@ -61,10 +66,7 @@ def test_new_weights_drop_the_prefills_of_the_old(model_dir):
     stats = asyncio.run(server.prefix_cache_stats())
     assert stats["entries"] == 0 and stats["prompts_counted"] == 0
     out = _generate(server, PROMPTS[0])
-    config = server._sampling_config(len(PROMPTS[0]), {"temperature": 1.0})
-    seed = request_seed(server.config.seed, 1, PROMPTS[0], 0)
-    assert out.token_ids == sample(server.model, PROMPTS[0], config, stop_ids=server.stop_ids,
-                                   generator=torch.Generator().manual_seed(seed))[0]
+    assert (out.token_ids, out.log_probs) == _own_prefill(server, PROMPTS[0], 1, 0)
 
 
 def test_the_least_recently_used_prompt_leaves_beyond_the_bound_and_is_prefilled_again():
