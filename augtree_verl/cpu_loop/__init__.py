@@ -2,5 +2,6 @@
 
 ``task``: a random-weight tiny Qwen2 with its own word-level tokenizer, and a verl-format parquet data set
 (long prompts, short answers); ``python -m augtree_verl.cpu_loop.task --out DIR``. ``reward``: its rule
-reward (verl's built-in scores for every other data source).
+reward (verl's built-in scores for every other data source). ``compare``: step times and curves of runs side
+by side; ``soak``: the pieces of ``benchmarks/soak.py`` (per-process memory, warnings per step, its checks).
 """

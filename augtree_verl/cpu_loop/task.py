@@ -126,11 +126,11 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, type=Path, help="output directory (model/ and data/)")
     defaults = TaskConfig()
-    for name in ("train_rows", "test_rows", "min_words", "max_words", "seed"):
+    names = ("train_rows", "test_rows", "min_words", "max_words", "max_positions", "seed")
+    for name in names:
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name))
     args = parser.parse_args(argv)
-    config = TaskConfig(train_rows=args.train_rows, test_rows=args.test_rows, min_words=args.min_words,
-                        max_words=args.max_words, seed=args.seed)
+    config = TaskConfig(**{name: getattr(args, name) for name in names})
     model_dir, data_dir = write_task(args.out, config)
     print(f"model: {model_dir}\ndata: {data_dir}")
 

@@ -11,13 +11,20 @@ Sampling is reproducible: each request's generator is seeded from the rollout se
 the prompt and how many requests for that prompt this server has seen at that version. So a group's G
 responses are the same set on every run with the same seed and weights (their order within the group may
 differ); ``rollout.temperature=0`` decodes greedily.
+
+A group's prompt is prefilled once, as vLLM's prefix caching does: verl's agent loop sends a group's n
+requests one by one, each with the full prompt ids, so the server keeps each prompt's prefill
+(``PrefixCache``, keyed by the prompt ids) and decodes every response from a copy of it; the tokens are
+those of a prefill per request. An entry leaves when its group's n requests are served, when it is the
+least recently used beyond ``PREFIX_CACHE_ENTRIES``, or when new weights arrive; all counted
+(``prefix_cache_stats``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
-from collections import Counter
+from collections import Counter, OrderedDict
 
 import torch
 from transformers import AutoModelForCausalLM
@@ -25,7 +32,13 @@ from verl.utils.config import omega_conf_to_dataclass
 from verl.workers.config import HFModelConfig
 from verl.workers.rollout.replica import TokenOutput
 
-from augtree_verl.rollout.sampling import SamplingConfig, sample
+from augtree_verl.rollout.sampling import Prefix, SamplingConfig, decode, prefill
+
+# Prompts whose prefill the server keeps at once. verl's agent loop issues every prompt of a batch
+# concurrently and the server serves requests one at a time in arrival order, so the groups open at
+# once are the prompts in flight; beyond the bound the least recently used prompt is prefilled again
+# when its next request comes (counted as a miss), which costs time, never exactness.
+PREFIX_CACHE_ENTRIES = 32
 
 
 def _stop_ids(model_config: HFModelConfig) -> set[int]:
@@ -43,6 +56,49 @@ def request_seed(seed: int, global_steps: int, prompt_ids: list[int], index: int
     return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "little") >> 1
 
 
+class PrefixCache:
+    """Prefilled prompts of the loaded weights, keyed by the prompt ids, least recently used first.
+
+    ``get`` returns a prompt's ``Prefix`` (prefilling it on a miss); after ``group_size`` uses (a group's n
+    requests) the entry leaves. ``max_entries`` >= 1 bounds the entries; ``clear`` drops them all (new
+    weights). Counters: hits, misses, completed (left after their group), evicted (left by the bound).
+    """
+
+    def __init__(self, max_entries: int, group_size: int):
+        if max_entries < 1:
+            raise ValueError(f"max_entries must be at least 1, got {max_entries}")
+        if group_size < 1:
+            raise ValueError(f"group_size must be at least 1, got {group_size}")
+        self.max_entries, self.group_size = max_entries, group_size
+        self._entries: OrderedDict[tuple[int, ...], tuple[Prefix, int]] = OrderedDict()
+        self.counts: Counter = Counter()
+
+    def get(self, model, prompt_ids: list[int]) -> Prefix:
+        """The prefill of ``prompt_ids`` (a non-empty list of ids) under ``model``, from the cache when present."""
+        key = tuple(prompt_ids)
+        entry = self._entries.pop(key, None)
+        if entry is None:
+            self.counts["misses"] += 1
+            entry = (prefill(model, prompt_ids), 0)
+        else:
+            self.counts["hits"] += 1
+        prefix, uses = entry[0], entry[1] + 1
+        if uses == self.group_size:
+            self.counts["completed"] += 1
+            return prefix
+        self._entries[key] = (prefix, uses)
+        while len(self._entries) > self.max_entries:
+            self._entries.popitem(last=False)
+            self.counts["evicted"] += 1
+        return prefix
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
 class HFRolloutServer:
     """One rollout replica's server (see the module docstring). ``config``: verl's ``RolloutConfig``."""
 
@@ -58,6 +114,7 @@ class HFRolloutServer:
         # The version of the loaded weights; the trainer sets it with every weight sync.
         self.global_steps = 0
         self._requests_per_prompt: Counter = Counter()
+        self.prefixes = PrefixCache(PREFIX_CACHE_ENTRIES, group_size=self.config.n)
         self._lock = asyncio.Lock()
 
     def _sampling_config(self, prompt_len: int, sampling_params: dict) -> SamplingConfig:
@@ -89,10 +146,20 @@ class HFRolloutServer:
         self._requests_per_prompt[key] += 1
         generator = torch.Generator().manual_seed(request_seed(self.config.seed, global_steps, prompt_ids, index))
         async with self._lock:
-            tokens, logps = await asyncio.to_thread(sample, self.model, prompt_ids, config,
-                                                    stop_ids=self.stop_ids, generator=generator)
+            tokens, logps = await asyncio.to_thread(self._sample, prompt_ids, config, generator)
         return TokenOutput(token_ids=tokens, log_probs=logps if sampling_params.get("logprobs") else None,
                            stop_reason="completed", extra_fields={"global_steps": global_steps})
+
+    def _sample(self, prompt_ids: list[int], config: SamplingConfig,
+                generator: torch.Generator) -> tuple[list[int], list[float]]:
+        """One response from the prompt's shared prefill (see ``PrefixCache``); runs under the server's lock."""
+        prefix = self.prefixes.get(self.model, prompt_ids)
+        return decode(self.model, prefix, config, stop_ids=self.stop_ids, generator=generator)
+
+    async def prefix_cache_stats(self) -> dict[str, int]:
+        """The prefix cache's counters, its entries and the per-prompt request counters of this weight version."""
+        return {**self.prefixes.counts, "entries": len(self.prefixes),
+                "prompts_counted": len(self._requests_per_prompt)}
 
     async def load_weights(self, state_dict: dict[str, torch.Tensor], global_steps: int | None = None) -> None:
         """Load the trainer's full (Hugging Face-named) weights; every parameter must be present."""
@@ -105,6 +172,7 @@ class HFRolloutServer:
             if global_steps is not None:
                 self.global_steps = int(global_steps)
             self._requests_per_prompt.clear()
+            self.prefixes.clear()
 
     def _tied_keys(self) -> set[str]:
         """Parameters a tied checkpoint need not send (the output embedding shares the input one)."""

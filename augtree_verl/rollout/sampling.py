@@ -3,13 +3,18 @@
 vLLM's sampling parameters as verl's agent loop sends them: ``temperature`` (0 = greedy), ``top_k``
 (-1 or 0 = off), ``top_p`` (1 = off). Randomness comes only from the ``torch.Generator`` passed in, so a
 seeded generator gives the same tokens on every run.
+
+``prefill`` runs a prompt once and ``decode`` samples one response from a copy of its cache, so a group's
+responses share one prefill (what vLLM's prefix caching does) and give the same tokens as a prefill each.
 """
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
+from transformers import Cache
 
 
 @dataclass(frozen=True)
@@ -51,22 +56,42 @@ def _pick(logits: torch.Tensor, config: SamplingConfig, generator: torch.Generat
     return token, float(logps[token])
 
 
-@torch.no_grad()
-def sample(model, prompt_ids: list[int], config: SamplingConfig, *, stop_ids: set[int],
-           generator: torch.Generator) -> tuple[list[int], list[float]]:
-    """Sample up to ``config.max_tokens`` tokens after ``prompt_ids`` (a non-empty list of ids).
+@dataclass(frozen=True)
+class Prefix:
+    """A prompt's prefill: its K/V cache (never written: each response decodes from a copy) and the logits [V]
+    of its last position (float32), which score the first response token."""
 
-    Stops after the first token in ``stop_ids`` (kept in the output, as vLLM keeps EOS). Returns the response
-    ids [R] and their log-probabilities [R] (float32 logits; R >= 1).
-    """
+    cache: Cache
+    last_logits: torch.Tensor
+
+
+@torch.no_grad()
+def prefill(model, prompt_ids: list[int]) -> Prefix:
+    """Run ``prompt_ids`` (a non-empty list of ids) through ``model`` once, keeping its K/V cache."""
     if not prompt_ids:
-        raise ValueError("sample needs a non-empty prompt")
+        raise ValueError("prefill needs a non-empty prompt")
     out = model(input_ids=torch.tensor([prompt_ids]), use_cache=True)
+    return Prefix(cache=out.past_key_values, last_logits=out.logits[0, -1].float())
+
+
+@torch.no_grad()
+def decode(model, prefix: Prefix, config: SamplingConfig, *, stop_ids: set[int],
+           generator: torch.Generator) -> tuple[list[int], list[float]]:
+    """Sample up to ``config.max_tokens`` tokens after a prefilled prompt, from a copy of its cache.
+
+    Transformers' caches grow in place as tokens are decoded, so each response (a branch of the prompt)
+    decodes from its own deep copy and ``prefix`` stays the prompt's alone. Stops after the first token in
+    ``stop_ids`` (kept in the output, as vLLM keeps EOS). Returns the response ids [R] and their
+    log-probabilities [R] (float32 logits; R >= 1).
+    """
+    cache = copy.deepcopy(prefix.cache)
+    logits = prefix.last_logits
     tokens, logps = [], []
     while True:
-        token, logp = _pick(out.logits[0, -1].float(), config, generator)
+        token, logp = _pick(logits, config, generator)
         tokens.append(token)
         logps.append(logp)
         if token in stop_ids or len(tokens) == config.max_tokens:
             return tokens, logps
-        out = model(input_ids=torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True)
+        out = model(input_ids=torch.tensor([[token]]), past_key_values=cache, use_cache=True)
+        logits = out.logits[0, -1].float()

@@ -13,7 +13,7 @@ from augtree_verl.cpu_loop.reward import DATA_SOURCE, compute_score
 from augtree_verl.cpu_loop.task import KEYS_PER_PROMPT, TaskConfig, main
 
 REPO = Path(__file__).resolve().parents[2]
-SMALL = dict(train_rows=6, test_rows=2, min_words=100, max_words=200)
+SMALL = dict(train_rows=6, test_rows=2, min_words=100, max_words=200, max_positions=512)
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +35,8 @@ def test_verls_dataset_tokenizes_the_prompts_into_known_words(task, tmp_path):
     assert tokenizer.unk_token_id not in ids
     assert SMALL["min_words"] < len(ids) < SMALL["max_words"] + KEYS_PER_PROMPT + 16
     assert tokenizer.decode(ids).startswith("<|im_start|> user key ")
-    assert AutoConfig.from_pretrained(task / "model").vocab_size == len(tokenizer)
+    config = AutoConfig.from_pretrained(task / "model")
+    assert config.vocab_size == len(tokenizer) and config.max_position_embeddings == SMALL["max_positions"]
 
 
 def test_reward_is_the_fraction_of_key_words(task):

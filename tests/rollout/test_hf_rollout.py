@@ -15,7 +15,7 @@ from verl.workers.config import RolloutConfig
 from augtree_verl.cpu_loop.task import TaskConfig, save_model
 from augtree_verl.rollout.hf import HFServerAdapter, server_name
 from augtree_verl.rollout.hf_server import HFRolloutServer
-from augtree_verl.rollout.sampling import SamplingConfig, sample
+from augtree_verl.rollout.sampling import SamplingConfig, decode, prefill
 
 pytestmark = pytest.mark.slow  # spawns process groups, Ray, verl engines or subprocesses
 
@@ -50,7 +50,7 @@ def _generate(server, prompt=PROMPT, **params):
 
 def _greedy(model_dir, max_tokens):
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    return sample(model, PROMPT, SamplingConfig(max_tokens=max_tokens, temperature=0), stop_ids=set(),
+    return decode(model, prefill(model, PROMPT), SamplingConfig(max_tokens=max_tokens, temperature=0), stop_ids=set(),
                   generator=torch.Generator())[0]
 
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from augtree_verl.rollout.sampling import SamplingConfig, sample
+from augtree_verl.rollout.sampling import SamplingConfig, decode, prefill
 from tests.parity import tiny_model
 
 PROMPT = [5, 17, 42, 8, 99, 3]
@@ -15,7 +15,9 @@ def model():
 
 
 def _sample(model, config, seed=0, stop_ids=frozenset()):
-    return sample(model, PROMPT, config, stop_ids=set(stop_ids), generator=torch.Generator().manual_seed(seed))
+    """One response with its own prefill of PROMPT."""
+    return decode(model, prefill(model, PROMPT), config, stop_ids=set(stop_ids),
+                  generator=torch.Generator().manual_seed(seed))
 
 
 def test_greedy_is_hugging_faces_greedy(model):
@@ -65,4 +67,20 @@ def test_bad_sampling_knobs_are_named(bad, match):
 
 def test_empty_prompt_is_refused(model):
     with pytest.raises(ValueError, match="non-empty prompt"):
-        sample(model, [], SamplingConfig(max_tokens=2), stop_ids=set(), generator=torch.Generator())
+        prefill(model, [])
+
+
+def test_responses_from_one_shared_prefill_are_those_of_a_prefill_each(model):
+    """A group's responses decoded from one prefill (each from its own copy of the cache) are, token by token,
+    the responses of a prefill per request with the same seeds; decoding leaves the shared prefill as it was."""
+    config = SamplingConfig(max_tokens=10, temperature=0.5)   # sharp enough that a wrong context changes tokens
+    seeds = range(4)
+    each = [_sample(model, config, seed=seed) for seed in seeds]
+    shared = prefill(model, PROMPT)
+    keys = [layer.keys.clone() for layer in shared.cache.layers]
+    got = [decode(model, shared, config, stop_ids=set(), generator=torch.Generator().manual_seed(seed))
+           for seed in seeds]
+    assert [tokens for tokens, _ in got] == [tokens for tokens, _ in each]
+    assert [logps for _, logps in got] == [logps for _, logps in each]
+    assert len({tuple(tokens) for tokens, _ in got}) > 1
+    assert all(torch.equal(layer.keys, k) for layer, k in zip(shared.cache.layers, keys))
