@@ -28,7 +28,8 @@ def test_from_batch_decodes_the_trainers_plans_and_counts_what_cannot_apply_here
     planned = {"a|4": Plan(degree=2, est_time_s=1.0, est_single_s=1.5), "b|3": Plan(est_time_s=0.5)}
     entries = plan_entries(find_trees(uids, prompt_lens, response_lens), planned, len(uids))
     trees = find_trees(uids, prompt_lens, response_lens, sequences)
-    step_plan = StepPlan.from_batch(trees, entries, mesh=None, model_config=transformers.Qwen2Config())  # no CP group: the degree-2 plan cannot apply
+    # no CP group: the degree-2 plan cannot apply
+    step_plan = StepPlan.from_batch(trees, entries, mesh=None, model_config=transformers.Qwen2Config())
     assert (step_plan.plans, step_plan.fallbacks) == ([Plan(est_time_s=1.5), planned["b|3"]], 1)
     assert [(s.tree, s.micro_batches) for s in step_plan.slots] == [(0, [[1, 0]]), (1, [[0]])]
     assert StepPlan.from_batch(trees, None, mesh=None, model_config=transformers.Qwen2Config()).plans == [None, None]
