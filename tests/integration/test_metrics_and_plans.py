@@ -214,7 +214,7 @@ def test_group_totals_and_metrics_keep_every_counter(single_process_group):
     total = group_totals(stats, None, torch.device("cpu"))
     assert [getattr(total, n) for n in PHASES + counters] == [getattr(stats, n) for n in PHASES + counters]
     assert [getattr(total, name)[key] for name, key in keyed] == [100 + k for k in range(len(keyed))]
-    metrics = {k: v.values[0] for k, v in step_metrics(stats, [], plan_fallbacks=0).items()}
+    metrics = {k: v.values[0] for k, v in step_metrics(stats, [], plan_fallbacks=0, cp_demoted=0).items()}
     for name in PHASES + counters:
         assert metrics["augtree/" + ReplayStats.metric_name(name)] == getattr(stats, name), name
     for k, (name, key) in enumerate(keyed):
