@@ -48,6 +48,7 @@ from augtree_verl.integration.config import FSDP_STRATEGY, AugTreeEngineConfig
 from augtree_verl.integration.fsdp_model import FSDPReplayModel
 from augtree_verl.integration.metrics import group_totals, step_metrics
 from augtree_verl.integration.plans import plans_for_trees
+from augtree_verl.integration.run_profile import make_run_profile
 from augtree_verl.plan import Plan
 from augtree_verl.replay import Offload, ReplayStats, replay
 from augtree_verl.replay.model_check import check_model, probe_exactness
@@ -72,6 +73,8 @@ class AugTreeEngine(FSDPEngineWithLMHead):
     def initialize(self):
         super().initialize()
         self._probe_exactness()
+        if not self.engine_config.forward_only:   # the planner's profile of this run (integration.run_profile)
+            self.run_profile = make_run_profile(self)
 
     def _probe_exactness(self) -> None:
         """The start-up exactness probe on the user's model (``replay.model_check.probe_exactness``): prompt
