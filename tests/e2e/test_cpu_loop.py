@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 
 from augtree_verl.cpu_loop.task import TaskConfig, write_task
+from augtree_verl.planner import ClusterProfile
+from augtree_verl.planner.startup import CACHE_ENV
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 2
@@ -55,10 +57,12 @@ def _env(assets: Path, log_dir: Path, **overrides) -> dict:
     return env
 
 
-def _run(script: str, env: dict, cwd: Path, *overrides: str) -> None:
+def _run(script: str, env: dict, cwd: Path, *overrides: str) -> str:
+    """The script's output (stdout and stderr) once it exited 0."""
     run = subprocess.run(["bash", str(REPO / "examples" / script), *overrides], cwd=cwd, env=env,
                          capture_output=True, text=True, timeout=1100)
     assert run.returncode == 0, (run.stdout + run.stderr)[-6000:]
+    return run.stdout + run.stderr
 
 
 def read_steps(log: Path) -> list[dict]:
@@ -69,8 +73,9 @@ def read_steps(log: Path) -> list[dict]:
 def compared(assets, tmp_path_factory):
     """OUT_DIR of ``examples/compare_engines.sh``: <engine>.jsonl, compare.png, wandb/."""
     out = tmp_path_factory.mktemp("compare")
-    _run("compare_engines.sh", _env(assets, out, OUT_DIR=str(out), WANDB_DIR=str(out)), out,
-         f"actor_rollout_ref.actor.optim.lr={LR}")
+    log = _run("compare_engines.sh", _env(assets, out, OUT_DIR=str(out), WANDB_DIR=str(out)), out,
+               f"actor_rollout_ref.actor.optim.lr={LR}")
+    (out / "log.txt").write_text(log)
     return out
 
 
@@ -114,6 +119,27 @@ def test_our_metrics_are_logged_only_with_our_engine(steps):
         assert not [key for key in OURS if key not in metrics]
         assert metrics["actor/augtree/executed_tokens"] < metrics["actor/augtree/logical_tokens"]
     assert not [key for key in steps["fsdp2"][0] if "augtree" in key]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1300)
+def test_the_planner_plans_with_the_runs_own_profile(compared, steps, assets):
+    """The trainer prints the profile the actor's workers made at start-up (the tiny model's shape, hardware
+    measured on the two workers: calibrated now, or this session's cache); the planner service plans with it
+    (the client refuses a service with another profile, and the rollout's plans were taken)."""
+    (line,) = [line for line in (compared / "log.txt").read_text().splitlines() if "augtree: planner profile" in line]
+    config = json.loads((assets / "model" / "config.json").read_text())
+    shape = (f"model {config['num_hidden_layers']} layers, hidden {config['hidden_size']}, heads "
+             f"{config['num_attention_heads']}/{config['num_key_value_heads']}x")
+    assert shape in line and "model 28 layers" not in line, line
+    assert "planner profile from calibrated now" in line or "planner profile from cache file" in line, line
+    assert ", world 2," in line or "-w2-" in line, line
+    (cached,) = Path(os.environ[CACHE_ENV]).glob("profile-cpu-*-w2-*.json")
+    profile = ClusterProfile.load(cached)
+    assert (profile.num_layers, profile.hidden_size, profile.vocab_size) == (
+        config["num_hidden_layers"], config["hidden_size"], config["vocab_size"])
+    assert f"dense {profile.flops_per_s:.3g} FLOP/s" in line
+    assert sum(metrics["augtree/planner/plans_from_rollout"] for metrics in steps["augtree"]) > 0
 
 
 def _wandb_group(run_dir: Path) -> str | None:
