@@ -1,5 +1,6 @@
-"""The training engine makes the run's planner profile at start-up (``integration.run_profile``): the model it
-trains, its dtype and checkpointing, hardware figures from the cache or a calibration, or ``planner_profile``."""
+"""The engine's planner knobs. The training engine makes the run's planner profile at start-up
+(``integration.run_profile``): the model it trains, its dtype and checkpointing, hardware figures from the
+cache or a calibration, or ``planner_profile``. ``fallback_threshold_tokens`` runs short trees on one device."""
 
 from __future__ import annotations
 
@@ -7,8 +8,11 @@ import dataclasses
 
 import pytest
 from transformers import AutoConfig
+from verl.utils.metric import reduce_metrics
 
 from augtree_verl.integration import run_profile
+from augtree_verl.plan import Plan
+from augtree_verl.plan_field import PLAN_FIELD
 from augtree_verl.planner import ClusterProfile
 from augtree_verl.testing import harness as H
 
@@ -23,7 +27,7 @@ def model_path(tmp_path_factory, single_process_group):
 @pytest.fixture(scope="module")
 def made(model_path):
     """(engine, its profile): the first engine of this shape in the session calibrates or reads the cache."""
-    engine, _ = H.build_engine("augtree", model_path, engine_knobs={"use_planner": False})
+    engine, _ = H.build_engine("augtree", model_path, engine_knobs={"planner_profile": None})
     return engine, engine.run_profile.profile
 
 
@@ -57,3 +61,27 @@ def test_planner_profile_is_the_users_file(made, model_path, tmp_path):
 def test_a_forward_only_engine_makes_none(made, model_path):
     engine, _ = H.build_engine("augtree", model_path, forward_only=True)   # the reference model's engine
     assert not hasattr(engine, "run_profile")
+
+
+def _fallbacks(engine, rows, plan: Plan) -> float:
+    """The step's counted planner fallbacks when every tree of ``rows`` comes with ``plan``."""
+    count = {uid: sum(r["uid"] == uid for r in rows) for uid in {r["uid"] for r in rows}}
+    seen: dict[str, int] = {}
+    entries = []
+    for row in rows:
+        index = seen[row["uid"]] = seen.get(row["uid"], -1) + 1
+        entries.append({**plan.to_dict(), "tree_id": f"{row['uid']}|{len(row['prompt'])}", "response_index": index,
+                        "num_responses": count[row["uid"]]})
+    with engine.eval_mode():
+        out = engine.infer_batch(H.rows_to_batch(rows, extra={PLAN_FIELD: entries}))
+    return float(reduce_metrics(out["metrics"])["augtree/plan_fallbacks"])
+
+
+def test_fallback_threshold_tokens_runs_short_trees_on_one_device(made, model_path):
+    """A degree-2 plan on an engine without CP subgroups is a counted planner fallback, unless the tree is
+    shorter than ``fallback_threshold_tokens``: then it runs on one device by configuration (not counted)."""
+    rows = H.group_rows([(4, [6, 2, 3, 5])])                    # prompt + longest response: 10 tokens
+    cp_plan = Plan(degree=2, est_time_s=0.25, est_single_s=0.4)
+    assert _fallbacks(made[0], rows, cp_plan) == 1.0            # the default threshold, 0
+    engine, _ = H.build_engine("augtree", model_path, engine_knobs={"fallback_threshold_tokens": 11})
+    assert _fallbacks(engine, rows, cp_plan) == 0.0
