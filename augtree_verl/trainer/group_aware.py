@@ -90,14 +90,11 @@ class AugTreeTrainerMixin:
         # rollout, whose agent-loop workers (created after init()) report to it by name.
         engine_config = augtree_engine_config(self.config)
         if engine_config is not None:
-            self.planner = self._start_planner(self._run_profile(engine_config))
-
-    def _run_profile(self, engine_config) -> ClusterProfile:
-        """The profile the actor's engine made at start-up (``integration.run_profile``), printed once."""
-        published = verl_compat.run_on_rank_zero(self.actor_rollout_wg, published_profile)
-        run = RunProfile(ClusterProfile.from_dict(published["profile"]), published["source"])
-        print(f"augtree: {run.describe(engine_config.cp_degrees)}", flush=True)
-        return run.profile
+            # The profile the actor's engine made at start-up (``integration.run_profile``), on rank 0.
+            published = verl_compat.run_on_rank_zero(self.actor_rollout_wg, published_profile)
+            self.planner = self._start_planner(ClusterProfile.from_dict(published["profile"]))
+            run = RunProfile(self.planner.profile, published["source"])   # what the planners plan with
+            print(f"augtree: {run.describe(engine_config.cp_degrees)}", flush=True)
 
     def _start_planner(self, profile: ClusterProfile) -> PlannerClient | None:
         """A ``PlannerClient`` planning with ``profile`` when the actor runs the AugTree engine, else None; with

@@ -66,22 +66,17 @@ def test_a_users_file_for_another_model_or_unreadable_is_refused_by_name(tmp_pat
         startup_profile(BASE, user_file=str(broken), device=CPU)
 
 
-def _two_ranks(rank, port, cache_dirs, user_file, results):
+def _two_ranks(rank, port, cache_dirs, other, results):
     torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
-        run = startup_profile(BASE, user_file=user_file, device=CPU, cache_dir=cache_dirs[rank])
+        run = startup_profile(BASE, user_file=None, device=CPU, cache_dir=cache_dirs[rank])
         results[rank] = (run.profile.to_dict(), run.source)
-    except ValueError as err:
-        results[rank] = str(err)
+        try:
+            startup_profile(BASE, user_file=other, device=CPU, cache_dir=cache_dirs[rank])
+        except ValueError as err:
+            results[rank + 2] = str(err)
     finally:
         torch.distributed.destroy_process_group()
-
-
-def _spawn(cache_dirs, user_file=None):
-    with mp.Manager() as manager:
-        results = manager.dict()
-        mp.spawn(_two_ranks, args=(harness.free_port(), cache_dirs, user_file, results), nprocs=2, join=True)
-        return dict(results)
 
 
 @pytest.mark.slow
@@ -94,9 +89,11 @@ def test_rank_zero_decides_for_every_rank(tmp_path):
     path = cache_file(BASE, CPU, 2, dirs[0])
     path.parent.mkdir(parents=True)
     cached.save(path)
-    results = _spawn(dirs)
-    assert results[0] == results[1] == (cached.to_dict(), f"cache file {path}")
     other = tmp_path / "other.json"
     ClusterProfile.default().save(other)
-    results = _spawn(dirs, str(other))
-    assert all("was made for another model" in results[rank] for rank in (0, 1))
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(_two_ranks, args=(harness.free_port(), dirs, str(other), results), nprocs=2, join=True)
+        results = dict(results)
+    assert results[0] == results[1] == (cached.to_dict(), f"cache file {path}")
+    assert all("was made for another model" in results[rank] for rank in (2, 3))
