@@ -40,7 +40,7 @@ def make_run_profile(engine) -> RunProfile:
     saved = [p.grad for p in params]           # the calibration's replays accumulate into them
     try:
         with engine.train_mode():
-            _published = startup_profile(base, user_file=None,
+            _published = startup_profile(base, user_file=engine.engine_config.planner_profile,
                                          device=model.get_input_embeddings().weight.device, group=group,
                                          model=model, lockstep_group=group)
     finally:

@@ -98,6 +98,15 @@ class CostModel:
         return self.train_factor * (dense_flops / p.flops_per_s + attention_flops / p.attention_flops_per_s
                                     + causal_flops / p.causal_attention_flops_per_s)
 
+    def attention_split(self, n, ranks):
+        """Attention FLOPs (in full blocks, in causal blocks) one rank computes of a causal sequence of n tokens:
+        on one rank one causal block; zigzag-sharded over k > 1 ranks (chunks of c = n / 2k, two per rank),
+        the two diagonal chunks' causal blocks (c^2 visible pairs) and full blocks for the rest of its
+        n^2 / 2k pairs."""
+        total = self.attn_flops * n * n / 2 / ranks
+        causal = np.where(ranks > 1, self.attn_flops * n * n / (4 * ranks * ranks), total)
+        return total - causal, causal
+
     def exchange(self, ranks):
         """Seconds of one small exchange among ``ranks`` (a step's scores): a latency, 0 for one rank."""
         return np.where(ranks > 1, self.profile.launch_latency_s, 0.0)
@@ -114,7 +123,7 @@ class CostModel:
     def prefill(self, P: int, ranks):
         """(compute s, comm s) of the prompt's forward + delayed backward sharded over a ring of ``ranks``,
         with the slot's fixed cost."""
-        return self.pass_time(self.lin_flops * P / ranks, 0.0, self.attn_flops * P * P / 2 / ranks) \
+        return self.pass_time(self.lin_flops * P / ranks, *self.attention_split(P, ranks)) \
             + self.profile.slot_overhead_s, self.ring_comm(P, ranks)
 
     def one_device(self, P: int, R) -> float:
@@ -134,22 +143,22 @@ class CostModel:
         one call and one score exchange each."""
         seq = P + R
         dense = (self.lin_flops * seq + self.head_flops * R) / d
-        return (self.pass_time(dense, 0.0, self.attn_flops * seq * seq / 2 / d) + self.profile.call_overhead_s,
+        return (self.pass_time(dense, *self.attention_split(seq, d)) + self.profile.call_overhead_s,
                 self.ring_comm(seq, d) + self.exchange(d))
 
     def tree_responses(self, P: int, R, m):
         """TreeMoveKV: (compute s, comm s) per response replayed in a lane of m ranks (prompt + own K/V ring),
         one call and one score exchange among the lane each."""
         dense = (self.lin_flops + self.head_flops) * R / m
-        return (self.pass_time(dense, self.attn_flops * R * P / m, self.attn_flops * R * R / 2 / m)
-                + self.profile.call_overhead_s,
+        full, causal = self.attention_split(R, m)
+        return (self.pass_time(dense, full + self.attn_flops * R * P / m, causal) + self.profile.call_overhead_s,
                 self.ring_comm(P + R, m) + self.exchange(m))
 
     def moveq_lane(self, R, m):
         """MoveQ, lane-local part: (compute s, comm s) of response R's projections, MLP, head and causal
         self-attention sharded over its lane's m ranks (its own K/V ring), one call each."""
         dense = (self.lin_flops + self.head_flops) * R / m
-        return (self.pass_time(dense, 0.0, self.attn_flops * R * R / 2 / m) + self.profile.call_overhead_s,
+        return (self.pass_time(dense, *self.attention_split(R, m)) + self.profile.call_overhead_s,
                 self.ring_comm(R, m))
 
     def moveq_owners(self, P: int, queries: float, rounds: int, d: int) -> tuple[float, float]:

@@ -46,7 +46,8 @@ class RunProfile:
         """One line for the start-up log: the figures and where they came from."""
         p = self.profile
         return (f"planner profile from {self.source}: dense {p.flops_per_s:.3g} FLOP/s, attention "
-                f"{p.attention_flops_per_s:.3g} FLOP/s (causal {p.causal_attention_flops_per_s:.3g}), p2p {p.p2p_bytes_per_s:.3g} B/s, all-to-all "
+                f"{p.attention_flops_per_s:.3g} FLOP/s (causal {p.causal_attention_flops_per_s:.3g}), p2p "
+                f"{p.p2p_bytes_per_s:.3g} B/s, all-to-all "
                 f"{p.collective_bytes_per_s:.3g} B/s, latency {p.launch_latency_s:.3g} s, call overhead "
                 f"{p.call_overhead_s:.3g} s, slot overhead {p.slot_overhead_s:.3g} s, memory "
                 f"{p.memory_per_rank_bytes:.3g} B/rank, {p.ranks_per_node} ranks/node; model "

@@ -77,3 +77,13 @@ def test_causal_blocks_run_at_the_causal_throughput():
     slower, _ = CostModel(UNIT).prefill(P, 1)
     faster, _ = CostModel(dataclasses.replace(UNIT, causal_attention_flops_per_s=1e12)).prefill(P, 1)
     assert slower - faster == pytest.approx(3 * UNIT.attention_pair_flops * P * P / 2 * (1 / 5e11 - 1 / 1e12), rel=REL)
+
+
+def test_a_zigzag_shard_runs_its_diagonal_chunks_causal_and_the_rest_full():
+    """P tokens over 4 ranks: chunks of P/8, two per rank; its two diagonal chunks are causal blocks (P^2/64
+    visible pairs), the rest of its P^2/8 pairs full blocks. On one rank, one causal block of P^2/2."""
+    cost, P = CostModel(UNIT), 8000
+    full, causal = cost.attention_split(P, 4)
+    assert causal == pytest.approx(UNIT.attention_pair_flops * P * P / 64, rel=REL)
+    assert full + causal == pytest.approx(UNIT.attention_pair_flops * P * P / 8, rel=REL)
+    assert cost.attention_split(P, 1) == pytest.approx((0.0, UNIT.attention_pair_flops * P * P / 2), rel=REL)
