@@ -154,7 +154,7 @@ class AugTreeEngine(FSDPEngineWithLMHead):
         grouped = build_trees(micro_batches)
         # The trainer's plans (``use_planner`` says only where the trainer got them); none without them.
         plans, fallbacks = plans_for_trees(micro_batches, grouped, self.cp_mesh.degrees,
-                                           min_cp_tokens=0)
+                                           min_cp_tokens=self.engine_config.fallback_threshold_tokens)
         mesh, placement = None, None
         if self.cp_mesh.cp_size > 1:
             mesh = self.cp_mesh
