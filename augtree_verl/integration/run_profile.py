@@ -5,9 +5,9 @@ none) calls ``make_run_profile``: the model shape from the engine's Hugging Face
 compute in (the start-up exactness probe's), activation checkpointing from verl's model config, and the
 hardware figures from ``planner_profile``, the cache or a calibration on this device and the world process
 group (``planner.startup``; every rank takes part). The result stays in this worker process; the trainer
-reads rank 0's with ``published_profile`` (run there through the worker group, ``verl_compat.
-run_on_rank_zero``), logs it once and plans with it: the planner service, its client and the plans the
-engine applies all come from that one profile.
+reads rank 0's with ``planner.startup.published_profile`` (run there through the worker group,
+``verl_compat.run_on_rank_zero``), prints it once and plans with it: the planner service, its client and
+the plans the engine applies all come from that one profile.
 """
 
 from __future__ import annotations
@@ -19,15 +19,12 @@ import torch
 from augtree_verl.integration import verl_compat
 from augtree_verl.integration.fsdp_model import FSDPReplayModel
 from augtree_verl.planner.profile import ClusterProfile
-from augtree_verl.planner.startup import RunProfile, startup_profile
-
-_published: RunProfile | None = None   # this worker process's training engine's profile
+from augtree_verl.planner.startup import RunProfile, publish, startup_profile
 
 
 def make_run_profile(engine) -> RunProfile:
     """The profile of the run ``engine`` (an initialised ``AugTreeEngine`` that trains) takes part in; a
-    collective over the world. Kept for ``published_profile``."""
-    global _published
+    collective over the world. Published in this process for the trainer (``planner.startup.publish``)."""
     world = torch.distributed.get_world_size()
     model = FSDPReplayModel(engine.module)
     base = dataclasses.replace(
@@ -40,19 +37,11 @@ def make_run_profile(engine) -> RunProfile:
     saved = [p.grad for p in params]           # the calibration's replays accumulate into them
     try:
         with engine.train_mode():
-            _published = startup_profile(base, user_file=engine.engine_config.planner_profile,
-                                         device=model.get_input_embeddings().weight.device, group=group,
-                                         model=model, lockstep_group=group)
+            run = startup_profile(base, user_file=engine.engine_config.planner_profile,
+                                  device=model.get_input_embeddings().weight.device, group=group,
+                                  model=model, lockstep_group=group)
     finally:
         for p, g in zip(params, saved):
             p.grad = g
-    return _published
-
-
-def published_profile() -> dict:
-    """``{"profile": ClusterProfile dict, "source": str}`` of this process's training engine; run on the
-    actor worker group's rank 0 by the trainer. ``ValueError`` when no AugTree engine trains here."""
-    if _published is None:
-        raise ValueError("no AugTree training engine has made a planner profile in this worker process "
-                         "(actor_rollout_ref.actor.strategy must be augtree)")
-    return {"profile": _published.profile.to_dict(), "source": _published.source}
+    publish(run)
+    return run

@@ -14,7 +14,8 @@
 A file whose model fields (``MODEL_FIELDS``) differ from the run's is refused by name (a user file) or
 recalibrated over (a cache file). Collective over ``group`` when it has more than one rank: rank 0 of the
 group reads the files and broadcasts what it found (or the error, which every rank raises), so ranks on
-nodes with different caches never disagree on whether to calibrate.
+nodes with different caches never disagree on whether to calibrate. ``publish`` keeps the result in the
+process (the training engine's worker), ``published_profile`` hands it to the trainer (run there by name).
 """
 
 from __future__ import annotations
@@ -71,6 +72,24 @@ def cache_file(profile: ClusterProfile, device: torch.device, world: int, cache_
     root = cache_dir if cache_dir is not None else Path(os.environ.get(CACHE_ENV) or DEFAULT_CACHE_DIR)
     slug = "".join(c if c.isalnum() else "-" for c in key["device"])
     return root.expanduser() / f"profile-{slug}-w{world}-{digest}.json"
+
+
+_published: RunProfile | None = None   # this process's training engine's profile (``publish``)
+
+
+def publish(run: RunProfile) -> None:
+    """Keep ``run`` as this process's profile, for ``published_profile``."""
+    global _published
+    _published = run
+
+
+def published_profile() -> dict:
+    """``{"profile": ClusterProfile dict, "source": str}`` of this process's training engine; what the trainer
+    runs on the actor worker group's rank 0. ``ValueError`` when no AugTree engine trains here."""
+    if _published is None:
+        raise ValueError("no AugTree training engine has made a planner profile in this worker process "
+                         "(actor_rollout_ref.actor.strategy must be augtree)")
+    return {"profile": _published.profile.to_dict(), "source": _published.source}
 
 
 def startup_profile(base: ClusterProfile, *, user_file: str | None, device: torch.device, group=None,

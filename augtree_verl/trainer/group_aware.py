@@ -31,12 +31,11 @@ from verl.utils.seqlen_balancing import log_seqlen_unbalance
 
 from augtree_verl.groups import Tree, find_trees
 from augtree_verl.integration import verl_compat
-from augtree_verl.integration.run_profile import published_profile
 from augtree_verl.plan_field import PLAN_FIELD, plan_entries
 from augtree_verl.planner.client import PlannerClient
 from augtree_verl.planner.profile import ClusterProfile
 from augtree_verl.planner.service import start_planner_service
-from augtree_verl.planner.startup import RunProfile
+from augtree_verl.planner.startup import RunProfile, published_profile
 from augtree_verl.rollout.planner_config import augtree_engine_config
 from augtree_verl.trainer.group_balance import WorkModel, balance_groups, split_groups
 

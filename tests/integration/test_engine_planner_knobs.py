@@ -10,10 +10,10 @@ import pytest
 from transformers import AutoConfig
 from verl.utils.metric import reduce_metrics
 
-from augtree_verl.integration import run_profile
 from augtree_verl.plan import Plan
 from augtree_verl.plan_field import PLAN_FIELD
 from augtree_verl.planner import ClusterProfile
+from augtree_verl.planner.startup import published_profile
 from augtree_verl.testing import harness as H
 
 pytestmark = pytest.mark.slow  # spawns process groups, Ray, verl engines or subprocesses
@@ -42,7 +42,7 @@ def test_the_profile_is_the_trained_models(made, model_path):
     assert profile.flops_per_s != ClusterProfile.default().flops_per_s          # measured here, not an H100's
     assert engine.run_profile.source.startswith(("calibrated now", "cache file"))
     # what the trainer reads from the engine's worker process
-    assert run_profile.published_profile() == {"profile": profile.to_dict(), "source": engine.run_profile.source}
+    assert published_profile() == {"profile": profile.to_dict(), "source": engine.run_profile.source}
 
 
 def test_planner_profile_is_the_users_file(made, model_path, tmp_path):
