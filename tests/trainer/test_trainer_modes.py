@@ -195,7 +195,7 @@ def batch_plans(balanced):
             for td in views for tree_id, tree in group_plan_entries(list(td[PLAN_FIELD])).items()}
 
 
-# One group the planner splits over CP ranks (MoveQ, degree 2 of (1, 2, 4)) besides the one-device ones.
+# One group the planner splits over CP ranks (MoveQ, degree 4 of (1, 2, 4)) besides the one-device ones.
 CP_GROUPS = {**GROUPS, "rag": (9100, [120, 64, 900, 33])}
 
 
@@ -214,7 +214,7 @@ def test_use_planner_false_plans_every_group_in_process_without_a_service(ray_tq
     assert len(plans) == 4
     for tree_id, (plan, response_lens) in plans.items():     # the same planner, CP plans included
         assert plan == plan_tree(int(tree_id.split("|")[1]), response_lens, degrees=(1, 2, 4))
-    assert max(plan.degree for plan, _ in plans.values()) == 2
+    assert max(plan.degree for plan, _ in plans.values()) == 4
     assert metrics["augtree/planner/plans_in_process"] == 4.0
     assert metrics["augtree/planner/plans_from_rollout"] == metrics["augtree/planner/unreachable"] == 0.0
     tq.kv_clear(keys=balanced.keys, partition_id=PARTITION)
