@@ -79,8 +79,6 @@ def test_calibrate_with_a_model_measures_the_replays_call_and_slot_overheads():
     p = base.calibrate(model=model)
     for f in OVERHEAD_FIELDS:
         assert getattr(p, f) != getattr(base, f) and 1e-5 < getattr(p, f) < 1.0, (f, getattr(p, f))
-    # one call of a two-layer model costs a fraction of a slot (prefill call and delayed backward)
-    assert p.call_overhead_s < 2 * p.slot_overhead_s
     assert model.lm_head.weight.grad is grad and all(
         param.grad is None for name, param in model.named_parameters() if name != "lm_head.weight")
 
