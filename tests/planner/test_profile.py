@@ -9,6 +9,7 @@ import torch.multiprocessing as mp
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from augtree_verl.planner import ClusterProfile
+from augtree_verl.planner.calibrate import MIN_OVERHEAD_S
 
 CALIBRATE_SECONDS = 20      # "in seconds" on a shared 2-core CPU, with generous slack
 COMM_FIELDS = ("p2p_bytes_per_s", "collective_bytes_per_s")
@@ -77,8 +78,8 @@ def test_calibrate_with_a_model_measures_the_replays_call_and_slot_overheads():
     grad = model.lm_head.weight.grad = torch.ones_like(model.lm_head.weight)
     base = ClusterProfile.default().with_model(cfg)
     p = base.calibrate(model=model)
-    for f in OVERHEAD_FIELDS:
-        assert getattr(p, f) != getattr(base, f) and 1e-5 < getattr(p, f) < 1.0, (f, getattr(p, f))
+    for f in OVERHEAD_FIELDS:   # measured (the slot's rest may come out at the floor on a loaded machine)
+        assert getattr(p, f) != getattr(base, f) and MIN_OVERHEAD_S <= getattr(p, f) < 1.0, (f, getattr(p, f))
     assert model.lm_head.weight.grad is grad and all(
         param.grad is None for name, param in model.named_parameters() if name != "lm_head.weight")
 
