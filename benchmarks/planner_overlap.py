@@ -48,6 +48,7 @@ from pathlib import Path
 import ray
 
 from augtree_verl.bench.workloads import fit_group_size, load_table
+from augtree_verl.planner import ClusterProfile
 from augtree_verl.planner.client import PlannerClient
 from augtree_verl.planner.feed import PlannerFeed
 from augtree_verl.planner.service import start_planner_service
@@ -158,9 +159,10 @@ def main() -> None:
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         name = f"planner-overlap-{uuid.uuid4().hex[:8]}"
-        actor = start_planner_service(name, degrees=DEGREES)
+        actor = start_planner_service(name, degrees=DEGREES, profile=ClusterProfile.default())
         ray.get(actor.config.remote(), timeout=300)
-        feed, client = PlannerFeed(name), PlannerClient(name, degrees=DEGREES, timeout_s=60.0)
+        feed, client = PlannerFeed(name), PlannerClient(name, degrees=DEGREES, profile=ClusterProfile.default(),
+                                                          timeout_s=60.0)
         runs = [run_stream(actor, feed, client, rollout_stream(args.groups, args.group_size, args.rollout_s, seed))
                 for seed in range(args.repeats)]
     finally:

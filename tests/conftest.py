@@ -1,8 +1,10 @@
+import os
 import sys
 
 import pytest
 import torch.distributed as dist
 
+from augtree_verl.planner.startup import CACHE_ENV
 from augtree_verl.testing import harness
 
 # verl resolves its device once per process, when something first imports verl.workers.engine; the suite runs
@@ -18,6 +20,19 @@ def pytest_terminal_summary(terminalreporter, config):
     if getattr(opt, "random_order", False) or given(bucket) or given(seed):
         terminalreporter.write_line(f"test order: --random-order-bucket={bucket.removeprefix('default:')} "
                                     f"--random-order-seed={seed.removeprefix('default:')}")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def planner_profile_cache(tmp_path_factory):
+    """Training engines calibrate the planner's profile once per model shape and world in a session, into a
+    directory of the session (not the user's cache); processes the tests start inherit it."""
+    before = os.environ.get(CACHE_ENV)
+    os.environ[CACHE_ENV] = str(tmp_path_factory.mktemp("planner-profiles"))
+    yield
+    if before is None:
+        del os.environ[CACHE_ENV]
+    else:
+        os.environ[CACHE_ENV] = before
 
 
 @pytest.fixture(scope="module")

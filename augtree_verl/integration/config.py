@@ -49,6 +49,9 @@ class AugTreeEngineConfig(FSDPEngineConfig):
     planner_ttl_s: how long the planner service keeps a reported group's plan that no step has used (an
         async trainer uses a group a few steps after its rollout; DAPO drops some groups for good).
     planner_max_entries: the most unused plans the service keeps; the oldest leave first (counted as evicted).
+    planner_profile: a ``ClusterProfile`` JSON file (e.g. a cache file of an earlier run) with the hardware
+        figures to plan with; None: the training engine takes them from the cache or calibrates them at
+        start-up (``integration.run_profile``). Its model shape, dtype and checkpointing must be the run's.
     offload_prompt_activations: while a tree's responses replay, its prompt's saved activations (the
         checkpoint boundaries under gradient checkpointing) wait in host memory for the delayed prompt
         backward (``replay.offload``): pinned buffers and a side stream on CUDA, prefetched a layer ahead.
@@ -65,6 +68,7 @@ class AugTreeEngineConfig(FSDPEngineConfig):
     planner_timeout_s: float = DEFAULT_TIMEOUT_S
     planner_ttl_s: float = DEFAULT_TTL_S
     planner_max_entries: int = DEFAULT_MAX_ENTRIES
+    planner_profile: str | None = None
     offload_prompt_activations: bool = False
 
     def __post_init__(self):
@@ -101,6 +105,9 @@ class AugTreeEngineConfig(FSDPEngineConfig):
         if isinstance(self.planner_ttl_s, bool) or not isinstance(self.planner_ttl_s, (int, float)) \
                 or not self.planner_ttl_s > 0:
             raise ValueError(f"AugTreeEngineConfig.planner_ttl_s must be a number > 0, got {self.planner_ttl_s!r}")
+        if self.planner_profile is not None and (not isinstance(self.planner_profile, str) or not self.planner_profile):
+            raise ValueError(f"AugTreeEngineConfig.planner_profile must be None or a file path, "
+                             f"got {self.planner_profile!r}")
 
 
 def _check_int(name: str, value, *, minimum: int) -> None:

@@ -49,6 +49,7 @@ from augtree_verl.integration.batch_trees import build_trees, sequence_lengths
 from augtree_verl.integration.config import FSDP_STRATEGY, AugTreeEngineConfig
 from augtree_verl.integration.fsdp_model import FSDPReplayModel
 from augtree_verl.integration.metrics import group_totals, step_metrics
+from augtree_verl.integration.run_profile import make_run_profile
 from augtree_verl.plan import Plan
 from augtree_verl.plan_field import PLAN_FIELD
 from augtree_verl.replay import Offload, ReplayStats, StepPlan, replay
@@ -74,6 +75,8 @@ class AugTreeEngine(FSDPEngineWithLMHead):
     def initialize(self):
         super().initialize()
         self._probe_exactness()
+        if not self.engine_config.forward_only:   # the planner's profile of this run (integration.run_profile)
+            self.run_profile = make_run_profile(self)
 
     def _probe_exactness(self) -> None:
         """The start-up exactness probe on the user's model (``replay.model_check.probe_exactness``): prompt

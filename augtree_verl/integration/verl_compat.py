@@ -194,6 +194,19 @@ def dispatch_dp_size(worker_group, mesh_name: str) -> int:
     return max(worker_group._dispatch_info[mesh_name]) + 1
 
 
+def run_on_rank_zero(worker_group, fn, *args):
+    """verl/single_controller/base/worker.py Worker.execute_func_rank_zero (registered ALL_TO_ALL, executed on
+    rank 0): ``fn(*args)`` in the rank-0 worker process of ``worker_group``, its result returned. ``fn`` must be
+    importable there (a module-level function)."""
+    return worker_group.execute_func_rank_zero(fn, *args)
+
+
+def ranks_per_node(world: int) -> int:
+    """verl/single_controller/ray/base.py RayWorkerGroup._create_worker sets ``RAY_LOCAL_WORLD_SIZE`` (the
+    worker processes per node of the resource pool) in every worker's environment; ``world`` outside one."""
+    return int(os.environ.get("RAY_LOCAL_WORLD_SIZE") or world)
+
+
 def required_batch_multiple(trainer, dp_size: int) -> int:
     """verl/trainer/ppo/v1/trainer_base.py PPOTrainer._get_required_batch_multiple: what verl's _balance_batch
     pads the batch to."""

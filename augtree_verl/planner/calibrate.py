@@ -1,16 +1,25 @@
 """Measure a rank's hardware figures for ``ClusterProfile.calibrate`` (a few seconds, CPU/gloo or CUDA/NCCL).
 
 Compute is measured on the profile's model shapes (call ``with_model`` first), with the kernels the replay runs:
-- flops_per_s: median of [T, hidden] @ [hidden, intermediate] matmuls (an MLP projection; float32 on CPU, the
-  profile's dtype on CUDA; widths capped on CPU so a 7B shape still calibrates in seconds).
+- flops_per_s: without ``model``, median of [T, hidden] @ [hidden, intermediate] matmuls (an MLP projection;
+  float32 on CPU, the profile's dtype on CUDA; widths capped on CPU so a 7B shape still calibrates in
+  seconds). With ``model``, what the model's own layers reach per token, every kernel of them (norms,
+  activations, RoPE: on a small model they cost as much as the matmuls): its dense FLOPs (the cost model's
+  count) over the time one ``DENSE_TOKENS``-token response adds to a replay, less that response's attention
+  at ``attention_flops_per_s``.
 - attention_flops_per_s: median forward + backward of one non-causal attention block with the model's
   query/KV heads and head dim, through the CP engine's kernels (``ops.attention``: the ATen flash kernel on CPU,
   torch's flash kernels or flash-attn on CUDA, SDPA there where those cannot run: flash-attn selected but
   missing, or float32); 3 x forward FLOPs / time, as the cost model counts.
-- layer_overhead_s: what a pass costs beyond its FLOPs, per layer: with ``model`` (the unwrapped Hugging Face
-  model the replay runs), the median forward + backward of the model on ``OVERHEAD_TOKENS`` tokens / its
-  layers (dispatch, autograd, launches, weight reads, embedding and LM head: every fixed cost of a short
-  pass); without, the same for a tiny synthetic Qwen2-style layer (host time per layer only, a lower bound).
+- causal_attention_flops_per_s: the same block causal, its visible half's FLOPs counted (a flash kernel
+  skips the masked tiles but not the diagonal's work, so it reaches less).
+- call_overhead_s, slot_overhead_s (with ``model``, what ``replay`` runs): the replay's own fixed costs, from
+  the replay itself: the median time of replaying a tiny tree (``OVERHEAD_PROMPT`` prompt tokens) with one
+  two-token response and with 1 + ``OVERHEAD_CALLS``, each response its own micro-batch (a decoder call, an
+  LM-head call, the loss and a backward); the extra calls' time per call is the call overhead, what remains
+  of the one-call tree the slot overhead (prefill call, delayed prompt backward). The gradients of
+  ``model.parameters()`` are left as they were (a wrapper without ``parameters()``, verl's FSDP2 view, leaves
+  that to its caller). Without ``model`` the profile's overheads stay.
 With an initialised process group of more than one rank, communication too (medians over many repeats, so
 one descheduled step on a shared machine does not set the figure):
 - launch_latency_s: median of a one-element ring exchange (``batch_isend_irecv``).
@@ -29,6 +38,7 @@ agreed (min of throughputs, max of latencies) so all ranks plan alike.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 import time
@@ -38,6 +48,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from augtree_verl.ops.attention import attention_backward, attention_forward
+from augtree_verl.replay import ReplayTree, replay
 
 CUDA_MEMORY_HEADROOM = 0.9    # leave 10% of free memory to the allocator and NCCL
 MATMUL_TOKENS = {"cpu": 1024, "cuda": 8192}
@@ -47,9 +58,13 @@ ATTENTION_TOKENS_CUDA = 4096
 ATTENTION_CPU_FLOPS = 5e8
 ATTENTION_CPU_TOKENS = (256, 2048)
 ATTENTION_MAX_KV_HEADS = {"cpu": 2, "cuda": 1 << 10}  # throughput per head is flat; keeps a CPU call short
-OVERHEAD_TOKENS, OVERHEAD_WIDTH, OVERHEAD_HEAD_DIM = 8, 64, 16   # narrow: FLOPs negligible, host time only
+OVERHEAD_PROMPT, OVERHEAD_CALLS = 8, 4     # the tiny trees' prompt tokens, and the calls one has more
+DENSE_TOKENS = {"cpu": 512, "cuda": 4096}  # the response whose time gives the model's per-token throughput
+MIN_DENSE_SHARE = 0.1   # the dense share of that response's time is taken as at least this (noise guard)
 COMM_BYTES = {"cpu": 4 << 20, "cuda": 256 << 20}
 REPEATS = 7
+MIN_OVERHEAD_S = 1e-6   # a fixed cost the noise of a shared machine put at or below zero
+SECONDS = ("launch_latency_s", "call_overhead_s", "slot_overhead_s")   # agreed by max, the rest by min
 COMM_REPEATS = 15
 LATENCY_REPEATS = 50
 
@@ -88,18 +103,21 @@ def _dtype(profile, device: torch.device) -> torch.dtype:
     return {2: torch.bfloat16, 4: torch.float32}.get(profile.dtype_bytes, torch.bfloat16)
 
 
-def measure_hardware(profile, group=None, device=None, model=None) -> dict:
+def measure_hardware(profile, group=None, device=None, model=None, lockstep_group=None) -> dict:
     """The measured ``ClusterProfile`` fields (see the module docstring)."""
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else \
             torch.device("cpu")
     device = torch.device(device)
     dtype = _dtype(profile, device)
-    attention_step, attention_flops = _attention_block(profile, device, dtype)
-    measured = {"flops_per_s": _matmul_flops(profile, device, dtype),
-                "attention_flops_per_s": attention_flops / _median_seconds(attention_step, device, REPEATS),
-                "layer_overhead_s": _model_overhead(model, device) if model is not None else
-                _layer_overhead(device, dtype)}
+    attention_step, attention_flops = _attention_block(profile, device, dtype, causal=False)
+    causal_step, causal_flops = _attention_block(profile, device, dtype, causal=True)
+    measured = {"attention_flops_per_s": attention_flops / _median_seconds(attention_step, device, REPEATS),
+                "causal_attention_flops_per_s": causal_flops / _median_seconds(causal_step, device, REPEATS)}
+    if model is None:
+        measured["flops_per_s"] = _matmul_flops(profile, device, dtype)
+    else:
+        measured.update(_replay_costs(model, dataclasses.replace(profile, **measured), device, lockstep_group))
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         measured["memory_per_rank_bytes"] = float(free) * CUDA_MEMORY_HEADROOM
@@ -119,8 +137,9 @@ def _matmul_flops(profile, device: torch.device, dtype: torch.dtype) -> float:
     return 2 * tokens * hidden * inner / _median_seconds(lambda: x @ w, device, REPEATS)
 
 
-def _attention_block(profile, device: torch.device, dtype: torch.dtype):
-    """(step, FLOPs): a forward + backward of one attention block and the FLOPs the cost model counts for it."""
+def _attention_block(profile, device: torch.device, dtype: torch.dtype, causal: bool):
+    """(step, FLOPs): a forward + backward of one attention block (``causal`` or full) and the FLOPs the cost
+    model counts for it."""
     kv_heads = min(profile.num_kv_heads, ATTENTION_MAX_KV_HEADS.get(device.type, ATTENTION_MAX_KV_HEADS["cpu"]))
     heads, dim = kv_heads * (profile.num_heads // profile.num_kv_heads), profile.head_dim
     if device.type == "cuda":
@@ -131,66 +150,59 @@ def _attention_block(profile, device: torch.device, dtype: torch.dtype):
     q = torch.randn(heads, tokens, dim, device=device, dtype=dtype)
     k, v = (torch.randn(kv_heads, tokens, dim, device=device, dtype=dtype) for _ in range(2))
     dout = torch.randn_like(q)
-    return _attention_step(q, k, v, dout), 3 * 4 * heads * dim * tokens * tokens
+    return _attention_step(q, k, v, dout, causal), 3 * 4 * heads * dim * tokens * tokens / (2 if causal else 1)
 
 
-def _attention_step(q, k, v, dout):
+def _attention_step(q, k, v, dout, causal: bool):
     """A forward + backward of one attention block, with the CP engine's kernels where they run."""
     scale = q.shape[-1] ** -0.5
     try:
         if q.is_cuda:
-            attention_forward(q, k, v, causal=False, scale=scale)   # backend installed, dtype supported?
+            attention_forward(q, k, v, causal=causal, scale=scale)   # backend installed, dtype supported?
     except (ImportError, ValueError):  # flash-attn selected but missing, or float32 (no flash kernel)
         group = q.shape[0] // k.shape[0]
         q, k, v = (x.detach().requires_grad_() for x in (q, k.repeat_interleave(group, 0),
                                                           v.repeat_interleave(group, 0)))
-        return lambda: torch.autograd.grad(F.scaled_dot_product_attention(q, k, v, scale=scale), (q, k, v), dout)
+        return lambda: torch.autograd.grad(F.scaled_dot_product_attention(q, k, v, scale=scale, is_causal=causal),
+                                           (q, k, v), dout)
 
     def step():
-        out, lse = attention_forward(q, k, v, causal=False, scale=scale)
-        attention_backward(dout, q, k, v, out, lse, causal=False, scale=scale)
+        out, lse = attention_forward(q, k, v, causal=causal, scale=scale)
+        attention_backward(dout, q, k, v, out, lse, causal=causal, scale=scale)
     return step
 
 
-def _model_overhead(model, device: torch.device) -> float:
-    """Seconds per layer of ``model``'s forward + backward on a few tokens (gradients returned, not stored)."""
+def _replay_costs(model, profile, device: torch.device, lockstep_group) -> dict:
+    """flops_per_s, call_overhead_s and slot_overhead_s of ``replay`` on ``model`` (the module docstring);
+    ``profile`` has the measured attention throughputs."""
     gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, model.get_input_embeddings().num_embeddings, (1, OVERHEAD_TOKENS), generator=gen)
-    ids = ids.to(model.get_input_embeddings().weight.device)
-    params = [p for p in model.parameters() if p.requires_grad]
-    step = lambda: torch.autograd.grad(model(input_ids=ids, use_cache=False).logits.float().sum(), params)
-    return _median_seconds(step, device, REPEATS) / model.config.num_hidden_layers
+    ids = lambda n: torch.randint(0, model.get_input_embeddings().num_embeddings, (n,), generator=gen).to(device)
+    prompt = ids(OVERHEAD_PROMPT)
+    dense_tokens = DENSE_TOKENS.get(device.type, DENSE_TOKENS["cpu"])
+    trees = {"one": ReplayTree(prompt, [ids(2)]), "long": ReplayTree(prompt, [ids(dense_tokens + 1)]),
+             "calls": ReplayTree(prompt, [ids(2) for _ in range(1 + OVERHEAD_CALLS)])}
+    loss = lambda t, i, scores: scores.sum()
+    params = [p for p in model.parameters() if p.requires_grad] if hasattr(model, "parameters") else []
+    saved = [p.grad for p in params]
 
+    def step(name):
+        return lambda: replay(model, [trees[name]], loss, micro_batch_tokens=1 if name == "calls" else dense_tokens,
+                              lockstep_group=lockstep_group)
 
-def _layer_overhead(device: torch.device, dtype: torch.dtype) -> float:
-    """Seconds of a tiny Qwen2-style layer's forward + backward: RMSNorm, q/k/v/o projections, RoPE, attention,
-    residuals, SwiGLU MLP. Its FLOPs are negligible, so this is per-layer host overhead."""
-    gen = torch.Generator(device=device).manual_seed(0)
-    width, dim, tokens = OVERHEAD_WIDTH, OVERHEAD_HEAD_DIM, OVERHEAD_TOKENS
-    heads = width // dim
-    new = lambda *shape: torch.randn(*shape, generator=gen, device=device, dtype=dtype).requires_grad_()
-    w_qkv, b_qkv, w_o = new(3 * width, width), new(3 * width), new(width, width)
-    w_gate, w_up, w_down = new(2 * width, width), new(2 * width, width), new(width, 2 * width)
-    norm1, norm2, x = new(width), new(width), new(1, tokens, width)
-    angle = torch.arange(tokens, device=device, dtype=dtype)[:, None] * torch.ones(dim, device=device, dtype=dtype)
-    cos, sin = angle.cos(), angle.sin()
-    params = (w_qkv, b_qkv, w_o, w_gate, w_up, w_down, norm1, norm2, x)
-
-    def rms(h, weight):
-        return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * weight
-
-    def rope(t):
-        half = t.shape[-1] // 2
-        return t * cos + torch.cat([-t[..., half:], t[..., :half]], dim=-1) * sin
-
-    def step():
-        q, k, v = F.linear(rms(x, norm1), w_qkv, b_qkv).view(1, tokens, 3, heads, dim).transpose(1, 3).unbind(2)
-        att = F.scaled_dot_product_attention(rope(q), rope(k), v, is_causal=True)
-        h = x + F.linear(att.transpose(1, 2).reshape(1, tokens, width), w_o)
-        g = rms(h, norm2)
-        out = h + F.linear(F.silu(F.linear(g, w_gate)) * F.linear(g, w_up), w_down)
-        torch.autograd.grad(out.sum(), params)
-    return _median_seconds(step, device, REPEATS * 3)
+    try:
+        calls = _median_added_seconds(step("calls"), step("one"), device, REPEATS)
+        long = _median_added_seconds(step("long"), step("one"), device, REPEATS)
+        one = _median_seconds(step("one"), device, REPEATS)
+    finally:
+        for p, g in zip(params, saved):
+            p.grad = g
+    p = profile
+    attention_s = p.train_factor * p.attention_pair_flops * dense_tokens * (
+        OVERHEAD_PROMPT / p.attention_flops_per_s + dense_tokens / 2 / p.causal_attention_flops_per_s)
+    dense_s = max(long - attention_s, MIN_DENSE_SHARE * long)
+    call = max(calls / OVERHEAD_CALLS, MIN_OVERHEAD_S)
+    return {"flops_per_s": p.train_factor * (p.linear_flops + p.head_flops) * dense_tokens / dense_s,
+            "call_overhead_s": call, "slot_overhead_s": max(one - call, MIN_OVERHEAD_S)}
 
 
 def _comm_device(group, device: torch.device) -> torch.device:
@@ -240,7 +252,7 @@ def _agree(measured: dict, group, device: torch.device) -> dict:
     """Every rank ends with the same figures: min of throughputs and memory, max of latencies."""
     device = _comm_device(group, device)
     names = sorted(measured)
-    signs = torch.tensor([-1.0 if name in ("launch_latency_s", "layer_overhead_s") else 1.0 for name in names],
+    signs = torch.tensor([-1.0 if name in SECONDS else 1.0 for name in names],
                          dtype=torch.float64)
     values = torch.tensor([measured[name] for name in names], dtype=torch.float64) * signs
     values = values.to(device)

@@ -1,6 +1,6 @@
 """The trainer side of the planner service: the plans of a batch's groups, from the actor or in-process.
 
-    client = PlannerClient("augtree_planner", degrees=(1, 2, 4, 8), timeout_s=2.0)
+    client = PlannerClient("augtree_planner", degrees=(1, 2, 4, 8), profile=run_profile, timeout_s=2.0)
     plans = client.plans({"uid-17|3000": ("uid-17", 3000, [40, 900, 15, 300]), ...},
                          from_rollout={"uid-17|3000", ...})          # tree_id -> Plan
 
@@ -48,16 +48,16 @@ DEFAULT_TIMEOUT_S = 2.0
 
 class PlannerClient:
     """Client of the planner actor ``name`` (None: no actor); plans in-process whatever the actor cannot hand
-    over. ``force_primitive`` pins every plan to one primitive, as ``plan_tree``'s argument."""
+    over, with ``profile`` (the run's, ``planner.startup``). ``force_primitive`` pins every plan to one
+    primitive, as ``plan_tree``'s argument."""
 
-    def __init__(self, name: str | None = "augtree_planner", *, degrees=(1, 2, 4, 8),
-                 profile: ClusterProfile | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
+    def __init__(self, name: str | None, *, degrees, profile: ClusterProfile, timeout_s: float = DEFAULT_TIMEOUT_S,
                  namespace: str | None = None, force_primitive: str | None = None):
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
             raise ValueError(f"timeout_s must be a number > 0, got {timeout_s!r}")
         self.name, self.namespace, self.timeout_s = name, namespace, float(timeout_s)
         self.degrees = tuple(degrees)
-        self.profile = profile if profile is not None else ClusterProfile.default()
+        self.profile = profile
         self.force_primitive = force_primitive
         # fail now on bad degrees, profile or primitive
         plan_tree(1, [1], degrees=self.degrees, profile=self.profile, force_primitive=force_primitive)

@@ -2,7 +2,8 @@
 
 Notation: P prompt tokens, R_i response tokens, L layers, H hidden size, I MLP width, V vocab,
 H_q / H_kv query / key-value heads of width D, e bytes per element (``dtype_bytes``), a = max(4, e) bytes per
-gradient-accumulator element, F / F_attn achieved dense / attention FLOP/s.
+gradient-accumulator element, F / F_attn / F_causal achieved dense / attention
+FLOP/s (full and causal blocks).
 
 Compute (summed over layers, forward only, per token or per query-key pair):
     lin  = L * (2H(H_q + 2H_kv)D + 2 H_q D H + 6 H I)   QKV and output projections, SwiGLU MLP
@@ -10,8 +11,16 @@ Compute (summed over layers, forward only, per token or per query-key pair):
     attn = L * 4 H_q D                                  QK^T and PV per (query, key) pair; causal halves it
 Training multiplies forward FLOPs by f + 2 (backward = 2 x forward), f = 2 forward passes with activation
 checkpointing (the forward runs again in backward), else 1. A pass (one forward+backward over a chunk of
-tokens) costs (f + 2) (dense / F + attention / F_attn) + L (f + 2) / 3 * ``layer_overhead_s``: the host
-time of every layer's kernels, autograd and Python, which is what short passes cost.
+tokens) costs (f + 2) (dense / F + attention / F_attn + causal attention / F_causal): the prompt-to-prompt and
+response-to-response blocks are causal, a response's queries against the prompt's keys full.
+
+Fixed costs, what short steps are made of (measured by the calibration on the replay itself):
+    each response call (one device: a micro-batch; CP: a step): ``call_overhead_s`` (a decoder call, an
+    LM-head call, the loss and the backward, beyond their FLOPs); each tree (a slot): ``slot_overhead_s``
+    (its prefill call and delayed prompt backward); each exchange among more than one rank (a CP step's
+    score exchange, a TreeMoveKV tree's lane share): ``launch_latency_s``.
+One device (any plan of degree 1) runs the responses as padded micro-batches of ``DEFAULT_MICRO_BATCH_TOKENS``
+(rows x longest row, ``replay.microbatch``): each row computes as many tokens as the longest.
 
 Communication per rank (bytes / bandwidth + ``launch_latency_s`` per sequential step; no overlap credited),
 mirroring what the CP engine sends (cp/ring.py, cp/move_q.py, and ``cp.cost.analytic_bytes``):
@@ -39,6 +48,8 @@ from functools import lru_cache
 import numpy as np
 
 from augtree_verl.planner.profile import ClusterProfile
+from augtree_verl.replay.engine import DEFAULT_MICRO_BATCH_TOKENS
+from augtree_verl.replay.microbatch import split_micro_batches
 
 LSE_BYTES = 4                 # float32 log-sum-exp per query and head in MoveQ's partial states
 MOVEQ_COLLECTIVES = 3         # all-to-alls per layer and direction: queries, outputs, lse (fwd); dout+out, lse, dq
@@ -57,10 +68,8 @@ class CostModel:
         Hq, Hkv, D, beta = p.num_heads, p.num_kv_heads, p.head_dim, p.dtype_bytes
         forward_passes = 2 if p.activation_checkpointing else 1
         self.forward_passes = forward_passes
-        self.train_factor = forward_passes + 2
-        self.lin_flops = L * (2 * H * (Hq + 2 * Hkv) * D + 2 * Hq * D * H + 6 * H * I)
-        self.head_flops = 2 * H * V
-        self.attn_flops = L * 4 * Hq * D
+        self.train_factor = p.train_factor
+        self.lin_flops, self.head_flops, self.attn_flops = p.linear_flops, p.head_flops, p.attention_pair_flops
         self.kv_bytes = L * 2 * Hkv * D * beta
         # Ring bytes per key token: relays (times (k-1)/k) and float32 (or wider) dK/dV accumulators.
         self.ring_relay_bytes = (forward_passes + 1) * self.kv_bytes
@@ -68,7 +77,6 @@ class CostModel:
         self.query_state_bytes = L * Hq * (2 * D * beta + LSE_BYTES)        # q out, (O, lse) back
         self.moveq_bytes = L * Hq * (forward_passes * (2 * D * beta + LSE_BYTES) + 3 * D * beta + LSE_BYTES)
         self.moveq_steps_per_round = L * MOVEQ_COLLECTIVES * (forward_passes + 1)
-        self.pass_overhead_s = L * p.layer_overhead_s * self.train_factor / 3
         # Elements a decoder layer saves per token for backward: 4 H (norm inputs/outputs, residual),
         # (H_q + 2 H_kv) D (Q, K, V), 2 H_q D (attention out, O-proj input), 3 I (gate, up, act*up).
         layer_bytes = (4 * H + (Hq + 2 * Hkv) * D + 2 * Hq * D + 3 * I) * beta
@@ -83,12 +91,25 @@ class CostModel:
         intra = p.collective_bytes_per_s if collective else p.p2p_bytes_per_s
         return np.where(ranks > p.ranks_per_node, p.internode_bytes_per_s, intra)
 
-    def pass_time(self, dense_flops, attention_flops):
-        """Seconds of one forward+backward pass doing these forward FLOPs on a rank (dense: projections,
-        MLP, LM head; attention: query-key pairs x ``attn_flops``), plus the pass's per-layer host overhead."""
+    def pass_time(self, dense_flops, attention_flops, causal_flops=0.0):
+        """Seconds of the FLOPs of one forward+backward pass on a rank (dense: projections, MLP, LM head;
+        attention: query-key pairs x ``attn_flops`` in full blocks, and in causal blocks)."""
         p = self.profile
-        return (self.train_factor * (dense_flops / p.flops_per_s + attention_flops / p.attention_flops_per_s)
-                + self.pass_overhead_s)
+        return self.train_factor * (dense_flops / p.flops_per_s + attention_flops / p.attention_flops_per_s
+                                    + causal_flops / p.causal_attention_flops_per_s)
+
+    def attention_split(self, n, ranks):
+        """Attention FLOPs (in full blocks, in causal blocks) one rank computes of a causal sequence of n tokens:
+        on one rank one causal block; zigzag-sharded over k > 1 ranks (chunks of c = n / 2k, two per rank),
+        the two diagonal chunks' causal blocks (c^2 visible pairs) and full blocks for the rest of its
+        n^2 / 2k pairs."""
+        total = self.attn_flops * n * n / 2 / ranks
+        causal = np.where(ranks > 1, self.attn_flops * n * n / (4 * ranks * ranks), total)
+        return total - causal, causal
+
+    def exchange(self, ranks):
+        """Seconds of one small exchange among ``ranks`` (a step's scores): a latency, 0 for one rank."""
+        return np.where(ranks > 1, self.profile.launch_latency_s, 0.0)
 
     def ring_comm(self, kv_tokens, ranks):
         """Seconds a rank spends rotating ``kv_tokens`` tokens' K/V around a ring of ``ranks`` (fwd+bwd),
@@ -100,39 +121,57 @@ class CostModel:
         return np.where(ranks > 1, seconds, 0.0)
 
     def prefill(self, P: int, ranks):
-        """(compute s, comm s) of the prompt's forward + delayed backward sharded over a ring of ``ranks``."""
-        return self.pass_time(self.lin_flops * P / ranks, self.attn_flops * P * P / 2 / ranks), \
-            self.ring_comm(P, ranks)
+        """(compute s, comm s) of the prompt's forward + delayed backward sharded over a ring of ``ranks``,
+        with the slot's fixed cost."""
+        return self.pass_time(self.lin_flops * P / ranks, *self.attention_split(P, ranks)) \
+            + self.profile.slot_overhead_s, self.ring_comm(P, ranks)
+
+    def one_device(self, P: int, R) -> float:
+        """Seconds of the responses R [G] of a tree on one device (after its prefill): padded micro-batches
+        of up to ``DEFAULT_MICRO_BATCH_TOKENS`` tokens (rows x longest row), one call each."""
+        total = 0.0
+        for rows in split_micro_batches([int(r) for r in R], DEFAULT_MICRO_BATCH_TOKENS):
+            n, longest = len(rows), float(max(R[i] for i in rows))
+            total += float(self.pass_time((self.lin_flops + self.head_flops) * n * longest,
+                                          self.attn_flops * n * longest * P, self.attn_flops * n * longest ** 2 / 2))
+            total += self.profile.call_overhead_s
+        return total
 
     # ---- per-primitive times: [K, G] arrays for ranks [K, 1] and response lengths R [G] ------------
     def ring_sequences(self, P: int, R, d):
-        """RingCP: (compute s, comm s) per response of [P || R_i] sharded over d ranks, prompt recomputed."""
+        """RingCP: (compute s, comm s) per response of [P || R_i] sharded over d ranks, prompt recomputed;
+        one call and one score exchange each."""
         seq = P + R
         dense = (self.lin_flops * seq + self.head_flops * R) / d
-        return self.pass_time(dense, self.attn_flops * seq * seq / 2 / d), self.ring_comm(seq, d)
+        return (self.pass_time(dense, *self.attention_split(seq, d)) + self.profile.call_overhead_s,
+                self.ring_comm(seq, d) + self.exchange(d))
 
     def tree_responses(self, P: int, R, m):
-        """TreeMoveKV: (compute s, comm s) per response replayed in a lane of m ranks (prompt + own K/V ring)."""
+        """TreeMoveKV: (compute s, comm s) per response replayed in a lane of m ranks (prompt + own K/V ring),
+        one call and one score exchange among the lane each."""
         dense = (self.lin_flops + self.head_flops) * R / m
-        return self.pass_time(dense, self.attn_flops * (R * P + R * R / 2) / m), self.ring_comm(P + R, m)
+        full, causal = self.attention_split(R, m)
+        return (self.pass_time(dense, full + self.attn_flops * R * P / m, causal) + self.profile.call_overhead_s,
+                self.ring_comm(P + R, m) + self.exchange(m))
 
     def moveq_lane(self, R, m):
         """MoveQ, lane-local part: (compute s, comm s) of response R's projections, MLP, head and causal
-        self-attention sharded over its lane's m ranks (its own K/V ring)."""
+        self-attention sharded over its lane's m ranks (its own K/V ring), one call each."""
         dense = (self.lin_flops + self.head_flops) * R / m
-        return self.pass_time(dense, self.attn_flops * R * R / 2 / m), self.ring_comm(R, m)
+        return (self.pass_time(dense, *self.attention_split(R, m)) + self.profile.call_overhead_s,
+                self.ring_comm(R, m))
 
     def moveq_owners(self, P: int, queries: float, rounds: int, d: int) -> tuple[float, float]:
         """MoveQ, all rounds together: (compute s, comm s) of every owner scoring ``queries`` queries against
         its P/d prompt keys, and of moving queries and partial states (three all-to-alls per layer and
-        direction per round)."""
+        direction per round) and each round's scores (one exchange among all d)."""
         p = self.profile
         compute = self.train_factor * self.attn_flops * queries * P / d / p.attention_flops_per_s
         if d == 1:
             return compute, 0.0
         bandwidth = p.internode_bytes_per_s if d > p.ranks_per_node else p.collective_bytes_per_s
         per_rank = (d - 1) / d * queries * self.moveq_bytes / bandwidth
-        steps = rounds * self.moveq_steps_per_round * math.ceil(math.log2(d)) * p.launch_latency_s
+        steps = rounds * (self.moveq_steps_per_round * math.ceil(math.log2(d)) + 1) * p.launch_latency_s
         return compute, per_rank + steps
 
     # ---- per-primitive memory (bytes per rank) ---------------------------------------------------

@@ -14,10 +14,15 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-_POSITIVE_FLOATS = ("flops_per_s", "attention_flops_per_s", "p2p_bytes_per_s", "collective_bytes_per_s",
-                    "internode_bytes_per_s", "launch_latency_s", "layer_overhead_s", "memory_per_rank_bytes")
+_POSITIVE_FLOATS = ("flops_per_s", "attention_flops_per_s", "causal_attention_flops_per_s", "p2p_bytes_per_s",
+                    "collective_bytes_per_s", "internode_bytes_per_s", "launch_latency_s", "call_overhead_s",
+                    "slot_overhead_s", "memory_per_rank_bytes")
 _POSITIVE_INTS = ("ranks_per_node", "num_layers", "num_heads", "num_kv_heads", "head_dim", "hidden_size",
                   "intermediate_size", "vocab_size", "dtype_bytes")
+# What a profile says about the model and how it trains (the rest is hardware and policy): a saved profile
+# applies to a run only when these match (``planner.startup``).
+MODEL_FIELDS = ("num_layers", "num_heads", "num_kv_heads", "head_dim", "hidden_size", "intermediate_size",
+                "vocab_size", "dtype_bytes", "activation_checkpointing")
 
 
 @dataclass(frozen=True)
@@ -25,11 +30,13 @@ class ClusterProfile:
     # --- hardware, per rank ---
     flops_per_s: float              # achieved dense matmul throughput (FLOP/s) in the training dtype
     attention_flops_per_s: float    # achieved attention-kernel throughput (forward + backward FLOP/s)
+    causal_attention_flops_per_s: float   # the same for causal blocks, FLOPs of the visible half counted
     p2p_bytes_per_s: float          # point-to-point bandwidth to a neighbour inside a node, one direction
     collective_bytes_per_s: float   # per-rank bandwidth of the all-to-all MoveQ uses, inside a node
     internode_bytes_per_s: float    # per-rank bandwidth once a group spans nodes (p2p and collectives)
     launch_latency_s: float         # one small communication step (a P2P exchange or one collective round)
-    layer_overhead_s: float         # host time of one decoder layer's forward + backward beyond its FLOPs
+    call_overhead_s: float          # one response call (decoder, LM head, loss, backward) beyond its FLOPs
+    slot_overhead_s: float          # one tree beyond its FLOPs: its prefill call and delayed prompt backward
     memory_per_rank_bytes: float    # what replay may use: activations, prompt K/V, comm buffers, outputs
     ranks_per_node: int             # groups larger than this must span whole nodes
     # --- model shape ---
@@ -79,20 +86,46 @@ class ClusterProfile:
           we assume 250 GB/s per rank (nccl-tests class figure; calibrate() measures the real one).
         - internode: one 400 Gb/s ConnectX-7 NDR InfiniBand port per GPU in DGX H100 = 50 GB/s; 90% usable.
         - attention: FlashAttention-2 forward + backward in bf16 on H100 SXM reaches about 35% of dense peak
-          at head dim 128 (FlashAttention-3 paper, Shah et al. 2024, H100 benchmarks: ~300-350 TFLOPS).
+          at head dim 128 (FlashAttention-3 paper, Shah et al. 2024, H100 benchmarks: ~300-350 TFLOPS);
+          causal blocks somewhat less (the diagonal tiles are partly masked): we assume 30%.
         - latency: ~10 us for a small NCCL step inside a node.
-        - layer overhead: a decoder layer's forward + backward launches ~36 kernels at ~10 us of host time
-          each (eager PyTorch); it only matters for tiny passes.
+        - call and slot overheads: a decoder layer's forward + backward launches ~36 kernels at ~10 us of host
+          time each (eager PyTorch), for 28 layers, per response call and per tree (prefill and delayed
+          backward); they only matter for short steps.
         - memory: 80 GB HBM3, minus a 7.6B model's FSDP-sharded bf16 weights, fp32 grads and Adam states
           (~16 B/param / 8 ranks ~ 15 GB) and ~15 GB for CUDA context, NCCL buffers and fragmentation.
         - model: Qwen2.5-7B-Instruct config.json (28 layers, 28 heads, 4 KV heads, hidden 3584,
           intermediate 18944, vocab 152064; head_dim = 3584 / 28 = 128).
         """
-        return cls(flops_per_s=0.6 * 989e12, attention_flops_per_s=0.35 * 989e12, p2p_bytes_per_s=360e9,
+        return cls(flops_per_s=0.6 * 989e12, attention_flops_per_s=0.35 * 989e12,
+                   causal_attention_flops_per_s=0.3 * 989e12, p2p_bytes_per_s=360e9,
                    collective_bytes_per_s=250e9, internode_bytes_per_s=45e9, launch_latency_s=10e-6,
-                   layer_overhead_s=36 * 10e-6, memory_per_rank_bytes=50e9,
+                   call_overhead_s=28 * 36 * 10e-6, slot_overhead_s=28 * 36 * 10e-6, memory_per_rank_bytes=50e9,
                    ranks_per_node=8, num_layers=28, num_heads=28, num_kv_heads=4, head_dim=128,
                    hidden_size=3584, intermediate_size=18944, vocab_size=152064)
+
+    # ---- the model's FLOP counts (forward, all layers; planner/cost.py's lin, head and attn) ----------
+    @property
+    def linear_flops(self) -> int:
+        """Per token: QKV and output projections, SwiGLU MLP."""
+        H, D = self.hidden_size, self.head_dim
+        return self.num_layers * (2 * H * (self.num_heads + 2 * self.num_kv_heads) * D + 2 * self.num_heads * D * H
+                                  + 6 * H * self.intermediate_size)
+
+    @property
+    def head_flops(self) -> int:
+        """Per scored token: the LM head."""
+        return 2 * self.hidden_size * self.vocab_size
+
+    @property
+    def attention_pair_flops(self) -> int:
+        """Per (query, key) pair: QK^T and PV."""
+        return self.num_layers * 4 * self.num_heads * self.head_dim
+
+    @property
+    def train_factor(self) -> int:
+        """Training FLOPs over forward FLOPs: backward = 2 x forward, plus the recompute under checkpointing."""
+        return (2 if self.activation_checkpointing else 1) + 2
 
     def with_model(self, config) -> ClusterProfile:
         """This profile with the model shape read from a Hugging Face config (``LlamaConfig``, ``Qwen2Config``...)."""
@@ -104,17 +137,19 @@ class ClusterProfile:
             hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
             vocab_size=config.vocab_size)
 
-    def calibrate(self, group=None, device=None, model=None) -> ClusterProfile:
+    def calibrate(self, group=None, device=None, model=None, lockstep_group=None) -> ClusterProfile:
         """This profile with compute, bandwidth, latency (and, on CUDA, memory) measured here, on this
-        profile's model shapes; ``model`` (optional, the unwrapped HF model the replay runs) sets the per-pass
-        overhead from the real thing; see calibrate.py.
+        profile's model shapes; ``model`` (optional, what ``replay`` runs: a causal LM or
+        ``integration.fsdp_model.FSDPReplayModel``) sets the call and slot overheads from the replay itself,
+        its calls in step over ``lockstep_group`` (an FSDP2-sharded model); see calibrate.py.
 
         Collective: when ``torch.distributed`` is initialised with more than one rank, every rank of ``group``
         must call it, and all of them get the same profile back.
         """
         from augtree_verl.planner.calibrate import measure_hardware
 
-        return dataclasses.replace(self, **measure_hardware(self, group=group, device=device, model=model))
+        return dataclasses.replace(self, **measure_hardware(self, group=group, device=device, model=model,
+                                                            lockstep_group=lockstep_group))
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -10,8 +10,8 @@ TreeMoveKV and MoveQ. Lane semantics (what the CP primitives execute):
   (slowest lane + shared owner work); sorting responses by length and filling rounds in that order minimises
   the sum of round maxima (exchange argument), so no search is needed. b = ceil(G / s).
 - Ring: each [prompt || response] in turn over all d ranks.
-- d = 1 (any split primitive): the single-device engine, which packs the responses into micro-batches of up to
-  ``DEFAULT_MICRO_BATCH_TOKENS``: a pass's fixed overhead is paid per micro-batch, not per response.
+- d = 1 (any primitive): the single-device engine, which prefills once and packs the responses into padded
+  micro-batches of up to ``DEFAULT_MICRO_BATCH_TOKENS`` (``CostModel.one_device``): one call per micro-batch.
 
 Filters: groups of ranks must not straddle nodes (a group either fits in a node and tiles it, or is a whole
 number of nodes), and the per-rank memory estimate must fit ``memory_per_rank_bytes``.
@@ -37,7 +37,6 @@ from augtree_verl.plan import PRIMITIVES, Plan
 from augtree_verl.planner.cost import CostModel, cost_model
 from augtree_verl.planner.partition import balanced_lanes
 from augtree_verl.planner.profile import ClusterProfile
-from augtree_verl.replay.microbatch import DEFAULT_MICRO_BATCH_TOKENS
 
 _PRIMITIVE_ORDER = {name: i for i, name in enumerate(PRIMITIVES)}
 _DEFAULT_PROFILE: ClusterProfile | None = None
@@ -158,9 +157,7 @@ class _Search:
         self.G = R.shape[0]
         self.R_max, self.R_sum = float(R.max()), float(R.sum())
         self.by_length = np.argsort(-R, kind="stable")          # longest first
-        # d = 1 packs responses: the per-response passes' overheads beyond one per micro-batch are saved.
-        packed = math.ceil(self.R_sum / DEFAULT_MICRO_BATCH_TOKENS)
-        self.packing_saving = max(0, self.G - packed) * cost.pass_overhead_s
+        self.one_device_s = cost.one_device(P, R)                # any plan of degree 1 runs this
         self._labels: dict[tuple[int, int], np.ndarray] = {}
 
     # ---- enumeration -----------------------------------------------------------------------------
@@ -214,9 +211,14 @@ class _Search:
             self.moveq_rounds = {s: list(zip(compute[:, ::s].sum(1).tolist(), comm[:, ::s].sum(1).tolist()))
                                  for s in lane_counts}
 
+    def _one_device_parts(self) -> tuple[float, float, float]:
+        pre_compute, pre_comm = self.pre[self.row[1]]
+        return pre_compute, self.one_device_s, pre_comm
+
     def _ring(self, d: int) -> _Candidate:
         compute, comm = self.ring[self.row[d]]
-        parts = (0.0, compute, comm)
+        # no shared prefill: the slot's dummy one costs its fixed part
+        parts = self._one_device_parts() if d == 1 else (self.cost.profile.slot_overhead_s, compute, comm)
         memory = self.cost.ring_memory(self.P, self.R_max, self.R_sum, d)
         return _Candidate(d, "ring", 1, memory, sum(parts), parts)
 
@@ -226,13 +228,16 @@ class _Search:
         desc = self.tree_desc[row]
         # Some lane holds the largest response; if G > s some lane holds two of the s+1 largest.
         lane_bound = max(desc[0], self.tree_sum[row] / s, desc[s - 1] + desc[s] if self.G > s else 0.0)
-        bound = sum(self.pre[row]) + lane_bound
+        bound = sum(self.pre[row]) + lane_bound + self._lane_share(s)
         memory = self.cost.tree_memory(self.P, self.R_max, self.R_sum, m)
         cand = _Candidate(d, "tree_move_kv", s, memory, bound)
-        if s in (1, self.G):                   # one lane holds all, or one response per lane: no search
+        if d == 1:
+            cand.parts = self._one_device_parts()
+            cand.bound = sum(cand.parts)
+        elif s in (1, self.G):                 # one lane holds all, or one response per lane: no search
             compute, comm = self.tree_one_lane[row] if s == 1 else self.tree_heaviest[row]
             pre_compute, pre_comm = self.pre[row]
-            cand.parts = (pre_compute, compute - (self.packing_saving if d == 1 else 0.0), pre_comm + comm)
+            cand.parts = (pre_compute, compute, pre_comm + comm + self._lane_share(s))
             cand.bound = sum(cand.parts)
         return cand
 
@@ -244,8 +249,8 @@ class _Search:
         lane_compute, lane_comm = self.moveq_rounds[s][row]
         owner_compute, owner_comm = self.cost.moveq_owners(self.P, self.R_sum, rounds, d)
         pre_compute, pre_comm = self.pre[self.row[d]]
-        packing = self.packing_saving if d == 1 else 0.0
-        parts = (pre_compute, lane_compute + owner_compute - packing, pre_comm + lane_comm + owner_comm)
+        parts = self._one_device_parts() if d == 1 else \
+            (pre_compute, lane_compute + owner_compute, pre_comm + lane_comm + owner_comm)
         round_max_queries = float(self.R[self.by_length[:s]].sum())
         memory = self.cost.moveq_memory(self.P, self.R_max, self.R_sum, round_max_queries, d, m)
         return _Candidate(d, "move_q", s, memory, sum(parts), parts)
@@ -261,11 +266,18 @@ class _Search:
         m = cand.degree // cand.lanes
         row = self.row[m]
         labels = self.lanes_of(cand.lanes, m)
-        critical = labels == int(np.argmax(np.bincount(labels, weights=self.tree_load[row],
-                                                       minlength=cand.lanes)))
+        # Lanes run in lock-step: a lane with fewer responses than the most pads with dummy calls.
+        calls = np.bincount(labels, minlength=cand.lanes)
+        padding = (calls.max() - calls) * self.cost.profile.call_overhead_s
+        lane = int(np.argmax(np.bincount(labels, weights=self.tree_load[row], minlength=cand.lanes) + padding))
+        critical = labels == lane
         pre_compute, pre_comm = self.pre[row]
-        cand.parts = (pre_compute, float(self.tree_compute[row][critical].sum()),
-                      pre_comm + float(self.tree_comm[row][critical].sum()))
+        cand.parts = (pre_compute, float(self.tree_compute[row][critical].sum() + padding[lane]),
+                      pre_comm + float(self.tree_comm[row][critical].sum()) + self._lane_share(cand.lanes))
+
+    def _lane_share(self, lanes: int) -> float:
+        """TreeMoveKV's one exchange of the lanes' scores over the subgroup (none with one lane)."""
+        return self.cost.profile.launch_latency_s if lanes > 1 else 0.0
 
     def choose(self, fitting: list[_Candidate], min_efficiency: float) -> _Candidate:
         most_efficient = None                          # smallest rank-seconds d * T

@@ -58,14 +58,14 @@ def plan_group(prompt_len: int, response_lens, degrees, profile: ClusterProfile,
 class PlannerService:
     """Async actor holding one entry per reported uid: its lengths and plan, until taken or evicted."""
 
-    def __init__(self, degrees=(1, 2, 4, 8), profile: dict | None = None, ttl_s: float = DEFAULT_TTL_S,
+    def __init__(self, degrees, profile: dict, ttl_s: float = DEFAULT_TTL_S,
                  max_entries: int = DEFAULT_MAX_ENTRIES, force_primitive: str | None = None):
         if not ttl_s > 0:
             raise ValueError(f"ttl_s must be > 0, got {ttl_s!r}")
         if isinstance(max_entries, bool) or not isinstance(max_entries, int) or max_entries < 1:
             raise ValueError(f"max_entries must be an int >= 1, got {max_entries!r}")
         self.degrees = tuple(degrees)
-        self.profile = ClusterProfile.from_dict(profile) if profile else ClusterProfile.default()
+        self.profile = ClusterProfile.from_dict(profile)   # the run's (``planner.startup``)
         self.force_primitive = force_primitive
         plan_tree(1, [1], degrees=self.degrees, profile=self.profile, force_primitive=force_primitive)  # bad input
         self.ttl_s, self.max_entries = float(ttl_s), max_entries
@@ -176,18 +176,18 @@ class PlannerService:
             self.counts["evicted"] += 1
 
 
-def start_planner_service(name: str = "augtree_planner", *, degrees=(1, 2, 4, 8),
-                          profile: ClusterProfile | None = None, namespace: str | None = None,
+def start_planner_service(name: str = "augtree_planner", *, degrees, profile: ClusterProfile,
+                          namespace: str | None = None,
                           ttl_s: float = DEFAULT_TTL_S, max_entries: int = DEFAULT_MAX_ENTRIES,
                           force_primitive: str | None = None):
-    """The named planner actor (created unless it exists). Needs ``ray.init`` first. ``force_primitive`` pins
-    its plans to one primitive (``plan_tree``'s argument).
+    """The named planner actor (created unless it exists), planning with ``profile`` (the run's, from
+    ``planner.startup``). Needs ``ray.init`` first. ``force_primitive`` pins its plans to one primitive
+    (``plan_tree``'s argument).
 
     Not detached: keep the returned handle for the whole run (Ray ends a non-detached actor once no handle
     refers to it). It reserves no CPU, so it never blocks training placement. Ray restarts it if its
     process dies; the new instance starts empty, and the groups it lost are planned in-process (counted).
     """
-    profile = profile if profile is not None else ClusterProfile.default()
     return ray.remote(PlannerService).options(
         name=name, namespace=namespace, get_if_exists=True, num_cpus=0, max_concurrency=1000,
         max_restarts=-1, max_task_retries=0,

@@ -6,6 +6,7 @@ Importing this module has no side effects. Call :func:`use_cpu_platform` before 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import socket
@@ -18,6 +19,7 @@ import torch.distributed as dist
 from tensordict import TensorDict
 from transformers import AutoConfig, Qwen2Config, Qwen2ForCausalLM
 
+from augtree_verl.planner import ClusterProfile
 from augtree_verl.testing import verl_batch
 
 VOCAB = 128
@@ -108,7 +110,9 @@ def build_engine(strategy: str, model_path: str, *, loss_agg_mode: str = "token-
                  forward_only: bool = False):
     """verl's engine for ``strategy`` ("fsdp2" = stock, "augtree" = ours), built the way verl's workers build it.
 
-    ``forward_only=True`` builds it as verl builds the reference policy's engine.
+    ``forward_only=True`` builds it as verl builds the reference policy's engine. A training AugTree engine
+    plans with a fixed profile of the model (``planner_profile``: no start-up calibration, which engines that
+    only test exactness do not need) unless ``engine_knobs`` names ``planner_profile`` (None: calibrate).
 
     Returns ``(engine, loss_fn)`` with ``loss_fn`` verl's ``ppo_loss`` bound to the actor config.
     """
@@ -127,7 +131,10 @@ def build_engine(strategy: str, model_path: str, *, loss_agg_mode: str = "token-
                                  override_config={"attn_implementation": "sdpa"})
     common: dict[str, Any] = dict(mixed_precision=FP32, use_torch_compile=False, forward_only=forward_only)
     if strategy == "augtree":
-        fsdp_config = AugTreeEngineConfig(**common, **(engine_knobs or {}))
+        knobs = dict(engine_knobs or {})
+        if not forward_only and "planner_profile" not in knobs:
+            knobs["planner_profile"] = _fixed_profile(model_path, gradient_checkpointing)
+        fsdp_config = AugTreeEngineConfig(**common, **knobs)
     else:
         fsdp_config = FSDPEngineConfig(strategy=strategy, **common)
     optim = FSDPOptimizerConfig(lr=lr, clip_grad=1.0, total_training_steps=100, weight_decay=0.0,
@@ -146,6 +153,19 @@ def build_engine(strategy: str, model_path: str, *, loss_agg_mode: str = "token-
                                 checkpoint_config=CheckpointConfig())
     engine.initialize()
     return engine, functools.partial(ppo_loss, config=actor_config)
+
+
+def _fixed_profile(model_path: str, gradient_checkpointing: bool) -> str:
+    """A profile file of the model at ``model_path`` as the engine trains it here (float32, this world's ranks
+    on one node), with the default profile's hardware figures; written beside the model."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    profile = dataclasses.replace(ClusterProfile.default().with_model(AutoConfig.from_pretrained(model_path)),
+                                  dtype_bytes=4, activation_checkpointing=gradient_checkpointing, ranks_per_node=world)
+    path = os.path.join(model_path, f"planner_profile_w{world}_ckpt{int(gradient_checkpointing)}.json")
+    partial = f"{path}.{os.getpid()}.tmp"      # every rank writes the same file: whole, never half-read
+    profile.save(partial)
+    os.replace(partial, path)
+    return path
 
 
 def group_batch(groups: list[tuple[int, list[int]]], *, seed: int = 0, micro_batch_size: int = 2,

@@ -33,7 +33,9 @@ from augtree_verl.groups import Tree, find_trees
 from augtree_verl.integration import verl_compat
 from augtree_verl.plan_field import PLAN_FIELD, plan_entries
 from augtree_verl.planner.client import PlannerClient
+from augtree_verl.planner.profile import ClusterProfile
 from augtree_verl.planner.service import start_planner_service
+from augtree_verl.planner.startup import RunProfile, published_profile
 from augtree_verl.rollout.planner_config import augtree_engine_config
 from augtree_verl.trainer.group_balance import WorkModel, balance_groups, split_groups
 
@@ -82,13 +84,21 @@ class AugTreeTrainerMixin:
                            "balance kept in one mini-batch get split and their split CP plans cannot apply")
 
     def init(self):
-        # Start the planner before the workers and the rollout, whose agent-loop workers report to it by name.
-        self.planner = self._start_planner()
         super().init()
+        # The workers have made the run's profile (engine initialize); the planner starts with it before the
+        # rollout, whose agent-loop workers (created after init()) report to it by name.
+        engine_config = augtree_engine_config(self.config)
+        if engine_config is not None:
+            # The profile the actor's engine made at start-up (``integration.run_profile``), on rank 0.
+            published = verl_compat.run_on_rank_zero(self.actor_rollout_wg, published_profile)
+            self.planner = self._start_planner(ClusterProfile.from_dict(published["profile"]))
+            run = RunProfile(self.planner.profile, published["source"])   # what the planners plan with
+            print(f"augtree: {run.describe(engine_config.cp_degrees)}", flush=True)
 
-    def _start_planner(self):
-        """A ``PlannerClient`` when the actor runs the AugTree engine, else None; with ``use_planner`` it
-        starts the planner service and the client asks it, without it the client plans in-process only."""
+    def _start_planner(self, profile: ClusterProfile) -> PlannerClient | None:
+        """A ``PlannerClient`` planning with ``profile`` when the actor runs the AugTree engine, else None; with
+        ``use_planner`` it starts the planner service (same profile) and the client asks it, without it the
+        client plans in-process only."""
         engine_config = augtree_engine_config(self.config)
         if engine_config is None:
             return None
@@ -96,10 +106,11 @@ class AugTreeTrainerMixin:
         name = engine_config.planner_name if engine_config.use_planner else None
         if name is not None:
             # Keep the handle: Ray destroys a non-detached named actor once its creator's handles are gone.
-            self.planner_actor = start_planner_service(name, degrees=degrees, ttl_s=engine_config.planner_ttl_s,
+            self.planner_actor = start_planner_service(name, degrees=degrees, profile=profile,
+                                                       ttl_s=engine_config.planner_ttl_s,
                                                        max_entries=engine_config.planner_max_entries,
                                                        force_primitive=engine_config.force_primitive)
-        return PlannerClient(name, degrees=degrees, timeout_s=engine_config.planner_timeout_s,
+        return PlannerClient(name, degrees=degrees, profile=profile, timeout_s=engine_config.planner_timeout_s,
                              force_primitive=engine_config.force_primitive)
 
     def _actor_dp_size(self) -> int:

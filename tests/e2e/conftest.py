@@ -31,10 +31,12 @@ def assets(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def compared(assets, tmp_path_factory) -> Path:
-    """OUT_DIR of ``examples/compare_engines.sh``: <engine>.jsonl, compare.png, wandb/, checkpoints/<engine>/."""
+    """OUT_DIR of ``examples/compare_engines.sh``: <engine>.jsonl, compare.png, wandb/, checkpoints/<engine>/,
+    and log.txt (the script's output)."""
     out = tmp_path_factory.mktemp("compare")
-    run_script("compare_engines.sh", run_env(assets, out, OUT_DIR=str(out), WANDB_DIR=str(out)), out,
-               f"actor_rollout_ref.actor.optim.lr={LR}", *SAVE_EVERY_STEP)
+    log = run_script("compare_engines.sh", run_env(assets, out, OUT_DIR=str(out), WANDB_DIR=str(out)), out,
+                     f"actor_rollout_ref.actor.optim.lr={LR}", *SAVE_EVERY_STEP)
+    (out / "log.txt").write_text(log)
     return out
 
 

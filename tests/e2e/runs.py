@@ -31,10 +31,12 @@ def run_env(assets: Path, log_dir: Path, **overrides) -> dict:
     return env
 
 
-def run_script(script: str, env: dict, cwd: Path, *overrides: str) -> None:
+def run_script(script: str, env: dict, cwd: Path, *overrides: str) -> str:
+    """The script's output (stdout and stderr) once it exited 0."""
     run = subprocess.run(["bash", str(REPO / "examples" / script), *overrides], cwd=cwd, env=env,
                          capture_output=True, text=True, timeout=1100)
     assert run.returncode == 0, (run.stdout + run.stderr)[-6000:]
+    return run.stdout + run.stderr
 
 
 def read_steps(log: Path) -> list[dict]:

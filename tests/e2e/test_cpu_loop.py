@@ -5,10 +5,14 @@ the runs from wandb's offline files."""
 
 from __future__ import annotations
 
+import json
+import os
 from pathlib import Path
 
 import pytest
 
+from augtree_verl.planner import ClusterProfile
+from augtree_verl.planner.startup import CACHE_ENV
 from tests.e2e.runs import STAGES, STEPS, read_steps, run_env, run_script
 
 # Step 1 runs the same sampled responses through both engines from the same weights, so the update is the
@@ -74,6 +78,27 @@ def test_our_metrics_are_logged_only_with_our_engine(steps):
         assert not [key for key in OURS if key not in metrics]
         assert metrics["actor/augtree/executed_tokens"] < metrics["actor/augtree/logical_tokens"]
     assert not [key for key in steps["fsdp2"][0] if "augtree" in key]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1300)
+def test_the_planner_plans_with_the_runs_own_profile(compared, steps, assets):
+    """The trainer prints the profile the actor's workers made at start-up (the tiny model's shape, hardware
+    measured on the two workers: calibrated now, or this session's cache); the planner service plans with it
+    (the client refuses a service with another profile, and the rollout's plans were taken)."""
+    (line,) = [line for line in (compared / "log.txt").read_text().splitlines() if "augtree: planner profile" in line]
+    config = json.loads((assets / "model" / "config.json").read_text())
+    shape = (f"model {config['num_hidden_layers']} layers, hidden {config['hidden_size']}, heads "
+             f"{config['num_attention_heads']}/{config['num_key_value_heads']}x")
+    assert shape in line and "model 28 layers" not in line, line
+    assert "planner profile from calibrated now" in line or "planner profile from cache file" in line, line
+    assert ", world 2," in line or "-w2-" in line, line
+    (cached,) = Path(os.environ[CACHE_ENV]).glob("profile-cpu-*-w2-*.json")
+    profile = ClusterProfile.load(cached)
+    assert (profile.num_layers, profile.hidden_size, profile.vocab_size) == (
+        config["num_hidden_layers"], config["hidden_size"], config["vocab_size"])
+    assert f"dense {profile.flops_per_s:.3g} FLOP/s" in line
+    assert sum(metrics["augtree/planner/plans_from_rollout"] for metrics in steps["augtree"]) > 0
 
 
 def _wandb_group(run_dir: Path) -> str | None:

@@ -20,9 +20,11 @@ def test_defaults_subclass_verl_fsdp_config():
 
 
 def test_planner_timeout_has_one_default():
+    from augtree_verl.planner import ClusterProfile
     from augtree_verl.planner.client import DEFAULT_TIMEOUT_S, PlannerClient
 
-    assert AugTreeEngineConfig().planner_timeout_s == PlannerClient(None, degrees=(1,)).timeout_s == DEFAULT_TIMEOUT_S
+    client = PlannerClient(None, degrees=(1,), profile=ClusterProfile.default())
+    assert AugTreeEngineConfig().planner_timeout_s == client.timeout_s == DEFAULT_TIMEOUT_S
 
 
 @pytest.mark.parametrize("knob, bad", [

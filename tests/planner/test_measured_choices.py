@@ -18,11 +18,17 @@ BENCH_BASE = dataclasses.replace(ClusterProfile.default().with_model(SMALL), act
                                  dtype_bytes=4)
 # ClusterProfile.calibrate(model=qwen2-small) as `augtree bench` runs it, on 2 gloo ranks of the shared 2-core
 # CPU, twice in one minute: the machine's load moved the compute and latency figures by 2x and 7x.
+# Recorded before the causal attention throughput and the replay's call and slot overheads were measured: the
+# causal figure is the full one (the model of then), both overheads the pass overhead of then (L x per-layer).
 RECORDED = {
-    "calm": dict(flops_per_s=1.143e11, attention_flops_per_s=3.178e10, p2p_bytes_per_s=4.360e8,
-                 collective_bytes_per_s=5.800e8, launch_latency_s=5.016e-4, layer_overhead_s=6.184e-3),
-    "loaded": dict(flops_per_s=5.841e10, attention_flops_per_s=3.627e10, p2p_bytes_per_s=4.709e8,
-                   collective_bytes_per_s=6.219e8, launch_latency_s=3.459e-3, layer_overhead_s=3.234e-3),
+    "calm": dict(flops_per_s=1.143e11, attention_flops_per_s=3.178e10, causal_attention_flops_per_s=3.178e10,
+                 p2p_bytes_per_s=4.360e8,
+                 collective_bytes_per_s=5.800e8, launch_latency_s=5.016e-4, call_overhead_s=4 * 6.184e-3,
+                 slot_overhead_s=4 * 6.184e-3),
+    "loaded": dict(flops_per_s=5.841e10, attention_flops_per_s=3.627e10, causal_attention_flops_per_s=3.627e10,
+                   p2p_bytes_per_s=4.709e8,
+                   collective_bytes_per_s=6.219e8, launch_latency_s=3.459e-3, call_overhead_s=4 * 3.234e-3,
+                   slot_overhead_s=4 * 3.234e-3),
 }
 # The bench's default trees (budget 32,768, G = 8, select_groups) and the fastest (primitive, lanes) at d = 2,
 # by median step time (2-3 interleaved repeats of every d = 2 candidate, seconds, same machine):

@@ -1,6 +1,7 @@
 """The planner service keyed by uid, with real Ray actors: fed by ``PlannerFeed``, taken by ``PlannerClient``."""
 
 import asyncio
+import dataclasses
 import logging
 import time
 import uuid
@@ -17,6 +18,7 @@ from augtree_verl.planner.service import PlannerService, start_planner_service
 pytestmark = pytest.mark.slow  # spawns process groups, Ray, verl engines or subprocesses
 
 DEGREES = (1, 2, 4, 8)
+PROFILE = ClusterProfile.default()      # what plan_tree plans with unless told otherwise
 PROMPT_HEAVY = (131072, [256] * 8)      # MoveQ
 RESPONSE_HEAVY = (512, [16384] * 8)     # TreeMoveKV
 TOO_LARGE = (4 * 10**6, [256] * 8)        # no plan fits a rank's memory at degrees (1, 2, 4, 8)
@@ -32,14 +34,14 @@ def ray_cluster():
 
 def started_service(**kwargs):
     name = f"planner-{uuid.uuid4().hex[:8]}"
-    actor = start_planner_service(name, degrees=DEGREES, **kwargs)
+    actor = start_planner_service(name, degrees=DEGREES, **{"profile": PROFILE, **kwargs})
     ray.get(actor.config.remote(), timeout=ACTOR_START_TIMEOUT_S)
     return name, actor
 
 
 def feed_and_client(**service_kwargs):
     name, actor = started_service(**service_kwargs)
-    return actor, PlannerFeed(name), PlannerClient(name, degrees=DEGREES, timeout_s=30.0)
+    return actor, PlannerFeed(name), PlannerClient(name, degrees=DEGREES, profile=PROFILE, timeout_s=30.0)
 
 
 def settle(actor, reports):
@@ -125,7 +127,7 @@ def test_lengths_that_differ_from_the_batch_never_apply_the_rollouts_plan(caplog
 
 
 def test_the_size_bound_evicts_the_oldest_sent_report_whatever_order_the_reports_ran_in():
-    service = PlannerService(degrees=DEGREES, max_entries=2)
+    service = PlannerService(degrees=DEGREES, profile=PROFILE.to_dict(), max_entries=2)
     for uid, sent_ns in (("new", 3), ("old", 1), ("mid", 2)):      # ran in another order than sent
         asyncio.run(service.report(uid, 300, [40, 50], sent_ns=sent_ns))
     assert list(service.entries) == ["mid", "new"] and service.counts["evicted"] == 1
@@ -236,19 +238,27 @@ def test_bad_reports_are_dropped_and_counted_bad_requests_name_the_tree():
 
 @pytest.mark.timeout(300)
 def test_client_refuses_an_actor_with_another_configuration():
-    name, _ = started_service(profile=ClusterProfile.default())
-    client = PlannerClient(name, degrees=(1, 2), timeout_s=30.0)
+    name, _ = started_service()
+    client = PlannerClient(name, degrees=(1, 2), profile=PROFILE, timeout_s=30.0)
     with pytest.raises(ValueError, match="plans would differ"):
         client.plans({"a|10": ("a", 10, [5])}, ["a|10"])
+
+
+@pytest.mark.timeout(300)
+def test_client_refuses_an_actor_planning_with_another_profile():
+    name, _ = started_service(profile=dataclasses.replace(PROFILE, num_layers=2))
+    with pytest.raises(ValueError, match="a different profile.*plans would differ"):
+        PlannerClient(name, degrees=DEGREES, profile=PROFILE, timeout_s=30.0).plans({"a|10": ("a", 10, [5])}, ["a|10"])
 
 
 @pytest.mark.timeout(300)
 def test_client_refuses_an_actor_that_forces_another_primitive():
     name, _ = started_service(force_primitive="move_q")
     with pytest.raises(ValueError, match="force_primitive='move_q'.*plans would differ"):
-        PlannerClient(name, degrees=DEGREES, timeout_s=30.0).plans({"a|10": ("a", 10, [5])}, ["a|10"])
+        PlannerClient(name, degrees=DEGREES, profile=PROFILE, timeout_s=30.0).plans({"a|10": ("a", 10, [5])}, ["a|10"])
     # the same forced primitive on both sides: the actor's plan is taken
-    feed, client = PlannerFeed(name), PlannerClient(name, degrees=DEGREES, timeout_s=30.0, force_primitive="move_q")
+    feed, client = PlannerFeed(name), PlannerClient(name, degrees=DEGREES, profile=PROFILE, timeout_s=30.0,
+                                                force_primitive="move_q")
     feed.report("b", *PROMPT_HEAVY)
     settle(ray.get_actor(name), 1)
     plans = client.plans({"b|x": ("b", *PROMPT_HEAVY)}, ["b|x"])

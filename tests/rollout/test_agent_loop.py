@@ -17,6 +17,7 @@ from hydra import compose, initialize_config_dir
 from tensordict import NonTensorData, NonTensorStack, TensorDict
 from transformers import Qwen2Config
 
+from augtree_verl.planner import ClusterProfile
 from augtree_verl.planner.service import start_planner_service
 from augtree_verl.rollout.agent_loop import GroupLengths, PlannerFeedAgentLoopManager, PlannerFeedWorker
 
@@ -93,7 +94,7 @@ def test_manager_runs_the_feed_worker():
 @pytest.mark.timeout(600)
 def test_finished_training_groups_reach_the_planner_in_session_order(ray_tq, tmp_path):
     name = f"planner-{uuid.uuid4().hex[:8]}"
-    planner = start_planner_service(name, degrees=(1, 2, 4, 8))
+    planner = start_planner_service(name, degrees=(1, 2, 4, 8), profile=ClusterProfile.default())
     ray.get(planner.config.remote(), timeout=ACTOR_START_TIMEOUT_S)
     config = worker_config(tmp_path, name)
     worker = ray.remote(PlannerFeedWorker).remote(config, None)

@@ -31,6 +31,7 @@ from verl.workers.config import RolloutConfig
 
 from augtree_verl.groups import find_trees
 from augtree_verl.plan_field import PLAN_FIELD, group_plan_entries
+from augtree_verl.planner import ClusterProfile
 from augtree_verl.planner.client import PlannerClient
 from augtree_verl.planner.feed import PlannerFeed
 from augtree_verl.planner.search import plan_tree
@@ -45,6 +46,7 @@ REPO = Path(__file__).resolve().parents[2]
 TOKENIZER = str(Path(__file__).resolve().parents[1] / "data" / "qwen2_5_tokenizer")
 PARTITION = "train"
 N = 4  # rollout.n: responses per prompt
+PROFILE = ClusterProfile.default()  # what the workers would publish (here, plan_tree's default)
 
 
 MODES = {"augtree_sync": (AugTreeSyncTrainer, "sync", ReplayBuffer),
@@ -139,7 +141,7 @@ def test_plans_made_during_the_rollout_reach_every_worker_and_survive_a_dead_pla
     trainer = make_trainer("actor_rollout_ref.actor.fsdp_config.planner_timeout_s=30.0",
                            "actor_rollout_ref.actor.fsdp_config.planner_ttl_s=1800.0",
                            "actor_rollout_ref.actor.fsdp_config.planner_max_entries=4096", mode=mode)
-    trainer.planner = trainer._start_planner()
+    trainer.planner = trainer._start_planner(PROFILE)
     assert isinstance(trainer.planner, PlannerClient)
     # init() starts the planner long before the first step; here, wait until its actor is up.
     config = ray.get(ray.get_actor(trainer.planner.name).config.remote(), timeout=240)
@@ -193,14 +195,14 @@ def batch_plans(balanced):
             for td in views for tree_id, tree in group_plan_entries(list(td[PLAN_FIELD])).items()}
 
 
-# One group the planner splits over CP ranks (MoveQ, degree 2 of (1, 2, 4)) besides the one-device ones.
+# One group the planner splits over CP ranks (MoveQ, degree 4 of (1, 2, 4)) besides the one-device ones.
 CP_GROUPS = {**GROUPS, "rag": (9100, [120, 64, 900, 33])}
 
 
 @pytest.mark.timeout(300)
 def test_use_planner_false_plans_every_group_in_process_without_a_service(ray_tq):
     trainer = make_trainer("actor_rollout_ref.actor.fsdp_config.use_planner=false")
-    trainer.planner = trainer._start_planner()
+    trainer.planner = trainer._start_planner(PROFILE)
     name = trainer.config.actor_rollout_ref.actor.fsdp_config.planner_name
     assert isinstance(trainer.planner, PlannerClient) and trainer.planner_actor is None
     with pytest.raises(ValueError):
@@ -212,7 +214,7 @@ def test_use_planner_false_plans_every_group_in_process_without_a_service(ray_tq
     assert len(plans) == 4
     for tree_id, (plan, response_lens) in plans.items():     # the same planner, CP plans included
         assert plan == plan_tree(int(tree_id.split("|")[1]), response_lens, degrees=(1, 2, 4))
-    assert max(plan.degree for plan, _ in plans.values()) == 2
+    assert max(plan.degree for plan, _ in plans.values()) == 4
     assert metrics["augtree/planner/plans_in_process"] == 4.0
     assert metrics["augtree/planner/plans_from_rollout"] == metrics["augtree/planner/unreachable"] == 0.0
     tq.kv_clear(keys=balanced.keys, partition_id=PARTITION)
@@ -222,7 +224,7 @@ def test_use_planner_false_plans_every_group_in_process_without_a_service(ray_tq
 def test_force_primitive_pins_the_plans_of_the_service_and_of_the_trainer(ray_tq):
     trainer = make_trainer("actor_rollout_ref.actor.fsdp_config.force_primitive=ring",
                            "actor_rollout_ref.actor.fsdp_config.planner_timeout_s=30.0")
-    trainer.planner = trainer._start_planner()
+    trainer.planner = trainer._start_planner(PROFILE)
     config = ray.get(ray.get_actor(trainer.planner.name).config.remote(), timeout=240)
     assert config["force_primitive"] == "ring"
     feed = PlannerFeed(trainer.planner.name)
@@ -259,7 +261,7 @@ def test_planner_timeout_s_bounds_the_trainers_wait_for_the_service(ray_tq):
     name = trainer.config.actor_rollout_ref.actor.fsdp_config.planner_name
     slow = ray.remote(SlowPlanner).options(name=name, num_cpus=0).remote()
     ray.get(slow.__ray_ready__.remote(), timeout=240)
-    trainer.planner = trainer._start_planner()                # finds the slow actor under the name
+    trainer.planner = trainer._start_planner(PROFILE)                # finds the slow actor under the name
     batch = put_rollouts(GROUPS, seed=6)
     metrics = {}
     balanced = trainer._balance_batch(batch, metrics=metrics)
@@ -282,7 +284,7 @@ def wait_for_reports(name, count, timeout_s=60):
 @pytest.mark.timeout(300)
 def test_padding_rows_and_unreported_groups_are_planned_by_the_trainer(ray_tq):
     trainer = make_trainer("actor_rollout_ref.actor.fsdp_config.planner_timeout_s=30.0")
-    trainer.planner = trainer._start_planner()
+    trainer.planner = trainer._start_planner(PROFILE)
     ray.get(ray.get_actor(trainer.planner.name).config.remote(), timeout=240)
     feed = PlannerFeed(trainer.planner.name)
     feed.report("long", *GROUPS["long"])

@@ -1,0 +1,89 @@
+"""The cost model counts what the replay runs: padded micro-batches on one device, a call per micro-batch or CP
+step, a slot per tree, a score exchange per CP step, lock-step padding calls, causal and full attention."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from augtree_verl.planner import ClusterProfile, plan_tree
+from augtree_verl.planner.cost import CostModel, cost_model
+from augtree_verl.planner.search import _Search, check_tree_lengths
+from augtree_verl.replay.engine import DEFAULT_MICRO_BATCH_TOKENS
+
+# Round numbers, so that every term of a time can be told apart.
+UNIT = dataclasses.replace(ClusterProfile.default(), flops_per_s=1e12, attention_flops_per_s=1e12,
+                           causal_attention_flops_per_s=5e11, call_overhead_s=1e-3, slot_overhead_s=1e-2,
+                           launch_latency_s=1e-4, activation_checkpointing=False)
+NO_FIXED_COSTS = dataclasses.replace(UNIT, call_overhead_s=1e-300, slot_overhead_s=1e-300, launch_latency_s=1e-300)
+REL = 1e-9   # the same float64 sums in another order
+
+
+def test_one_device_runs_padded_micro_batches_one_call_each():
+    cost = CostModel(UNIT)
+    P, R = 300, [2437, 1470, 1346, 1287]        # micro-batches [2437, 1470, 1346] (padded to 2437) and [1287]
+    assert DEFAULT_MICRO_BATCH_TOKENS == 8192
+    want = 2 * UNIT.call_overhead_s
+    for n, longest in ((3, 2437), (1, 1287)):
+        want += 3 * ((cost.lin_flops + cost.head_flops) * n * longest / 1e12 + cost.attn_flops * n * longest * P / 1e12
+                     + cost.attn_flops * n * longest ** 2 / 2 / 5e11)
+    assert cost.one_device(P, R) == pytest.approx(want, rel=REL)
+
+
+def test_every_plan_of_degree_one_is_the_one_device_time_with_one_slot():
+    P, R = 900, [500, 40, 300, 800]
+    cost = CostModel(UNIT)
+    prefill = 3 * (cost.lin_flops * P / 1e12 + cost.attn_flops * P * P / 2 / 5e11) + UNIT.slot_overhead_s
+    for primitive in ("ring", "tree_move_kv", "move_q"):
+        plan = plan_tree(P, R, degrees=[1], profile=UNIT, force_primitive=primitive)
+        assert plan.est_time_s == pytest.approx(prefill + cost.one_device(P, R), rel=REL), primitive
+
+
+def test_a_cp_step_pays_a_call_and_a_score_exchange():
+    """A response replayed on a lane of 2 ranks: one call, and on top of the K/V ring's L (f (k-1) + k) = 6
+    latencies (2 layers) the step's score exchange."""
+    R = np.array([100.0, 300.0, 50.0])
+    profile = dataclasses.replace(UNIT, num_layers=2)
+    compute, comm = CostModel(profile).tree_responses(4000, R, 2)
+    free_compute, free_comm = CostModel(dataclasses.replace(NO_FIXED_COSTS, num_layers=2)).tree_responses(4000, R, 2)
+    assert compute - free_compute == pytest.approx([UNIT.call_overhead_s] * 3, rel=REL)
+    assert comm - free_comm == pytest.approx([7 * UNIT.launch_latency_s] * 3, rel=REL)
+
+
+def test_lanes_in_lock_step_pad_with_calls_and_share_their_scores():
+    """Two lanes of one rank, responses [1000, 10, 10]: the long one alone on its lane, which then makes a
+    dummy call while the other lane replays its second response; one exchange shares the lanes' scores."""
+    profile = dataclasses.replace(UNIT, call_overhead_s=0.25)
+    R = [1000, 10, 10]
+    search = _Search(cost_model(profile), *check_tree_lengths(64, R))
+    (two_lanes,) = [c for c in search.candidates([2], "tree_move_kv") if c.lanes == 2]
+    search.exact(two_lanes)
+    compute, comm = CostModel(profile).tree_responses(64, np.array(R, dtype=float), 1)
+    assert two_lanes.parts[1] == pytest.approx(max(compute[0] + 0.25, compute[1] + compute[2]), rel=REL)
+    lane_comm = comm[0] if compute[0] + 0.25 >= compute[1] + compute[2] else comm[1] + comm[2]
+    assert two_lanes.parts[2] == pytest.approx(lane_comm + UNIT.launch_latency_s, rel=REL)
+
+
+def test_move_q_rounds_exchange_their_scores():
+    cost, free = CostModel(UNIT), CostModel(NO_FIXED_COSTS)
+    _, comm = cost.moveq_owners(8192, 400.0, rounds=3, d=2)
+    _, free_comm = free.moveq_owners(8192, 400.0, rounds=3, d=2)
+    # per round: three all-to-alls per layer and direction (x ceil(log2 2) = 1), and one score exchange
+    assert comm - free_comm == pytest.approx(3 * (cost.moveq_steps_per_round + 1) * UNIT.launch_latency_s, rel=REL)
+
+
+def test_causal_blocks_run_at_the_causal_throughput():
+    P = 2048
+    slower, _ = CostModel(UNIT).prefill(P, 1)
+    faster, _ = CostModel(dataclasses.replace(UNIT, causal_attention_flops_per_s=1e12)).prefill(P, 1)
+    assert slower - faster == pytest.approx(3 * UNIT.attention_pair_flops * P * P / 2 * (1 / 5e11 - 1 / 1e12), rel=REL)
+
+
+def test_a_zigzag_shard_runs_its_diagonal_chunks_causal_and_the_rest_full():
+    """P tokens over 4 ranks: chunks of P/8, two per rank; its two diagonal chunks are causal blocks (P^2/64
+    visible pairs), the rest of its P^2/8 pairs full blocks. On one rank, one causal block of P^2/2."""
+    cost, P = CostModel(UNIT), 8000
+    full, causal = cost.attention_split(P, 4)
+    assert causal == pytest.approx(UNIT.attention_pair_flops * P * P / 64, rel=REL)
+    assert full + causal == pytest.approx(UNIT.attention_pair_flops * P * P / 8, rel=REL)
+    assert cost.attention_split(P, 1) == pytest.approx((0.0, UNIT.attention_pair_flops * P * P / 2), rel=REL)
