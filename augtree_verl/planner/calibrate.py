@@ -48,7 +48,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from augtree_verl.ops.attention import attention_backward, attention_forward
-from augtree_verl.replay import ReplayTree, replay
+from augtree_verl.replay import StepPlan, Tree, per_response, replay
 
 CUDA_MEMORY_HEADROOM = 0.9    # leave 10% of free memory to the allocator and NCCL
 MATMUL_TOKENS = {"cpu": 1024, "cuda": 8192}
@@ -179,15 +179,15 @@ def _replay_costs(model, profile, device: torch.device, lockstep_group) -> dict:
     ids = lambda n: torch.randint(0, model.get_input_embeddings().num_embeddings, (n,), generator=gen).to(device)
     prompt = ids(OVERHEAD_PROMPT)
     dense_tokens = DENSE_TOKENS.get(device.type, DENSE_TOKENS["cpu"])
-    trees = {"one": ReplayTree(prompt, [ids(2)]), "long": ReplayTree(prompt, [ids(dense_tokens + 1)]),
-             "calls": ReplayTree(prompt, [ids(2) for _ in range(1 + OVERHEAD_CALLS)])}
-    loss = lambda t, i, scores: scores.sum()
+    trees = {"one": Tree.of_tokens(prompt, [ids(2)]), "long": Tree.of_tokens(prompt, [ids(dense_tokens + 1)]),
+             "calls": Tree.of_tokens(prompt, [ids(2) for _ in range(1 + OVERHEAD_CALLS)])}
+    loss = per_response(lambda t, i, scores: scores.sum())
     params = [p for p in model.parameters() if p.requires_grad] if hasattr(model, "parameters") else []
     saved = [p.grad for p in params]
 
     def step(name):
-        return lambda: replay(model, [trees[name]], loss, micro_batch_tokens=1 if name == "calls" else dense_tokens,
-                              lockstep_group=lockstep_group)
+        return lambda: replay(model, StepPlan.build([trees[name]], lockstep_group=lockstep_group,
+                                                    micro_batch_tokens=1 if name == "calls" else dense_tokens), loss)
 
     try:
         calls = _median_added_seconds(step("calls"), step("one"), device, REPEATS)

@@ -48,8 +48,7 @@ from functools import lru_cache
 import numpy as np
 
 from augtree_verl.planner.profile import ClusterProfile
-from augtree_verl.replay.engine import DEFAULT_MICRO_BATCH_TOKENS
-from augtree_verl.replay.microbatch import split_micro_batches
+from augtree_verl.replay.microbatch import DEFAULT_MICRO_BATCH_TOKENS, split_micro_batches
 
 LSE_BYTES = 4                 # float32 log-sum-exp per query and head in MoveQ's partial states
 MOVEQ_COLLECTIVES = 3         # all-to-alls per layer and direction: queries, outputs, lse (fwd); dout+out, lse, dq

@@ -9,7 +9,7 @@ import pytest
 from augtree_verl.planner import ClusterProfile, plan_tree
 from augtree_verl.planner.cost import CostModel, cost_model
 from augtree_verl.planner.search import _Search, check_tree_lengths
-from augtree_verl.replay.engine import DEFAULT_MICRO_BATCH_TOKENS
+from augtree_verl.replay.microbatch import DEFAULT_MICRO_BATCH_TOKENS
 
 # Round numbers, so that every term of a time can be told apart.
 UNIT = dataclasses.replace(ClusterProfile.default(), flops_per_s=1e12, attention_flops_per_s=1e12,
