@@ -1,7 +1,7 @@
 """The view of verl's FSDP2-wrapped model that ``augtree_verl.replay`` runs on.
 
 ``replay`` calls the decoder (``model.get_decoder()``) and the logits head (``model.logits_head()``: the
-family's forward tail on precomputed hidden states, ``replay.logits.family_logits``, which calls the LM head
+family's forward tail on precomputed hidden states, ``replay.logits.batched_family_logits``, which calls the LM head
 module) separately. Under FSDP2 that needs care, because verl shards the model as: one FSDP unit per decoder layer,
 one each for ``embed_tokens`` and ``lm_head`` (untied models), and the root unit holding the rest (the final
 norm; with tied embeddings also the embedding / LM head weight):
@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 import torch
 
-from augtree_verl.replay.logits import family_logits
+from augtree_verl.replay.logits import batched_family_logits, unbatched
 
 
 class _Box:
@@ -76,4 +76,4 @@ class FSDPReplayModel:
         return _ThroughRoot(self._root, self._root.get_output_embeddings())
 
     def logits_head(self):
-        return _ThroughRoot(self._root, family_logits(self._root))
+        return unbatched(_ThroughRoot(self._root, batched_family_logits(self._root)))

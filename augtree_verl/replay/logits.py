@@ -31,16 +31,27 @@ def _decoder_answers(decoder: torch.nn.Module, hidden: torch.Tensor):
         del decoder.forward
 
 
-def family_logits(causal_lm: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
-    """hidden [N, H] (final hidden states, after the decoder's last norm) -> logits [N, V], as
+def batched_family_logits(causal_lm: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """hidden [1, N, H] (final hidden states, after the decoder's last norm) -> logits [1, N, V], as
     ``causal_lm``'s class forward returns them. ``causal_lm``: a transformers ``*ForCausalLM`` (its
     ``forward`` is read from the class, so an instance-level swap, e.g. FSDP's root call, does not matter)."""
     forward, decoder = type(causal_lm).forward, causal_lm.get_decoder()
 
     def logits(hidden: torch.Tensor) -> torch.Tensor:
-        with _decoder_answers(decoder, hidden[None]):
-            out = forward(causal_lm, input_ids=None, use_cache=False, logits_to_keep=0, return_dict=True)
-        # squeeze, not [0]: the backward of an index allocates a zero-filled [1, N, V] and copies into it
-        return out.logits.squeeze(0)
+        with _decoder_answers(decoder, hidden):
+            return forward(causal_lm, input_ids=None, use_cache=False, logits_to_keep=0, return_dict=True).logits
 
     return logits
+
+
+def family_logits(causal_lm: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """hidden [N, H] -> logits [N, V] (``batched_family_logits`` on one row)."""
+    return unbatched(batched_family_logits(causal_lm))
+
+
+def unbatched(batched: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+    """[1, N, H] -> [1, N, V] as [N, H] -> [N, V]. Squeezed, not indexed: the backward of an index allocates a
+    zero-filled [1, N, V] and copies into it. The squeeze is outside ``batched``, so a module that wraps it
+    (FSDP2's root) returns the logits themselves, not a view of them (an in-place op on a returned view would
+    skip FSDP's pre-backward hook, and FSDP warns of it)."""
+    return lambda hidden: batched(hidden[None]).squeeze(0)

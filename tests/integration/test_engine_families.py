@@ -6,6 +6,8 @@ that skipped a family's logit transform (the start-up exactness probe)."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -85,6 +87,16 @@ def test_forward_only_engine_probes_log_probs(one_rank, tmp_path):
     engine, _ = H.build_engine("augtree", _save("gemma3", tmp_path / "gemma3"), forward_only=True)
     probe = engine.exactness_probe
     assert probe.logp_err <= 1e-4 and probe.grad_err != probe.grad_err  # nan: no backward
+
+
+@pytest.mark.timeout(120)
+def test_the_fsdp_root_returns_no_view_of_the_logits(one_rank, tmp_path):
+    """The engine's start-up probe trains through the FSDP2 root (its decoder and logits calls): FSDP warns
+    when the root returns a view (an in-place op on it would skip its pre-backward hook); none is returned."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        H.build_engine("augtree", _save("granite", tmp_path / "granite"))
+    assert not [w for w in caught if "returned a view tensor" in str(w.message)]
 
 
 @pytest.mark.timeout(120)
