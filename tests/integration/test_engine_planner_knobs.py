@@ -26,13 +26,14 @@ def model_path(tmp_path_factory, single_process_group):
 
 @pytest.fixture(scope="module")
 def made(model_path):
-    """(engine, its profile): the first engine of this shape in the session calibrates or reads the cache."""
+    """(engine, its profile, what the process published when it was built): the first engine of this shape in
+    the session calibrates or reads the cache. (Engines built later in this process publish theirs.)"""
     engine, _ = H.build_engine("augtree", model_path, engine_knobs={"planner_profile": None})
-    return engine, engine.run_profile.profile
+    return engine, engine.run_profile.profile, published_profile()
 
 
 def test_the_profile_is_the_trained_models(made, model_path):
-    engine, profile = made
+    engine, profile, published = made
     config = AutoConfig.from_pretrained(model_path)
     assert (profile.num_layers, profile.hidden_size, profile.intermediate_size, profile.vocab_size,
             profile.num_heads, profile.num_kv_heads) == (
@@ -42,11 +43,11 @@ def test_the_profile_is_the_trained_models(made, model_path):
     assert profile.flops_per_s != ClusterProfile.default().flops_per_s          # measured here, not an H100's
     assert engine.run_profile.source.startswith(("calibrated now", "cache file"))
     # what the trainer reads from the engine's worker process
-    assert published_profile() == {"profile": profile.to_dict(), "source": engine.run_profile.source}
+    assert published == {"profile": profile.to_dict(), "source": engine.run_profile.source}
 
 
 def test_planner_profile_is_the_users_file(made, model_path, tmp_path):
-    _, profile = made
+    _, profile, _ = made
     mine = tmp_path / "profile.json"
     dataclasses.replace(profile, flops_per_s=4.25e11, slot_overhead_s=0.125).save(mine)
     engine, _ = H.build_engine("augtree", model_path, engine_knobs={"planner_profile": str(mine)})
