@@ -24,7 +24,8 @@ def test_without_a_cp_group_every_tree_is_a_slot_here_most_micro_batches_first()
 
 def test_from_batch_decodes_the_trainers_plans_and_counts_what_cannot_apply_here():
     uids, prompt_lens, response_lens = ["a", "b", "a"], [4, 3, 4], [2, 5, 3]
-    sequences = [torch.arange(p + r) for p, r in zip(prompt_lens, response_lens)]
+    # the two uids share no tokens (shared tokens would make one trie of their rows)
+    sequences = [torch.arange(p + r) + 100 * (u == "b") for u, p, r in zip(uids, prompt_lens, response_lens)]
     planned = {"a|4": Plan(degree=2, est_time_s=1.0, est_single_s=1.5), "b|3": Plan(est_time_s=0.5)}
     entries = plan_entries(find_trees(uids, prompt_lens, response_lens), planned, len(uids))
     trees = find_trees(uids, prompt_lens, response_lens, sequences)
