@@ -29,7 +29,7 @@ import torch
 from augtree_verl.cp.schedule import CPTreeSchedule, cp_tree_schedule
 from augtree_verl.groups import Tree
 from augtree_verl.replay.microbatch import split_micro_batches
-from augtree_verl.replay.trie import TrieNode, build_trie
+from augtree_verl.replay.trie import MIN_SHARED_TOKENS, TrieNode, build_trie
 
 
 @dataclass(frozen=True)
@@ -81,21 +81,22 @@ class Slot:
 
 
 def lockstep_slots(trees: list[Tree], plans: list, budget_tokens: int, *, mesh=None, subgroups=None,
-                   group=None, device: torch.device | None = None) -> list[Slot]:
+                   group=None, device: torch.device | None = None,
+                   min_shared_tokens: int = MIN_SHARED_TOKENS) -> list[Slot]:
     """This rank's slots, in execution order (see the module docstring).
 
     ``plans[t]``: a ``Plan`` or None; ``mesh`` (``cp.mesh.CPMesh``) and ``subgroups[t]`` (the subgroup
     index of tree t, a CP rank for degree 1; see ``step_plan.assign_subgroups``) when any tree runs
     context-parallel, else every tree is this rank's and runs on one device. With ``group`` (a process
     group) the shape is agreed over it (int64 all-reduces on ``device``, the model's, and one all-gather of
-    the trie shapes); without, no padding.
+    the trie shapes); without, no padding. ``min_shared_tokens``: ``trie.build_trie``'s.
     """
     degrees = [plan.degree if plan is not None else 1 for plan in plans]
     phases: list[tuple[int, list[Slot]]] = []
     for d in sorted(mesh.degrees if mesh is not None else (1,), reverse=True):
         if d == 1:
             mine = [t for t in range(len(trees)) if degrees[t] == 1 and (mesh is None or subgroups[t] == mesh.cp_rank)]
-            roots = build_trie([trees[t] for t in mine])
+            roots = build_trie([trees[t] for t in mine], min_shared_tokens=min_shared_tokens)
             slots = [_trie_slot(root, mine, budget_tokens) for root in roots]
             slots.sort(key=lambda s: (-s.shape.total_calls, s.tree))
         else:

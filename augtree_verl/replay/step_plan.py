@@ -30,6 +30,7 @@ from augtree_verl.replay.microbatch import DEFAULT_MICRO_BATCH_TOKENS
 from augtree_verl.replay.offload import Offload
 from augtree_verl.replay.scoring import EntropyFn
 from augtree_verl.replay.stats import ReplayStats
+from augtree_verl.replay.trie import MIN_SHARED_TOKENS
 
 
 @dataclass
@@ -58,7 +59,8 @@ class StepPlan:
     @classmethod
     def build(cls, trees: Sequence[Tree], *, plans: Sequence[Plan | None] | None = None, mesh: CPMesh | None = None,
               subgroups: Sequence[int] | None = None, rebalance: bool = False,
-              micro_batch_tokens: int = DEFAULT_MICRO_BATCH_TOKENS, temperature: float = 1.0,
+              micro_batch_tokens: int = DEFAULT_MICRO_BATCH_TOKENS, min_shared_tokens: int = MIN_SHARED_TOKENS,
+              temperature: float = 1.0,
               entropy_fn: EntropyFn | None = None, offload: Offload | None = None, stats: ReplayStats | None = None,
               lockstep_group=None, device: torch.device | None = None) -> StepPlan:
         """The plan of one step; ``ValueError`` naming the tree, plan or value on bad input.
@@ -68,7 +70,8 @@ class StepPlan:
         degree must then be 1 or the world size). ``subgroups``: per tree, its subgroup (default:
         ``assign_subgroups``; ``rebalance`` lets it run trees on one rank each where that finishes the CP
         group sooner, which needs the planner's estimates). ``micro_batch_tokens``: the token budget of a
-        one-device response micro-batch. ``temperature`` > 0 divides the logits; ``entropy_fn`` (tempered
+        one-device response micro-batch. ``min_shared_tokens``: the token passes a trie node below a prompt must
+        save to get its own call (``replay.trie``). ``temperature`` > 0 divides the logits; ``entropy_fn`` (tempered
         float32 logits [N, V] -> entropy [N]) adds entropies to the scores. ``offload``
         (``replay.offload.Offload``; training only): each prompt's saved activations wait in host memory
         between its prefill and its delayed backward. ``stats``: where the run counts (default: a new
@@ -83,6 +86,8 @@ class StepPlan:
             raise ValueError(f"temperature must be > 0, got {temperature}")
         if micro_batch_tokens < 1:
             raise ValueError(f"micro_batch_tokens must be >= 1, got {micro_batch_tokens}")
+        if min_shared_tokens < 0:
+            raise ValueError(f"min_shared_tokens must be >= 0, got {min_shared_tokens}")
         plans = _check_plans(plans, trees)
         if mesh is None and any(plan is not None and plan.degree > 1 for plan in plans):
             mesh = _world_mesh()
@@ -93,7 +98,7 @@ class StepPlan:
         if device is None:
             device = trees[0].prompt.device if trees else torch.device("cpu")
         slots = lockstep_slots(trees, plans, micro_batch_tokens, mesh=mesh, subgroups=subgroups, group=lockstep_group,
-                               device=device)
+                               device=device, min_shared_tokens=min_shared_tokens)
         return cls(trees=trees, plans=plans, slots=slots, mesh=mesh, subgroups=subgroups, temperature=temperature,
                    entropy_fn=entropy_fn, offload=offload, stats=stats if stats is not None else ReplayStats())
 

@@ -103,8 +103,6 @@ def build_trie(trees: Sequence[Tree], *, min_node_tokens: int = MIN_CALL_TOKENS,
     read to the host once (one copy for the whole step)."""
     if min_node_tokens < 1:
         raise ValueError(f"min_node_tokens must be >= 1, got {min_node_tokens}")
-    if min_shared_tokens < 0:
-        raise ValueError(f"min_shared_tokens must be >= 0, got {min_shared_tokens}")
     rows = [(t, i) for t, tree in enumerate(trees) for i in range(len(tree.responses))]
     if not rows:
         return []
