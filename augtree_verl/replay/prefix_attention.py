@@ -58,7 +58,8 @@ class PrefixCausalAttention(torch.autograd.Function):
                                                Segments.uniform(b, rq, rq), causal=True, scale=ctx.scale)
         dprefix = []
         for pk, pv in zip(prefix[0::2], prefix[1::2]):
-            dq_block, dpk, dpv = attention_backward(dout, queries, pk[0], pv[0], out, lse, causal=False, scale=ctx.scale)
+            dq_block, dpk, dpv = attention_backward(dout, queries, pk[0], pv[0], out, lse, causal=False,
+                                                    scale=ctx.scale)
             dq = dq + dq_block
             dprefix += [dpk[None], dpv[None]]
         unpack = lambda x: x.reshape(x.shape[0], b, rq, d).transpose(0, 1)

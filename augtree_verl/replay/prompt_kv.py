@@ -17,8 +17,8 @@ one CP rank. Each layer's state is a pair, by layer kind (gpt-fast's one cache e
 Training: each leaf sums the gradients of the many response backwards in float32 (``leaf.grad_sum``)
 whatever the model's dtype; ``backward()`` runs the one delayed prompt backward with those sums (zeros
 where nothing flowed). A trie node's prefill attends to its ancestors' leaves, so its delayed backward adds
-into theirs: descendants run theirs first (deepest first). With an ``offload`` object, the prefill forward runs inside ``offload.saving()``
-and the delayed backward inside ``offload.restoring()``.
+into theirs: descendants run theirs first (deepest first). With an ``offload`` object, the prefill forward
+runs inside ``offload.saving()`` and the delayed backward inside ``offload.restoring()``.
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ import torch
 _HELD_LEAVES: weakref.WeakSet[torch.Tensor] = weakref.WeakSet()  # the prompt leaves alive now
 
 # prefill() -> (live_kv per layer, hidden [n, H], last_row or None, live scores or None)
-PrefillFn = Callable[[], "tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor, int | None, torch.Tensor | None]"]
+PrefillFn = Callable[
+    [], "tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor, int | None, torch.Tensor | None]"]
 
 
 class PromptKV:

@@ -30,7 +30,7 @@ from augtree_verl.replay.microbatch import DEFAULT_MICRO_BATCH_TOKENS
 from augtree_verl.replay.offload import Offload
 from augtree_verl.replay.scoring import EntropyFn
 from augtree_verl.replay.stats import ReplayStats
-from augtree_verl.replay.trie import MIN_SHARED_TOKENS
+from augtree_verl.replay.trie import MIN_SHARED_TOKENS, build_trie
 
 
 @dataclass
@@ -81,7 +81,8 @@ class StepPlan:
         """
         trees = list(trees)
         for t, tree in enumerate(trees):
-            tree.check_tokens(t)
+            tree.check_tokens(t, device=device)
+            device = tree.prompt.device  # every tree on one device (``device``, or the first tree's)
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
         if micro_batch_tokens < 1:
@@ -96,7 +97,7 @@ class StepPlan:
         elif subgroups is not None:
             raise ValueError("subgroups place trees in a CP group: pass a mesh or a plan of degree > 1")
         if device is None:
-            device = trees[0].prompt.device if trees else torch.device("cpu")
+            device = torch.device("cpu")
         slots = lockstep_slots(trees, plans, micro_batch_tokens, mesh=mesh, subgroups=subgroups, group=lockstep_group,
                                device=device, min_shared_tokens=min_shared_tokens)
         return cls(trees=trees, plans=plans, slots=slots, mesh=mesh, subgroups=subgroups, temperature=temperature,
@@ -109,15 +110,33 @@ class StepPlan:
         plans decoded from the batch's plan field (``entries[row]``, ``plan_field.PLAN_FIELD``; None: no
         plans), demoted where they cannot apply here (counted in ``fallbacks``) or where the model
         (``model_config``: its Hugging Face config) cannot run them context-parallel (counted in
-        ``cp_demoted``), placed with ``rebalance``. ``mesh``: the engine's (its degrees are the ones a plan may
-        have). ``options``: those of ``build``."""
+        ``cp_demoted``) or because the tree shares tokens beyond its own prompt with others
+        (``demote_shared_plans``, counted in ``stats.trie_demoted``), placed with ``rebalance``. ``mesh``: the
+        engine's (its degrees are the ones a plan may have). ``options``: those of ``build``."""
         degrees = mesh.degrees if mesh is not None else (1,)
         plans, fallbacks = tree_plans(trees, entries, degrees, min_cp_tokens=min_cp_tokens)
         plans, cp_demoted = demote_cp_plans(model_config, plans)
+        plans, shared = demote_shared_plans(trees, plans, options.get("min_shared_tokens", MIN_SHARED_TOKENS))
         step_plan = cls.build(trees, plans=plans, mesh=mesh if mesh is not None and mesh.cp_size > 1 else None,
                               rebalance=True, **options)
         step_plan.fallbacks, step_plan.cp_demoted = fallbacks, cp_demoted
+        if mesh is None or mesh.cp_rank == 0:  # every rank of the CP group decides alike: one counts
+            step_plan.stats.trie_demoted += shared
         return step_plan
+
+
+def demote_shared_plans(trees: Sequence[Tree], plans: Sequence[Plan | None],
+                        min_shared_tokens: int = MIN_SHARED_TOKENS) -> tuple[list[Plan | None], int]:
+    """(``plans`` with every plan of degree > 1 replaced by the one-device plan carrying its one-rank estimate
+    where its tree is not exactly one depth-1 trie of the step's tries (``replay.trie``: its prompt shares
+    tokens with another tree's rows, or its responses share a node), how many were replaced). A context-
+    parallel plan runs one tree; the deeper sharing runs on one device."""
+    roots = build_trie(trees, min_shared_tokens=min_shared_tokens)
+    alone = {root.trees()[0] for root in roots
+             if len(root.trees()) == 1 and root.depth() == 1 and root.end == trees[root.trees()[0]].prompt_len}
+    out = [Plan(est_time_s=p.est_single_s) if p is not None and p.degree > 1 and t not in alone else p
+           for t, p in enumerate(plans)]
+    return out, sum(p is not None and p.degree > 1 and t not in alone for t, p in enumerate(plans))
 
 
 def assign_subgroups(trees: Sequence[Tree], plans: Sequence[Plan | None], cp_size: int, *,
