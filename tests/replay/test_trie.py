@@ -12,9 +12,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from augtree_verl import ReplayStats, StepPlan, Tree, per_response, replay
+from augtree_verl import Plan, ReplayStats, StepPlan, Tree, per_response, replay
 from augtree_verl.replay import Offload
 from augtree_verl.replay.baseline import flattened_replay
+from augtree_verl.replay.step_plan import demote_shared_plans
 from augtree_verl.replay.trie import MIN_SHARED_TOKENS, TrieNode, build_trie
 from tests.families import family_model
 from tests.parity import assert_grads_match, assert_logps_match, grads, random_trees, tiny_model
@@ -33,7 +34,8 @@ def _ids(g, n: int) -> torch.Tensor:
 def sharing_batch(seed: int = 0, system: int = SYSTEM, shared: int = SHARED) -> list[Tree]:
     """Tree by tree (S: system prompt, X: a stretch two responses share):
     0 "a": prompt S q1, responses X u, X v (a branch inside the responses), w
-    1 "b": prompt S q2, responses 2, and twice the same 3 tokens (identical rows)
+    1 "b": prompt S q2, responses 2, twice the same 3 tokens (identical rows), their first 2 (a row ending
+           inside a node not worth a call)
     2 "c": prompt S q2 (b's prompt under another uid), one response
     3 "d": prompt S q1 X[:|X|/3] (the next turn of a's conversation), response X[|X|/3:] z
     4 "e": prompt S q1, response X (ends where a's responses branch)
@@ -47,7 +49,7 @@ def sharing_batch(seed: int = 0, system: int = SYSTEM, shared: int = SHARED) -> 
     return [
         Tree.of_tokens(p1, [torch.cat([shared, torch.tensor([1]), _ids(g, 4)]),
                             torch.cat([shared, torch.tensor([2]), _ids(g, 8)]), _ids(g, 6)], uid="a"),
-        Tree.of_tokens(p2, [_ids(g, 2), twice, twice.clone()], uid="b"),
+        Tree.of_tokens(p2, [_ids(g, 2), twice, twice.clone(), twice[:2].clone()], uid="b"),
         Tree.of_tokens(p2, [_ids(g, 5)], uid="c"),
         Tree.of_tokens(torch.cat([p1, shared[:turn]]), [torch.cat([shared[turn:], torch.tensor([0]), _ids(g, 2)])],
                        uid="d"),
@@ -82,11 +84,12 @@ def test_the_trie_of_a_batch_is_found_from_its_tokens():
         (turn, x, [(0, 0), (0, 1), (3, 0), (4, 0)], [(4, 0)], turn, [  # e ends here; every row scores it
             _leaf(x, x + 5, (0, 0)), _leaf(x, x + 9, (0, 1)), _leaf(x, x + 3, (3, 0))])])
     assert [_shape(r) for r in roots] == [
-        (0, SYSTEM, [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2), (2, 0), (3, 0), (4, 0)], [], None, [
+        (0, SYSTEM, [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2), (1, 3), (2, 0), (3, 0), (4, 0)], [], None, [
             (SYSTEM, p1, [(0, 0), (0, 1), (0, 2), (3, 0), (4, 0)], [], None, [
                 first_turn, _leaf(p1, p1 + 6, (0, 2))]),
-            (SYSTEM, p2, [(1, 0), (1, 1), (1, 2), (2, 0)], [], None, [  # b and c: one prompt node
-                _leaf(p2, p2 + 2, (1, 0)), _leaf(p2, p2 + 3, (1, 1), (1, 2)), _leaf(p2, p2 + 5, (2, 0))])]),
+            (SYSTEM, p2, [(1, 0), (1, 1), (1, 2), (1, 3), (2, 0)], [], None, [  # b and c: one prompt node
+                _leaf(p2, p2 + 2, (1, 0)), _leaf(p2, p2 + 3, (1, 1), (1, 2)), _leaf(p2, p2 + 2, (1, 3)),
+                _leaf(p2, p2 + 5, (2, 0))])]),
         (0, 9, [(5, 0), (5, 1)], [], None, [_leaf(9, 13, (5, 0)), _leaf(9, 15, (5, 1))])]
     assert [r.depth() for r in roots] == [4, 1]
 
@@ -174,3 +177,48 @@ def test_entropies_and_forward_only():
         assert_logps_match([[s[:, 1] for s in row] for row in scores],
                            [[w.detach() for w in row] for row in want_entropy])
     assert_grads_match(got_grads, grads(model))
+
+
+def test_cp_plans_of_trees_sharing_more_than_their_prompt_run_on_one_device():
+    """Of ``sharing_batch``'s trees, only f is exactly one depth-1 trie: the others' CP plans are demoted to
+    the one-device plan with their one-rank estimate, and counted."""
+    trees = sharing_batch()
+    cp = Plan(degree=2, primitive="ring", est_time_s=1.0, est_single_s=1.5)
+    plans, demoted = demote_shared_plans(trees, [cp, None, cp, cp, cp, cp])
+    assert plans == [Plan(est_time_s=1.5), None, Plan(est_time_s=1.5), Plan(est_time_s=1.5), Plan(est_time_s=1.5), cp]
+    assert demoted == 4
+    alone_but_branching = random_trees([9], [[4]])[0]
+    shared = _ids(torch.Generator().manual_seed(0), MIN_SHARED_TOKENS)
+    alone_but_branching = Tree.of_tokens(alone_but_branching.prompt, [torch.cat([shared, torch.tensor([1])]),
+                                                                      torch.cat([shared, torch.tensor([2])])])
+    assert demote_shared_plans([alone_but_branching], [cp]) == ([Plan(est_time_s=1.5)], 1)
+
+
+def prompt_inside_a_node(seed: int = 0) -> list[Tree]:
+    """Tree 1's prompt is tree 0's and one token t more; tree 0's first response and both of tree 1's share
+    t Y (Y: 20 tokens) and then branch; tree 0's second response starts elsewhere. The node [t] ends tree 1's
+    prompt but is one token long (below ``MIN_CALL_TOKENS``): dissolved, so tree 1's prompt ends inside the
+    node t Y, which scores from t for tree 0 and from Y for tree 1, and inside the leaf of its third response
+    (t then elsewhere), which tree 1 reads from its second token. Tree 2's prompt is tree 0's and u; its
+    two responses share Z and branch: the node u Z scores from Z (no row scores u)."""
+    g = torch.Generator().manual_seed(seed)
+    prompt = _ids(g, 8)
+    shared, other = torch.cat([torch.tensor([1]), _ids(g, 20)]), torch.cat([torch.tensor([5]), _ids(g, 20)])
+    branch = lambda head, token, n: torch.cat([head, torch.tensor([token]), _ids(g, n)])
+    return [Tree.of_tokens(prompt, [branch(shared, 1, 3), branch(torch.tensor([2]), 2, 3)]),
+            Tree.of_tokens(torch.cat([prompt, shared[:1]]), [branch(shared[1:], 2, 2), branch(shared[1:], 3, 5),
+                                                             branch(torch.tensor([4]), 1, 2)]),
+            Tree.of_tokens(torch.cat([prompt, other[:1]]), [branch(other[1:], 1, 1), branch(other[1:], 2, 3)])]
+
+
+def test_a_prompt_ending_inside_a_node_scores_from_there():
+    roots = build_trie(prompt_inside_a_node(), min_shared_tokens=MIN_SHARED)
+    assert [_shape(r) for r in roots] == [(0, 8, [(0, 0), (0, 1), (1, 0), (1, 1), (1, 2), (2, 0), (2, 1)], [], None, [
+        (8, 29, [(0, 0), (1, 0), (1, 1)], [], 8, [_leaf(29, 33, (0, 0)), _leaf(29, 32, (1, 0)), _leaf(29, 35, (1, 1))]),
+        _leaf(8, 13, (0, 1)), _leaf(8, 13, (1, 2)),
+        (8, 29, [(2, 0), (2, 1)], [], 9, [_leaf(29, 31, (2, 0)), _leaf(29, 33, (2, 1))])])]
+    model = tiny_model("qwen2-gqa", seed=6)
+    trees = prompt_inside_a_node()
+    got, gg, want, gw = run_both(model, trees, _loss(trees, 0), micro_batch_tokens=8)
+    assert_logps_match(got, want)
+    assert_grads_match(gg, gw)
