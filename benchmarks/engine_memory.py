@@ -13,8 +13,9 @@ the median):
 - response-heavy: per rank 2 groups, prompt 16, 4 responses of 512;
 - deep-trie: per rank one conversation trained turn by turn (step-wise multi-turn: turn t's row has the
   system prompt and turns 1..t-1 as its prompt, its own uid), a 512-token system prompt and 6 turns of a
-  32-token user message and a 256-token answer: a depth-12 trie of 1,900 distinct tokens against 7,700
-  flattened, replayed depth first (the path's state plus one micro-batch alive).
+  32-token user message and a 256-token answer: a chain of 11 trie nodes and a leaf, 2,240 distinct tokens
+  against 9,120 flattened, replayed depth first (the path's state plus one micro-batch alive; its node
+  boundaries are under the offload's 256 KiB floor at this width, so nothing moves to the host).
 
 Reported per engine and batch (rank 0; ``UnshardedGroups`` in ``augtree_verl/integration/memory_meter.py``):
 the most FSDP2 parameter groups unsharded at once; the peak device bytes of unsharded parameters +
