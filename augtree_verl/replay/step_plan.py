@@ -93,7 +93,7 @@ class StepPlan:
         if mesh is None and any(plan is not None and plan.degree > 1 for plan in plans):
             mesh = _world_mesh()
         if mesh is not None:
-            plans, subgroups = _check_subgroups(mesh, plans, subgroups, trees, rebalance)
+            plans, subgroups = _check_subgroups(mesh, plans, subgroups, trees, rebalance, min_shared_tokens)
         elif subgroups is not None:
             raise ValueError("subgroups place trees in a CP group: pass a mesh or a plan of degree > 1")
         if device is None:
@@ -140,7 +140,7 @@ def demote_shared_plans(trees: Sequence[Tree], plans: Sequence[Plan | None],
 
 
 def assign_subgroups(trees: Sequence[Tree], plans: Sequence[Plan | None], cp_size: int, *,
-                     rebalance: bool = True) -> tuple[list[int], list[int]]:
+                     rebalance: bool = True, min_shared_tokens: int = MIN_SHARED_TOKENS) -> tuple[list[int], list[int]]:
     """(degree, subgroup) per tree, for one CP group of ``cp_size`` ranks that replays ``trees``.
 
     The planner plans each tree alone; a CP group holding several trees may finish sooner running some of
@@ -148,12 +148,14 @@ def assign_subgroups(trees: Sequence[Tree], plans: Sequence[Plan | None], cp_siz
     estimates (``est_time_s``, and ``est_single_s`` for a plan of degree d > 1), trees are demoted to
     degree 1 in order of their parallel efficiency T_1 / (d T_d), least efficient first, and the number of
     demotions with the smallest estimated makespan (``pack_subgroups``) wins (none, on a tie). Otherwise the
-    planned degrees stand and trees are packed by their ``groups.tree_workload``.
+    planned degrees stand and trees are packed by their ``groups.tree_workload``. The degree-1 trees of one
+    trie (``replay.trie``, with ``min_shared_tokens``) go to one rank together.
     """
     degrees = [plan.degree if plan is not None else 1 for plan in plans]
+    tries = [root.trees() for root in build_trie(trees, min_shared_tokens=min_shared_tokens)]
     if not rebalance or not all(plan is not None and plan.est_time_s is not None for plan in plans):
         works = [float(tree_workload(tree.prompt_len, tree.response_lens)) for tree in trees]
-        return degrees, pack_subgroups(works, degrees, cp_size)[0]
+        return degrees, pack_subgroups(works, degrees, cp_size, tries)[0]
     multi = [plan.est_time_s for plan in plans]
     single = [plan.est_time_s if plan.degree == 1 else plan.est_single_s for plan in plans]
     demotable = sorted((t for t in range(len(plans)) if degrees[t] > 1 and single[t] is not None),
@@ -163,22 +165,39 @@ def assign_subgroups(trees: Sequence[Tree], plans: Sequence[Plan | None], cp_siz
         if k:
             degrees[demotable[k - 1]] = 1
         works = [single[t] if degrees[t] == 1 else multi[t] * degrees[t] for t in range(len(plans))]
-        subgroups, makespan = pack_subgroups(works, degrees, cp_size)
+        subgroups, makespan = pack_subgroups(works, degrees, cp_size, tries)
         if best is None or makespan < best[0]:
             best = (makespan, list(degrees), subgroups)
     return best[1], best[2]
 
 
-def pack_subgroups(works: Sequence[float], degrees: Sequence[int], cp_size: int) -> tuple[list[int], float]:
+def pack_subgroups(works: Sequence[float], degrees: Sequence[int], cp_size: int,
+                   tries: Sequence[Sequence[int]] = ()) -> tuple[list[int], float]:
     """(subgroup per tree, makespan): the subgroup (of ``degrees[t]`` consecutive CP ranks; index 0 ..
     cp_size / d - 1) each tree runs on, and the most work any rank gets.
 
     Longest-processing-time first: each tree, heaviest first, goes to the subgroup whose busiest member
     has the least work so far, and adds ``works[t] / d`` to every member. Ties go to the lowest index.
+    ``tries``: the trees of each trie of the step (``replay.trie``); a trie's trees of degree 1 go to one
+    rank together, as one tree of their summed work, so that their shared tokens run once.
     """
     for t, d in enumerate(degrees):
         if d < 1 or cp_size % d:
             raise ValueError(f"tree {t}: degree {d} does not divide the CP group size {cp_size}")
+    together = {t: trie[0] for trie in tries for t in trie if degrees[t] == 1 and len(trie) > 1}
+    items: dict[int, list[int]] = {}
+    for t in range(len(works)):
+        items.setdefault(together.get(t, t), []).append(t)
+    placed, makespan = _pack([sum(works[t] for t in item) for item in items.values()],
+                             [degrees[item[0]] for item in items.values()], cp_size)
+    subgroups = [0] * len(works)
+    for item, s in zip(items.values(), placed):
+        for t in item:
+            subgroups[t] = s
+    return subgroups, makespan
+
+
+def _pack(works: list[float], degrees: list[int], cp_size: int) -> tuple[list[int], float]:
     load = [0.0] * cp_size
     subgroups = [0] * len(works)
     for t in sorted(range(len(works)), key=lambda t: (-works[t], t)):
@@ -208,8 +227,8 @@ def _world_mesh() -> CPMesh:
     return CPMesh.whole_world()
 
 
-def _check_subgroups(mesh: CPMesh, plans: list[Plan | None], subgroups, trees,
-                     rebalance: bool) -> tuple[list[Plan | None], list[int]]:
+def _check_subgroups(mesh: CPMesh, plans: list[Plan | None], subgroups, trees, rebalance: bool,
+                     min_shared_tokens: int) -> tuple[list[Plan | None], list[int]]:
     """(plans, subgroups): the given subgroups checked, or ``assign_subgroups``' (a tree it moves to one rank
     runs there with the one-device plan, carrying the planner's one-rank estimate)."""
     degrees = [plan.degree if plan is not None else 1 for plan in plans]
@@ -218,7 +237,8 @@ def _check_subgroups(mesh: CPMesh, plans: list[Plan | None], subgroups, trees,
             raise ValueError(f"tree {t}: plan degree {d} differs from the CP group size {mesh.cp_size} "
                              f"(CP degrees here: {list(mesh.degrees)})")
     if subgroups is None:
-        degrees, subgroups = assign_subgroups(trees, plans, mesh.cp_size, rebalance=rebalance)
+        degrees, subgroups = assign_subgroups(trees, plans, mesh.cp_size, rebalance=rebalance,
+                                              min_shared_tokens=min_shared_tokens)
         return [plan if plan is None or plan.degree == d else Plan(est_time_s=plan.est_single_s)
                 for plan, d in zip(plans, degrees)], subgroups
     subgroups = list(subgroups)

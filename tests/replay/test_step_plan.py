@@ -104,3 +104,14 @@ def test_without_planner_estimates_the_planned_degrees_stand():
 
 def test_without_rebalance_the_planned_degrees_stand():
     assert assign_subgroups(_trees(2), [_cp(1.0), _cp(1.0)], 2, rebalance=False) == ([2, 2], [0, 0])
+
+
+def test_the_trees_of_one_trie_go_to_one_rank():
+    """Trees 0 and 3 share their prompt (one trie): on one rank together, as one item of their summed work
+    (5 + 1 = 6, then 6 on the other rank, then 4 on the first, the lower on a tie), where alone they part."""
+    assert pack_subgroups([5.0, 6.0, 4.0, 1.0], [1, 1, 1, 1], 2, tries=[[0, 3], [1], [2]]) == ([0, 1, 0, 0], 10.0)
+    assert pack_subgroups([5.0, 6.0, 4.0, 1.0], [1, 1, 1, 1], 2) == ([1, 0, 1, 0], 9.0)
+    trees = random_trees([6, 5, 7], [[2, 3], [4], [1, 2]], seed=2)
+    trees[2] = Tree.of_tokens(trees[0].prompt, list(trees[2].responses))
+    _, subgroups = assign_subgroups(trees, [None] * 3, 2, rebalance=False)
+    assert subgroups[0] == subgroups[2] != subgroups[1]
