@@ -100,20 +100,22 @@ def shared_rows(step: int) -> list[dict]:
     sharing saves at least its ``MIN_SHARED_TOKENS``): a system prompt S under four uids; group 0's two first
     responses share a stretch X, then branch; group 2 has group 1's prompt; group 3 is group 0's next turn
     (its prompt ends inside X), whose response starts with a tool's output, not trained; group 4 shares
-    nothing (a depth-1 trie)."""
+    nothing (a depth-1 trie); group 5 has group 0's prompt and a response that is X (it ends where group 0's
+    responses branch)."""
     g = torch.Generator().manual_seed(step)
     ids = lambda n: torch.randint(3, H.VOCAB, (n,), generator=g)
     system, shared = ids(MIN_SHARED_TOKENS + 2), ids(MIN_SHARED_TOKENS + 2)
     p0, p1 = torch.cat([system, torch.tensor([1]), ids(5)]), torch.cat([system, torch.tensor([2]), ids(4)])
     p4 = ids(7)
-    adv = torch.randn(10, generator=g).tolist()
+    adv = torch.randn(12, generator=g).tolist()
     tool = torch.ones(shared.shape[0] - 40 + 2, dtype=torch.int64)
     tool[:10] = 0
     responses = [("group-0", p0, torch.cat([shared, torch.tensor([1]), ids(3)])),
                  ("group-0", p0, torch.cat([shared, torch.tensor([2]), ids(5)])), ("group-0", p0, ids(4)),
                  ("group-1", p1, ids(3)), ("group-1", p1, ids(6)), ("group-2", p1, ids(4)), ("group-2", p1, ids(2)),
                  ("group-3", torch.cat([p0, shared[:40]]), torch.cat([shared[40:], torch.tensor([0]), ids(1)])),
-                 ("group-4", p4, ids(3)), ("group-4", p4, ids(2))]
+                 ("group-4", p4, ids(3)), ("group-4", p4, ids(2)), ("group-5", p0, shared.clone()),
+                 ("group-5", p0, ids(3))]
     rows = [dict(uid=uid, prompt=p, response=r, advantage=a) for (uid, p, r), a in zip(responses, adv)]
     rows[7]["mask"] = tool
     return rows
@@ -127,11 +129,11 @@ def test_shared_prefixes_across_uids_match_stock_engine(model_path, setting):
     common = dict(loss_agg_mode="token-mean", entropy_coeff=0.01, gradient_checkpointing=setting == "rows-2")
     stock, stock_loss = H.build_engine("fsdp2", model_path, **common)
     ours, our_loss = H.build_engine("augtree", model_path, **common)
-    rows = list(range(10))
+    rows = list(range(12))
     metrics = _steps(stock, stock_loss, ours, our_loss, rows, rows, setting, setting, shared_rows, 0.01)
     # S, the prompts of groups 0 and 1 (2 shares it), X up to group 3's prompt end, the rest of X; group 4's
     assert metrics["augtree/trie/nodes"].aggregate() == 6
-    assert metrics["augtree/trees"].aggregate() == 5
+    assert metrics["augtree/trees"].aggregate() == 6
     logical = sum(len(r["prompt"]) + len(r["response"]) for r in shared_rows(STEPS - 1))
     assert metrics["augtree/logical_tokens"].aggregate() == logical
     assert metrics["augtree/executed_tokens"].aggregate() < logical / 3
