@@ -22,7 +22,7 @@ calls.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -73,7 +73,7 @@ class Slot:
     micro_batches: list[list[int]]
     cp: CPTreeSchedule | None = None
     node: TrieNode | None = None
-    shape: Shape | None = None
+    shape: Shape = field(default_factory=Shape)
 
     @property
     def own_calls(self) -> int:

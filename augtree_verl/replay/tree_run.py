@@ -44,7 +44,7 @@ class TrieRun:
 
     def __call__(self, slot: Slot) -> None:
         """Run ``slot`` (a trie root, or None for a dummy slot) in its lock-step shape."""
-        self._node(slot.node, slot.shape if slot.shape is not None else Shape(calls=slot.calls), [])
+        self._node(slot.node, slot.shape, [])
 
     def _node(self, node: TrieNode | None, shape: Shape, path: Path) -> None:
         calls, stats = self.calls, self.calls.stats

@@ -127,6 +127,7 @@ def _loss(trees, seed):
     return lambda t, i, logp: -(logp * adv[t][i]).mean() + 0.05 * (logp ** 2).sum()
 
 
+@pytest.mark.slow  # several optimizer steps, three models (the quick lane has the one-step tests below)
 @pytest.mark.parametrize("name,checkpointing,micro_batch_tokens", [
     ("qwen2-gqa", False, 16),
     ("qwen2-gqa", True, 1),    # one row per call; prompt activations offloaded
