@@ -1,7 +1,7 @@
 """What one training step holds at once on a rank: verl's stock fsdp2 engine vs the augtree engine (ZeRO-3),
 ours with and without prompt-activation offload.
 
-    python benchmarks/engine_memory.py [--layers 6] [--repeats 1] [--json rows.json]
+    python benchmarks/engine_memory.py [--layers 6] [--repeats 1] [--batches NAME ...] [--json rows.json]
 
 Two gloo ranks (CPU), a random-weight tiny Qwen2 shaped like Qwen2.5-7B where memory is concerned (hidden
 112, 7 query heads and 1 K/V head of 16: a boundary [P, hidden] is 3.5x a layer's K/V [2, P, H_kv * D], as
@@ -10,7 +10,12 @@ micro-batches of one row, per engine and batch one ``train_batch`` (``--repeats`
 the median):
 
 - prompt-heavy: per rank 2 groups, prompt 2048, 4 responses of 16;
-- response-heavy: per rank 2 groups, prompt 16, 4 responses of 512.
+- response-heavy: per rank 2 groups, prompt 16, 4 responses of 512;
+- deep-trie: per rank one conversation trained turn by turn (step-wise multi-turn: turn t's row has the
+  system prompt and turns 1..t-1 as its prompt, its own uid), a 512-token system prompt and 6 turns of a
+  32-token user message and a 256-token answer: a chain of 11 trie nodes and a leaf, 2,240 distinct tokens
+  against 9,120 flattened, replayed depth first (the path's state plus one micro-batch alive; its node
+  boundaries are under the offload's 256 KiB floor at this width, so nothing moves to the host).
 
 Reported per engine and batch (rank 0; ``UnshardedGroups`` in ``augtree_verl/integration/memory_meter.py``):
 the most FSDP2 parameter groups unsharded at once; the peak device bytes of unsharded parameters +
@@ -39,11 +44,13 @@ MODEL = {**H.MODEL_SHAPE, "hidden_size": 112, "num_attention_heads": 7, "num_key
          "intermediate_size": 592, "max_position_embeddings": 4096}
 # name: (prompt length, response length, responses per group, groups per rank)
 BATCHES = {"prompt-heavy": (2048, 16, 4, 2), "response-heavy": (16, 512, 4, 2)}
+# the deep-trie batch: (system prompt, turns, user message, answer) tokens
+DEEP_TRIE = (512, 6, 32, 256)
 # row name: (engine, offload)
 ENGINES = {"stock": ("fsdp2", False), "augtree": ("augtree", False), "augtree+offload": ("augtree", True)}
 
 
-def _rank_main(rank: int, port: int, model_path: str, out_path: str, repeats: int) -> None:
+def _rank_main(rank: int, port: int, model_path: str, out_path: str, repeats: int, batches: list[str]) -> None:
     H.use_cpu_platform()  # before verl loads its engines, in this spawned process too
     import torch
     from verl.utils import tensordict_utils as tu
@@ -58,9 +65,8 @@ def _rank_main(rank: int, port: int, model_path: str, out_path: str, repeats: in
                                     else None)
                for name, (strategy, offload) in ENGINES.items()}
     rows_out = []
-    for batch_name, (p, r, g, groups) in BATCHES.items():
-        rows = H.group_rows([(p, [r] * g)] * (groups * WORLD))
-        mine = [row for k, row in enumerate(rows) if (k // g) % WORLD == rank]  # whole groups per rank
+    for batch_name in batches:
+        rows, mine = _rows(batch_name, rank)
         batch = verl_batch.rows_to_batch(mine, use_dynamic_bsz=False, micro_batch_size_per_gpu=1)
         tu.assign_non_tensor(batch, global_batch_size=len(rows))
         seen = {name: [0, 0, 0, []] for name in engines}  # max groups, peak bytes, peak host bytes, step times
@@ -83,10 +89,34 @@ def _rank_main(rank: int, port: int, model_path: str, out_path: str, repeats: in
     torch.distributed.destroy_process_group()
 
 
+def _rows(batch_name: str, rank: int) -> tuple[list[dict], list[dict]]:
+    """(every rank's rows, this rank's) of a batch."""
+    import torch
+
+    if batch_name != "deep-trie":
+        p, r, g, groups = BATCHES[batch_name]
+        rows = H.group_rows([(p, [r] * g)] * (groups * WORLD))
+        return rows, [row for k, row in enumerate(rows) if (k // g) % WORLD == rank]  # whole groups per rank
+    system, turns, user, answer = DEEP_TRIE
+    gen = torch.Generator().manual_seed(0)
+    ids = lambda n: torch.randint(3, H.MODEL_SHAPE["vocab_size"], (n,), generator=gen)
+    rows = []
+    for conversation in range(WORLD):
+        context = ids(system)
+        for turn in range(turns):
+            prompt, response = torch.cat([context, ids(user)]), ids(answer)
+            rows.append(dict(uid=f"conversation-{conversation}-turn-{turn}", prompt=prompt, response=response,
+                             advantage=float(torch.randn(1, generator=gen))))
+            context = torch.cat([prompt, response])
+    return rows, rows[rank * turns: (rank + 1) * turns]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=6, help="decoder layers of the tiny model (>= 6)")
     parser.add_argument("--repeats", type=int, default=1, help="training steps per engine and batch")
+    parser.add_argument("--batches", nargs="+", default=[*BATCHES, "deep-trie"],
+                        choices=[*BATCHES, "deep-trie"], help="the batches to run (default: all)")
     parser.add_argument("--json", help="write the rows to this path")
     args = parser.parse_args()
     if args.layers < 1 or args.repeats < 1:
@@ -96,7 +126,7 @@ def main() -> None:
     model_path = tempfile.mkdtemp(prefix="augtree-memory-")
     Qwen2ForCausalLM(Qwen2Config(**{**MODEL, "num_hidden_layers": args.layers})).save_pretrained(model_path)
     out_path = os.path.join(model_path, "rows.json")
-    mp.start_processes(_rank_main, args=(H.free_port(), model_path, out_path, args.repeats), nprocs=WORLD,
+    mp.start_processes(_rank_main, args=(H.free_port(), model_path, out_path, args.repeats, args.batches), nprocs=WORLD,
                        join=True, start_method="spawn")
     with open(out_path) as f:
         rows = json.load(f)
@@ -105,7 +135,7 @@ def main() -> None:
     for row in rows:
         print(f"{row['engine']:9}{row['batch']:16}{str(row['offload']):9}{row['max_unsharded_groups']:>22}"
               f"{row['peak_bytes'] / 2**20:>10.2f}{row['peak_host_bytes'] / 2**20:>10.2f}{row['step_s']:>8.2f}")
-    for batch in BATCHES:
+    for batch in args.batches:
         off, on = (next(r for r in rows if r["engine"] == "augtree" and r["batch"] == batch and r["offload"] is o)
                    for o in (False, True))
         print(f"{batch}: offload peak {1 - on['peak_bytes'] / off['peak_bytes']:.0%} lower than without, step time "

@@ -18,7 +18,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from augtree_verl.replay.linear_state import StateCapture, StateStart, route_linear_attention
-from augtree_verl.replay.prefix_attention import prefix_causal_attention
+from augtree_verl.replay.prefix_attention import path_causal_attention
 
 ATTN_NAME = "augtree"
 
@@ -33,17 +33,23 @@ class PrefillContext:
 
     ``kv[layer] = (k, v)``, each [1, H_kv, P, D], or (conv, recurrent) (shapes in ``linear_state``), still
     attached to the prompt graph. The first capture wins, so a checkpoint recompute during the delayed
-    backward cannot replace it.
+    backward cannot replace it. ``path`` (a trie node below a root): its ancestors' per-layer leaves, root
+    first; the node's tokens then also attend to their K/V and its linear layers start from the parent's state.
     """
 
-    def __init__(self):
+    def __init__(self, path: list[list[tuple[torch.Tensor, torch.Tensor]]] | None = None):
         self.kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.path = path or []
 
     def attend(self, layer: int, q, k, v, scaling: float) -> torch.Tensor:
         self.kv.setdefault(layer, (k, v))
+        if self.path:
+            return path_causal_attention(q, k, v, [node[layer] for node in self.path], scaling)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=True)
 
-    def linear_state(self, layer: int, rows: int) -> StateCapture:
+    def linear_state(self, layer: int, rows: int) -> StateCapture | StateStart:
+        if self.path:
+            return StateStart(layer, self.path[-1][layer], rows, sink=self.kv)
         return StateCapture(self.kv)
 
 
@@ -51,19 +57,19 @@ class ResponseContext:
     """Phase B: response queries attend to [prompt K/V ; own K/V] (see ``prefix_attention``); linear-attention
     layers start from the prompt's state (``linear_state``).
 
-    ``prompt_kv[layer]``: the leaves that collect the gradients, (k, v) each [1, H_kv, P, D] for an attention
-    layer, (conv, recurrent) for a linear-attention one.
+    ``path[j][layer]``: the leaves that collect the gradients of one node of the prompt's path (one node: a
+    tree's prompt; a trie: root first), (k, v) each [1, H_kv, P_j, D] for an attention layer (every node's
+    block is attended), (conv, recurrent) for a linear-attention one (the last node's state is the start).
     """
 
-    def __init__(self, prompt_kv: list[tuple[torch.Tensor, torch.Tensor]]):
-        self.prompt_kv = prompt_kv
+    def __init__(self, path: list[list[tuple[torch.Tensor, torch.Tensor]]]):
+        self.path = path
 
     def attend(self, layer: int, q, k, v, scaling: float) -> torch.Tensor:
-        pk, pv = self.prompt_kv[layer]
-        return prefix_causal_attention(q, k, v, pk, pv, scaling)
+        return path_causal_attention(q, k, v, [node[layer] for node in self.path], scaling)
 
     def linear_state(self, layer: int, rows: int) -> StateStart:
-        return StateStart(layer, self.prompt_kv[layer], rows)
+        return StateStart(layer, self.path[-1][layer], rows)
 
 
 def augtree_attention_forward(module, query, key, value, attention_mask, scaling=None, augtree_ctx=None, **kwargs):

@@ -55,12 +55,14 @@ class ModelCalls:
     def _pad(self) -> torch.Tensor:
         return torch.full((1, 1), PAD_ID, dtype=torch.long, device=self.device)
 
-    def dummy_prompt(self) -> PromptKV:
-        """A dummy prefill: one local token (no prompt-K/V consumer; its backward sends zeros)."""
+    def dummy_prompt(self, scored: bool = False) -> PromptKV:
+        """A dummy prefill: one local token (no prompt-K/V consumer; its backward sends zeros); with ``scored``,
+        one LM-head call on it too (a trie node's scores, see ``lockstep.Shape``)."""
         def prefill():
             ctx = PrefillContext()
             hidden = self.decoder(self._pad(), torch.zeros_like(self._pad()), ctx)[0]
-            return [ctx.kv[layer] for layer in range(len(ctx.kv))], hidden, None
+            scores = self.scores(hidden, self._pad()[0]) if scored else None
+            return [ctx.kv[layer] for layer in range(len(ctx.kv))], hidden, None, scores
         return PromptKV(prefill, train=self.train, offload=self.offload)
 
     def pad_call(self) -> None:
@@ -71,16 +73,24 @@ class ModelCalls:
             (scores.sum() * 0.0).backward()
         self.stats.micro_batches += 1
 
-    def finish_slot(self, prompt: PromptKV, done: int, calls: int, start) -> None:
-        """Close a slot after ``done`` response calls: dummy calls up to ``calls``, the replay timer started
-        at ``start`` (``ReplayStats.start_timer``) stopped, then in training the prompt's delayed backward."""
+    def finish_calls(self, done: int, calls: int, start) -> None:
+        """After ``done`` response calls: dummy calls up to ``calls``, then the replay timer started at
+        ``start`` (``ReplayStats.start_timer``) stopped."""
         for _ in range(calls - done):
             self.pad_call()
         self.stats.stop_timer("replay_s", start)
+
+    def delayed_backward(self, prompt: PromptKV) -> None:
+        """In training, the prompt's delayed backward (timed)."""
         if self.train:
             start = self.stats.start_timer(self.device)
             prompt.backward()
             self.stats.stop_timer("prompt_backward_s", start)
+
+    def finish_slot(self, prompt: PromptKV, done: int, calls: int, start) -> None:
+        """Close a slot after ``done`` response calls: ``finish_calls``, then ``delayed_backward``."""
+        self.finish_calls(done, calls, start)
+        self.delayed_backward(prompt)
 
     def backward_zero_or(self, loss, scores: list[torch.Tensor]) -> None:
         """Backpropagate ``loss``, or a zero loss over ``scores`` where it has no gradient (so that this rank's

@@ -93,7 +93,7 @@ class CPTreeRun:
         ctx = RingContext(Ring(self.group, prefill.members, index), prefill.layout, meter, capture)
         hidden = self._shard(prompt[pos], pos, ctx)
         owner, local = prefill.layout.owner(prompt.shape[0] - 1)
-        return [capture[layer] for layer in range(len(capture))], hidden, local if owner == index else None
+        return [capture[layer] for layer in range(len(capture))], hidden, local if owner == index else None, None
 
     def _shard(self, ids: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
         """My shard (ids/positions [n]) through the decoder -> final hidden [max(n, 1), H]: a rank with no

@@ -2,10 +2,12 @@
 
 A ``StepPlan`` (``replay.step_plan``) has decided everything before the first model call: the trees, their
 plans, which subgroup of the CP group runs each tree, and this rank's lock-step slots. ``replay`` runs the
-slots: without a mesh every tree on this device (``tree_run``); with one (``cp.mesh.CPMesh``), each tree
-on its subgroup, context-parallel trees through ``cp_tree``, and every response's scores are then shared
-over the CP group (``cp_tree.exchange_scores``). Each slot is one prefill into a ``PromptKV``, response
-calls with their losses and backwards, and one delayed prompt backward.
+slots: without a mesh every tree on this device, as the tries of the step's rows (``trie``, ``tree_run``:
+shared prefixes found from the tokens, a group is a depth-1 trie); with one (``cp.mesh.CPMesh``), each tree
+on its subgroup, context-parallel trees through ``cp_tree``, the others as the tries of each rank's own, and
+every response's scores are then shared over the CP group (``cp_tree.exchange_scores``). Each slot is one
+prefill into a ``PromptKV`` per trie node, response calls with their losses and backwards, and one delayed
+prompt backward per node.
 """
 
 from __future__ import annotations
@@ -23,12 +25,14 @@ from augtree_verl.replay.calls import ModelCalls
 from augtree_verl.replay.cp_tree import SCORE_EXCHANGE, CPTreeRun, exchange_scores
 from augtree_verl.replay.linear_state import refuse_cp_plans
 from augtree_verl.replay.step_plan import StepPlan
-from augtree_verl.replay.tree_run import run_tree
+from augtree_verl.replay.tree_run import TrieRun
 
 LossFn = Callable[[int, int, torch.Tensor], torch.Tensor]
-# loss(t, rows, scores): the loss of tree t's response micro-batch ``rows`` (response indices), scores[b]
-# [R_rows[b]] (or [R, 2] with an entropy_fn) attached to the graph; None or a tensor without grad
-# contributes nothing. On a CP tree it is evaluated identically on every member of the step's ring.
+# loss(t, rows, scores): the loss of tree t's responses ``rows`` (response indices) in one micro-batch,
+# scores[b] [R_rows[b]] (or [R, 2] with an entropy_fn) attached to the graph; None or a tensor without grad
+# contributes nothing. A trie's micro-batch may hold rows of several trees: one call per tree, summed; rows
+# that end inside a trie node get theirs before its delayed backward. On a CP tree it is evaluated
+# identically on every member of the step's ring.
 MicroBatchLossFn = Callable[[int, list[int], list[torch.Tensor]], "torch.Tensor | None"]
 
 
@@ -55,24 +59,30 @@ def replay(model, step_plan: StepPlan, loss: MicroBatchLossFn | None = None) -> 
     calls = ModelCalls(model, temperature=step_plan.temperature, stats=stats, entropy_fn=step_plan.entropy_fn,
                        micro_batch_loss=loss, offload=step_plan.offload)
     cp_runs = {d: CPTreeRun(calls, mesh.group_of(d)) for d in mesh.subgroups} if mesh is not None else {}
+    tries = TrieRun(calls, trees)
     scores: list[list[torch.Tensor] | None] = [None] * len(trees)
     reported: set[int] = set()  # trees this rank counts and reports: one rank (a subgroup's first) per tree
     use_augtree_attention(model)
     with torch.set_grad_enabled(calls.train), _fp32_grad_sums(model if calls.train else None):
         for slot in step_plan.slots:
-            if slot.tree is None:  # a dummy slot: prefill, calls, prompt backward
+            if slot.degree == 1:  # a trie of this rank's trees (or a dummy slot)
+                tries(slot)
+                mine = slot.node.trees() if slot.node is not None else []
+            elif slot.tree is None:  # a dummy CP slot: prefill, calls, prompt backward
                 calls.finish_slot(calls.dummy_prompt(), 0, slot.calls, stats.start_timer(device))
-                continue
-            t, tree_plan = slot.tree, step_plan.plans[slot.tree]
-            if slot.degree == 1:
-                scores[t] = run_tree(calls, t, trees[t], slot)
+                mine = []
             else:
-                scores[t] = cp_runs[slot.degree](t, trees[t], tree_plan, slot)
-            if slot.degree == 1 or mesh.subgroup_rank(slot.degree) == 0:
+                scores[slot.tree] = cp_runs[slot.degree](slot.tree, trees[slot.tree], step_plan.plans[slot.tree], slot)
+                mine = [slot.tree] if mesh.subgroup_rank(slot.degree) == 0 else []
+            for t in mine:
                 reported.add(t)
                 stats.logical_tokens += sum(trees[t].prompt_len + r for r in trees[t].response_lens)
                 stats.trees += 1
-                stats.plans[tree_plan.primitive if tree_plan else "single"] += 1
+                stats.plans[step_plan.plans[t].primitive if step_plan.plans[t] else "single"] += 1
+    for (t, i), value in tries.scores.items():
+        if scores[t] is None:
+            scores[t] = [None] * len(trees[t].responses)
+        scores[t][i] = value
     if mesh is None:
         return scores
     return _share(step_plan, scores, reported, device, width=None if step_plan.entropy_fn is None else 2)

@@ -25,8 +25,9 @@ torch fallback ignores ``cu_seqlens``. A continuation of one token would take th
 which updates the conv state in place, so a replay call feeds at least ``MIN_CALL_TOKENS`` tokens. The route
 (``route_linear_attention``) is a forward pre-hook on each linear-attention module that swaps in the call's
 cache when a replay context rides in the kwargs (``augtree_ctx``); it reads only the kwargs, so a checkpointed
-layer recomputed later dispatches as its forward did. A trie node's linear layers would start from its
-parent's final state the same way: a ``StateStart`` of the parent's leaves.
+layer recomputed later dispatches as its forward did. A trie node's prefill starts its linear layers from
+its parent's final state the same way (a ``StateStart`` of the parent's leaves) and records its own final
+state, which its children start from; a node below a root feeds at least ``MIN_CALL_TOKENS`` tokens too.
 """
 
 from __future__ import annotations
@@ -102,9 +103,10 @@ def _with_state(module, args, kwargs):
 
 
 class StateCapture:
-    """Prefill: zero initial state; the layer's final (conv, recurrent) go to ``sink[layer]`` once."""
+    """Prefill: zero initial state; the layer's final (conv, recurrent) go to ``sink[layer]`` once (None:
+    dropped)."""
 
-    def __init__(self, sink: dict[int, tuple[torch.Tensor, torch.Tensor]]):
+    def __init__(self, sink: dict[int, tuple[torch.Tensor, torch.Tensor]] | None):
         self.sink, self.conv = sink, torch.empty(0)  # set by the layer before its recurrent state
 
     def has_previous_state(self, layer: int | None = None) -> bool:
@@ -114,14 +116,18 @@ class StateCapture:
         self.conv = conv
 
     def update_recurrent_state(self, recurrent: torch.Tensor, layer: int) -> None:
-        self.sink.setdefault(layer, (self.conv, recurrent))
+        if self.sink is not None:
+            self.sink.setdefault(layer, (self.conv, recurrent))
 
 
-class StateStart:
+class StateStart(StateCapture):
     """Replay: ``rows`` rows start from one prompt's state (conv [1, conv_dim, K], recurrent [1, H_v, D_k, D_v]);
-    the layer's updates are dropped."""
+    the layer's updates are dropped, or, with ``sink`` (a trie node's prefill, one row), recorded as
+    ``StateCapture`` records them."""
 
-    def __init__(self, layer: int, state: tuple[torch.Tensor, torch.Tensor], rows: int):
+    def __init__(self, layer: int, state: tuple[torch.Tensor, torch.Tensor], rows: int,
+                 sink: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None):
+        super().__init__(sink)
         conv, recurrent = state
         self.conv_states = conv.expand(rows, -1, -1)
         self.recurrent_states = recurrent.expand(rows, -1, -1, -1)
@@ -129,9 +135,3 @@ class StateStart:
 
     def has_previous_state(self, layer: int | None = None) -> bool:
         return True
-
-    def update_conv_state(self, conv: torch.Tensor, layer: int) -> None:
-        pass
-
-    def update_recurrent_state(self, recurrent: torch.Tensor, layer: int) -> None:
-        pass

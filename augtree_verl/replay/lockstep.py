@@ -1,7 +1,7 @@
 """The lock-step shape of one step on one rank: its slots, agreed over an FSDP group.
 
-A slot is one tree's three parts: one prompt forward, ``calls`` response calls (one decoder call and one
-LM-head call each, and in training a backward each), and in training one delayed prompt backward. FSDP2
+A slot is one tree's (or trie's) parts: one prompt forward, ``calls`` response calls (one decoder call and
+one LM-head call each, and in training a backward each), and in training one delayed prompt backward. FSDP2
 (ZeRO-3) all-gathers a layer's parameters in every model call and reduce-scatters its gradient in every
 backward, with collectives of the same size for every layer: if two ranks issue different call sequences,
 layer i on one rank is paired with layer j on another (silently wrong weights, not a hang). So the ranks
@@ -10,34 +10,70 @@ of a group agree on one shape and pad with one-token dummy calls.
 Phases by CP degree, largest first (C, ..., 2, then 1). Phase d > 1 holds the context-parallel trees of
 degree d: slot j of phase d holds, on every member of a d-subgroup, that subgroup's j-th tree (ordered by
 (most CP steps over its members, index), which every member computes identically from the shared trees and
-plans); its calls are the steps of the tree's CP schedule (``cp.schedule``). Phase 1 holds each rank's own trees, the
-largest (by micro-batch count) first; its calls are the tree's response micro-batches. Per phase the
-number of slots is the most any rank has, and ``calls`` per slot the most any rank has there (two small
-all-reduces); a rank short of work pads with dummy slots (``Slot.tree is None``) and dummy calls.
+plans); its calls are the steps of the tree's CP schedule (``cp.schedule``). Phase 1 holds each rank's own
+tries (``replay.trie``: its trees' rows, shared prefixes found from the tokens; a group is a depth-1 trie),
+the largest (by calls) first. A trie slot's ``shape`` nests: its root's prefill (and one LM-head call where
+it scores tokens), its leaves' micro-batches (``calls``), then each inner child's shape in turn, then the
+delayed backward. Per phase the number of slots is the most any rank has, and per slot the shape every
+rank's fits in (CP: the most calls, two small all-reduces; tries: the node-by-node maximum of the shapes,
+one all-gather); a rank short of work pads with dummy slots (``Slot.tree is None``), dummy nodes and dummy
+calls.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from augtree_verl.cp.schedule import CPTreeSchedule, cp_tree_schedule
 from augtree_verl.groups import Tree
 from augtree_verl.replay.microbatch import split_micro_batches
+from augtree_verl.replay.trie import MIN_SHARED_TOKENS, TrieNode, build_trie
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A trie node's lock-step shape: its prefill (with an LM-head call when ``scored``), ``calls`` leaf calls,
+    then each of ``children``' shapes."""
+
+    scored: bool = False
+    calls: int = 0
+    children: tuple[Shape, ...] = ()
+
+    @classmethod
+    def of(cls, node: TrieNode) -> Shape:
+        """``node``'s own shape (its ``micro_batches`` set)."""
+        return cls(node.score_from is not None, len(node.micro_batches),
+                   tuple(cls.of(c) for c in node.inner))
+
+    def union(self, other: Shape) -> Shape:
+        """The smallest shape both fit in (children matched by position)."""
+        n = max(len(self.children), len(other.children))
+        kids = [(self.children[j] if j < len(self.children) else Shape()).union(
+            other.children[j] if j < len(other.children) else Shape()) for j in range(n)]
+        return Shape(self.scored or other.scored, max(self.calls, other.calls), tuple(kids))
+
+    @property
+    def total_calls(self) -> int:
+        return self.calls + sum(c.total_calls for c in self.children)
 
 
 @dataclass
 class Slot:
-    """One tree's place in the lock-step sequence: ``tree`` (an index, None for a dummy slot), ``degree`` (its
-    phase), its work (one device: ``micro_batches``, lists of response indices; CP: ``cp``, this rank's
-    CP schedule of the tree) and ``calls`` >= that work's call count (the rest are dummy calls)."""
+    """One tree's or trie's place in the lock-step sequence: ``tree`` (an index; a trie: its first tree;
+    None for a dummy slot), ``degree`` (its phase), its work (one device: ``node``, the trie's root, its leaf
+    micro-batches ``micro_batches``, lists of indices into ``node.leaves``, and the lock-step ``shape`` it
+    runs in; CP: ``cp``, this rank's CP schedule of the tree) and ``calls`` >= that work's call count at the
+    root (the rest are dummy calls)."""
 
     tree: int | None
     degree: int
     calls: int
     micro_batches: list[list[int]]
     cp: CPTreeSchedule | None = None
+    node: TrieNode | None = None
+    shape: Shape = field(default_factory=Shape)
 
     @property
     def own_calls(self) -> int:
@@ -45,28 +81,31 @@ class Slot:
 
 
 def lockstep_slots(trees: list[Tree], plans: list, budget_tokens: int, *, mesh=None, subgroups=None,
-                   group=None, device: torch.device | None = None) -> list[Slot]:
+                   group=None, device: torch.device | None = None,
+                   min_shared_tokens: int = MIN_SHARED_TOKENS) -> list[Slot]:
     """This rank's slots, in execution order (see the module docstring).
 
     ``plans[t]``: a ``Plan`` or None; ``mesh`` (``cp.mesh.CPMesh``) and ``subgroups[t]`` (the subgroup
     index of tree t, a CP rank for degree 1; see ``step_plan.assign_subgroups``) when any tree runs
     context-parallel, else every tree is this rank's and runs on one device. With ``group`` (a process
-    group) the shape is agreed over it (int64 all-reduces on ``device``, the model's); without, no padding.
+    group) the shape is agreed over it (int64 all-reduces on ``device``, the model's, and one all-gather of
+    the trie shapes); without, no padding. ``min_shared_tokens``: ``trie.build_trie``'s.
     """
     degrees = [plan.degree if plan is not None else 1 for plan in plans]
     phases: list[tuple[int, list[Slot]]] = []
     for d in sorted(mesh.degrees if mesh is not None else (1,), reverse=True):
         if d == 1:
             mine = [t for t in range(len(trees)) if degrees[t] == 1 and (mesh is None or subgroups[t] == mesh.cp_rank)]
-            slots = [Slot(t, 1, 0, split_micro_batches(list(trees[t].response_lens), budget_tokens)) for t in mine]
-            key = {s.tree: len(s.micro_batches) for s in slots}
+            roots = build_trie([trees[t] for t in mine], min_shared_tokens=min_shared_tokens)
+            slots = [_trie_slot(root, mine, budget_tokens) for root in roots]
+            slots.sort(key=lambda s: (-s.shape.total_calls, s.tree))
         else:
             mine = [t for t in range(len(trees)) if degrees[t] == d and subgroups[t] == mesh.subgroup_index(d)]
             slots = [Slot(t, d, 0, [], cp_tree_schedule(plans[t], trees[t].prompt_len, list(trees[t].response_lens),
                                                         mesh.subgroup_rank(d))) for t in mine]
             key = {t: max(len(cp_tree_schedule(plans[t], trees[t].prompt_len, list(trees[t].response_lens), r).steps)
                           for r in range(d)) for t in mine}
-        slots.sort(key=lambda s: (-key[s.tree], s.tree))
+            slots.sort(key=lambda s: (-key[s.tree], s.tree))
         phases.append((d, slots))
     if group is None:
         for _, slots in phases:
@@ -83,12 +122,45 @@ def lockstep_slots(trees: list[Tree], plans: list, budget_tokens: int, *, mesh=N
         start += n
     torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MAX, group=group)
     shape: list[int] = agreed.tolist()
+    ones = [(slots, n) for (d, slots), n in zip(phases, counts) if d == 1]
+    tries = _agreed_shapes(*ones[0], group) if ones else []
     out: list[Slot] = []
     start = 0
     for (d, slots), n in zip(phases, counts):
         for j in range(n):
             slot = slots[j] if j < len(slots) else Slot(None, d, 0, [])
             slot.calls = shape[start + j]
+            if d == 1:
+                slot.shape = tries[j]
             out.append(slot)
         start += n
+    return out
+
+
+def _trie_slot(root: TrieNode, mine: list[int], budget_tokens: int) -> Slot:
+    """The slot of a trie of this rank's trees ``mine`` (``root.rows`` name them by position in ``mine``);
+    every inner node's leaves split into micro-batches (``split_micro_batches`` of their lengths)."""
+    for node in _nodes(root):
+        node.rows = [(mine[t], i) for t, i in node.rows]
+        node.ends = [(mine[t], i) for t, i in node.ends]
+        if node.children:
+            node.micro_batches = split_micro_batches([leaf.length for leaf in node.leaves], budget_tokens)
+    return Slot(root.trees()[0], 1, len(root.micro_batches), root.micro_batches, node=root, shape=Shape.of(root))
+
+
+def _nodes(root: TrieNode) -> list[TrieNode]:
+    return [root] + [n for c in root.children for n in _nodes(c)]
+
+
+def _agreed_shapes(slots: list[Slot], count: int, group) -> list[Shape]:
+    """Slot j's trie shape on every rank of ``group``: the union of the ranks' (one ``all_gather_object``)."""
+    gathered: list[list[Shape] | None] = [None] * torch.distributed.get_world_size(group)
+    torch.distributed.all_gather_object(gathered, [s.shape for s in slots], group=group)
+    out = []
+    for j in range(count):
+        shape = Shape()
+        for shapes in gathered:
+            if shapes is not None and j < len(shapes):
+                shape = shape.union(shapes[j])
+        out.append(shape)
     return out

@@ -6,7 +6,9 @@ per row), and each row attends causally to its own K/V (a square diagonal block,
 wasted work above the diagonal; all rows in one packed call of B equal segments, no per-row kernel
 launch). The backward runs each block's backward with the *merged* (out, lse).
 
-Shapes: q [B, H, Rq, D]; k, v [B, H_kv, Rq, D]; pk, pv [1, H_kv, P, D] -> out [B, H, Rq, D].
+Shapes: q [B, H, Rq, D]; k, v [B, H_kv, Rq, D]; pk, pv [1, H_kv, P, D] -> out [B, H, Rq, D]. Under a trie
+node the prefix is several blocks, one per node of its path (``path_causal_attention``): each is merged the
+same way, and each block's backward gives its own dK/dV.
 Rows are right padded: a padded query sees garbage, a real query never sees a padded key.
 """
 
@@ -31,31 +33,44 @@ def _packed(x: torch.Tensor) -> torch.Tensor:
 
 class PrefixCausalAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, pk, pv, scale: float):
+    def forward(ctx, q, k, v, scale: float, *prefix):
         b, h, rq, d = q.shape
         queries = _packed(q)
-        out, lse = attention_forward(queries, pk[0], pv[0], causal=False, scale=scale)
+        out, lse = attention_forward(queries, prefix[0][0], prefix[1][0], causal=False, scale=scale)
         out, lse = out.float().reshape(h, b * rq, d).clone(), lse.float().clone()
+        for pk, pv in zip(prefix[2::2], prefix[3::2]):
+            merge_into(out, lse, *attention_forward(queries, pk[0], pv[0], causal=False, scale=scale))
         rows = Segments.uniform(b, rq, rq)
         own_out, own_lse = varlen_attention_forward(queries, _packed(k), _packed(v), rows, causal=True, scale=scale)
         merge_into(out, lse, own_out, own_lse)
         out, lse = out.to(q.dtype).view(h, b, rq, d), lse.view(h, b, rq)
-        ctx.save_for_backward(q, k, v, pk, pv, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, *prefix)
         ctx.scale = scale
         return out.transpose(0, 1)
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, pk, pv, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, *prefix = ctx.saved_tensors
         b, h, rq, d = q.shape
         queries, dout = _packed(q), _packed(dout)
         out, lse = out.reshape(h, b * rq, d), lse.reshape(h, b * rq)
-        dq, dpk, dpv = attention_backward(dout, queries, pk[0], pv[0], out, lse, causal=False, scale=ctx.scale)
-        dq_own, dk, dv = varlen_attention_backward(dout, queries, _packed(k), _packed(v), out, lse,
-                                                   Segments.uniform(b, rq, rq), causal=True, scale=ctx.scale)
+        dq, dk, dv = varlen_attention_backward(dout, queries, _packed(k), _packed(v), out, lse,
+                                               Segments.uniform(b, rq, rq), causal=True, scale=ctx.scale)
+        dprefix = []
+        for pk, pv in zip(prefix[0::2], prefix[1::2]):
+            dq_block, dpk, dpv = attention_backward(dout, queries, pk[0], pv[0], out, lse, causal=False,
+                                                    scale=ctx.scale)
+            dq = dq + dq_block
+            dprefix += [dpk[None], dpv[None]]
         unpack = lambda x: x.reshape(x.shape[0], b, rq, d).transpose(0, 1)
-        return unpack(dq + dq_own), unpack(dk), unpack(dv), dpk[None], dpv[None], None
+        return unpack(dq), unpack(dk), unpack(dv), None, *dprefix
+
+
+def path_causal_attention(q, k, v, prefix: list[tuple[torch.Tensor, torch.Tensor]], scale: float) -> torch.Tensor:
+    """Queries attend to every block of ``prefix`` (k, v [1, H_kv, P_j, D] each, a trie path's nodes, root
+    first; at least one) fully and to their own tokens causally."""
+    return PrefixCausalAttention.apply(q, k, v, scale, *(x for block in prefix for x in block))
 
 
 def prefix_causal_attention(q, k, v, pk, pv, scale: float) -> torch.Tensor:
-    return PrefixCausalAttention.apply(q, k, v, pk, pv, scale)
+    return path_causal_attention(q, k, v, [(pk, pv)], scale)

@@ -12,10 +12,13 @@ one CP rank. Each layer's state is a pair, by layer kind (gpt-fast's one cache e
     last           [H]        leaf of the hidden state at prompt position P - 1 (row ``last_row`` of
                               ``hidden``), which scores each response's first token; None where another
                               CP rank owns that position
+    live_scores    [n] / [n, 2]  a trie node's scores of its own tokens, in the prompt graph (None: it scores
+                              none), and ``scores``, the leaf every row through the node reads them from
 Training: each leaf sums the gradients of the many response backwards in float32 (``leaf.grad_sum``)
 whatever the model's dtype; ``backward()`` runs the one delayed prompt backward with those sums (zeros
-where nothing flowed). With an ``offload`` object, the prefill forward runs inside ``offload.saving()``
-and the delayed backward inside ``offload.restoring()``.
+where nothing flowed). A trie node's prefill attends to its ancestors' leaves, so its delayed backward adds
+into theirs: descendants run theirs first (deepest first). With an ``offload`` object, the prefill forward
+runs inside ``offload.saving()`` and the delayed backward inside ``offload.restoring()``.
 """
 
 from __future__ import annotations
@@ -28,8 +31,9 @@ import torch
 
 _HELD_LEAVES: weakref.WeakSet[torch.Tensor] = weakref.WeakSet()  # the prompt leaves alive now
 
-# prefill() -> (live_kv per layer, hidden [n, H], last_row or None)
-PrefillFn = Callable[[], "tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor, int | None]"]
+# prefill() -> (live_kv per layer, hidden [n, H], last_row or None, live scores or None)
+PrefillFn = Callable[
+    [], "tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor, int | None, torch.Tensor | None]"]
 
 
 class PromptKV:
@@ -38,7 +42,7 @@ class PromptKV:
     def __init__(self, prefill: PrefillFn, *, train: bool, offload=None):
         self.train, self.offload = train, offload
         with offload.saving() if offload is not None else contextlib.nullcontext():
-            self.live_kv, self.hidden, self.last_row = prefill()
+            self.live_kv, self.hidden, self.last_row, self.live_scores = prefill()
         if train:
             if not self.live_kv[0][0].requires_grad:
                 raise ValueError(
@@ -50,17 +54,23 @@ class PromptKV:
             self.kv = self.live_kv
         last = self.hidden[self.last_row] if self.last_row is not None else None
         self.last = _summing_leaf(last) if train and last is not None else last
+        scores = self.live_scores
+        self.scores = _summing_leaf(scores) if train and scores is not None else scores
 
     def backward(self) -> None:
-        """The delayed prompt backward: every live K/V and the hidden states as roots, with the leaves'
-        float32 sums rounded once to the live dtype (zeros where nothing flowed back)."""
+        """The delayed prompt backward: every live K/V, the hidden states and the scores as roots, with the
+        leaves' float32 sums rounded once to the live dtype (zeros where nothing flowed back)."""
         roots = [x for kv in self.live_kv for x in kv] + [self.hidden]
         grads = [_grad(x, leaf) for live, leaves in zip(self.live_kv, self.kv) for x, leaf in zip(live, leaves)]
         hidden_grad = torch.zeros_like(self.hidden)
         if self.last is not None and self.last.grad_sum is not None:
             hidden_grad[self.last_row] = self.last.grad_sum.to(self.hidden.dtype)
+        grads.append(hidden_grad)
+        if self.live_scores is not None:
+            roots.append(self.live_scores)
+            grads.append(_grad(self.live_scores, self.scores))
         with self.offload.restoring() if self.offload is not None else contextlib.nullcontext():
-            torch.autograd.backward(roots, grads + [hidden_grad])
+            torch.autograd.backward(roots, grads)
 
 
 def _grad(live: torch.Tensor, leaf: torch.Tensor) -> torch.Tensor:

@@ -66,6 +66,10 @@ class ReplayStats:
     logical_tokens: int = counter()   # sum over responses of |P| + |R_i| (what the flattened baseline runs)
     executed_tokens: int = counter()  # tokens run through the model (prompt once per tree, padding included)
     trees: int = counter()
+    nodes: int = counter("trie/nodes")  # prefills of trie nodes (a group's prompt is one; dummies excluded)
+    # context-parallel plans run on one device because their tree shares tokens with others beyond its own
+    # prompt (``step_plan.demote_shared_plans``)
+    trie_demoted: int = counter("trie/cp_demoted")
     micro_batches: int = counter()
     offloaded_bytes: int = counter("offload/offloaded_bytes")    # prompt activations held on the host (``Offload``)
     prefetched_bytes: int = counter("offload/prefetched_bytes")  # of those, copied back ahead of their use

@@ -30,6 +30,7 @@ from augtree_verl.replay.microbatch import DEFAULT_MICRO_BATCH_TOKENS
 from augtree_verl.replay.offload import Offload
 from augtree_verl.replay.scoring import EntropyFn
 from augtree_verl.replay.stats import ReplayStats
+from augtree_verl.replay.trie import MIN_SHARED_TOKENS, build_trie
 
 
 @dataclass
@@ -58,7 +59,8 @@ class StepPlan:
     @classmethod
     def build(cls, trees: Sequence[Tree], *, plans: Sequence[Plan | None] | None = None, mesh: CPMesh | None = None,
               subgroups: Sequence[int] | None = None, rebalance: bool = False,
-              micro_batch_tokens: int = DEFAULT_MICRO_BATCH_TOKENS, temperature: float = 1.0,
+              micro_batch_tokens: int = DEFAULT_MICRO_BATCH_TOKENS, min_shared_tokens: int = MIN_SHARED_TOKENS,
+              temperature: float = 1.0,
               entropy_fn: EntropyFn | None = None, offload: Offload | None = None, stats: ReplayStats | None = None,
               lockstep_group=None, device: torch.device | None = None) -> StepPlan:
         """The plan of one step; ``ValueError`` naming the tree, plan or value on bad input.
@@ -68,7 +70,8 @@ class StepPlan:
         degree must then be 1 or the world size). ``subgroups``: per tree, its subgroup (default:
         ``assign_subgroups``; ``rebalance`` lets it run trees on one rank each where that finishes the CP
         group sooner, which needs the planner's estimates). ``micro_batch_tokens``: the token budget of a
-        one-device response micro-batch. ``temperature`` > 0 divides the logits; ``entropy_fn`` (tempered
+        one-device response micro-batch. ``min_shared_tokens``: the token passes a trie node below a prompt must
+        save to get its own call (``replay.trie``). ``temperature`` > 0 divides the logits; ``entropy_fn`` (tempered
         float32 logits [N, V] -> entropy [N]) adds entropies to the scores. ``offload``
         (``replay.offload.Offload``; training only): each prompt's saved activations wait in host memory
         between its prefill and its delayed backward. ``stats``: where the run counts (default: a new
@@ -78,22 +81,25 @@ class StepPlan:
         """
         trees = list(trees)
         for t, tree in enumerate(trees):
-            tree.check_tokens(t)
+            tree.check_tokens(t, device=device)
+            device = tree.prompt.device  # every tree on one device (``device``, or the first tree's)
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
         if micro_batch_tokens < 1:
             raise ValueError(f"micro_batch_tokens must be >= 1, got {micro_batch_tokens}")
+        if min_shared_tokens < 0:
+            raise ValueError(f"min_shared_tokens must be >= 0, got {min_shared_tokens}")
         plans = _check_plans(plans, trees)
         if mesh is None and any(plan is not None and plan.degree > 1 for plan in plans):
             mesh = _world_mesh()
         if mesh is not None:
-            plans, subgroups = _check_subgroups(mesh, plans, subgroups, trees, rebalance)
+            plans, subgroups = _check_subgroups(mesh, plans, subgroups, trees, rebalance, min_shared_tokens)
         elif subgroups is not None:
             raise ValueError("subgroups place trees in a CP group: pass a mesh or a plan of degree > 1")
         if device is None:
-            device = trees[0].prompt.device if trees else torch.device("cpu")
+            device = torch.device("cpu")
         slots = lockstep_slots(trees, plans, micro_batch_tokens, mesh=mesh, subgroups=subgroups, group=lockstep_group,
-                               device=device)
+                               device=device, min_shared_tokens=min_shared_tokens)
         return cls(trees=trees, plans=plans, slots=slots, mesh=mesh, subgroups=subgroups, temperature=temperature,
                    entropy_fn=entropy_fn, offload=offload, stats=stats if stats is not None else ReplayStats())
 
@@ -104,19 +110,37 @@ class StepPlan:
         plans decoded from the batch's plan field (``entries[row]``, ``plan_field.PLAN_FIELD``; None: no
         plans), demoted where they cannot apply here (counted in ``fallbacks``) or where the model
         (``model_config``: its Hugging Face config) cannot run them context-parallel (counted in
-        ``cp_demoted``), placed with ``rebalance``. ``mesh``: the engine's (its degrees are the ones a plan may
-        have). ``options``: those of ``build``."""
+        ``cp_demoted``) or because the tree shares tokens beyond its own prompt with others
+        (``demote_shared_plans``, counted in ``stats.trie_demoted``), placed with ``rebalance``. ``mesh``: the
+        engine's (its degrees are the ones a plan may have). ``options``: those of ``build``."""
         degrees = mesh.degrees if mesh is not None else (1,)
         plans, fallbacks = tree_plans(trees, entries, degrees, min_cp_tokens=min_cp_tokens)
         plans, cp_demoted = demote_cp_plans(model_config, plans)
+        plans, shared = demote_shared_plans(trees, plans, options.get("min_shared_tokens", MIN_SHARED_TOKENS))
         step_plan = cls.build(trees, plans=plans, mesh=mesh if mesh is not None and mesh.cp_size > 1 else None,
                               rebalance=True, **options)
         step_plan.fallbacks, step_plan.cp_demoted = fallbacks, cp_demoted
+        if mesh is None or mesh.cp_rank == 0:  # every rank of the CP group decides alike: one counts
+            step_plan.stats.trie_demoted += shared
         return step_plan
 
 
+def demote_shared_plans(trees: Sequence[Tree], plans: Sequence[Plan | None],
+                        min_shared_tokens: int = MIN_SHARED_TOKENS) -> tuple[list[Plan | None], int]:
+    """(``plans`` with every plan of degree > 1 replaced by the one-device plan carrying its one-rank estimate
+    where its tree is not exactly one depth-1 trie of the step's tries (``replay.trie``: its prompt shares
+    tokens with another tree's rows, or its responses share a node), how many were replaced). A context-
+    parallel plan runs one tree; the deeper sharing runs on one device."""
+    roots = build_trie(trees, min_shared_tokens=min_shared_tokens)
+    alone = {root.trees()[0] for root in roots
+             if len(root.trees()) == 1 and root.depth() == 1 and root.end == trees[root.trees()[0]].prompt_len}
+    out = [Plan(est_time_s=p.est_single_s) if p is not None and p.degree > 1 and t not in alone else p
+           for t, p in enumerate(plans)]
+    return out, sum(p is not None and p.degree > 1 and t not in alone for t, p in enumerate(plans))
+
+
 def assign_subgroups(trees: Sequence[Tree], plans: Sequence[Plan | None], cp_size: int, *,
-                     rebalance: bool = True) -> tuple[list[int], list[int]]:
+                     rebalance: bool = True, min_shared_tokens: int = MIN_SHARED_TOKENS) -> tuple[list[int], list[int]]:
     """(degree, subgroup) per tree, for one CP group of ``cp_size`` ranks that replays ``trees``.
 
     The planner plans each tree alone; a CP group holding several trees may finish sooner running some of
@@ -124,12 +148,14 @@ def assign_subgroups(trees: Sequence[Tree], plans: Sequence[Plan | None], cp_siz
     estimates (``est_time_s``, and ``est_single_s`` for a plan of degree d > 1), trees are demoted to
     degree 1 in order of their parallel efficiency T_1 / (d T_d), least efficient first, and the number of
     demotions with the smallest estimated makespan (``pack_subgroups``) wins (none, on a tie). Otherwise the
-    planned degrees stand and trees are packed by their ``groups.tree_workload``.
+    planned degrees stand and trees are packed by their ``groups.tree_workload``. The degree-1 trees of one
+    trie (``replay.trie``, with ``min_shared_tokens``) go to one rank together.
     """
     degrees = [plan.degree if plan is not None else 1 for plan in plans]
+    tries = [root.trees() for root in build_trie(trees, min_shared_tokens=min_shared_tokens)]
     if not rebalance or not all(plan is not None and plan.est_time_s is not None for plan in plans):
         works = [float(tree_workload(tree.prompt_len, tree.response_lens)) for tree in trees]
-        return degrees, pack_subgroups(works, degrees, cp_size)[0]
+        return degrees, pack_subgroups(works, degrees, cp_size, tries)[0]
     multi = [plan.est_time_s for plan in plans]
     single = [plan.est_time_s if plan.degree == 1 else plan.est_single_s for plan in plans]
     demotable = sorted((t for t in range(len(plans)) if degrees[t] > 1 and single[t] is not None),
@@ -139,22 +165,39 @@ def assign_subgroups(trees: Sequence[Tree], plans: Sequence[Plan | None], cp_siz
         if k:
             degrees[demotable[k - 1]] = 1
         works = [single[t] if degrees[t] == 1 else multi[t] * degrees[t] for t in range(len(plans))]
-        subgroups, makespan = pack_subgroups(works, degrees, cp_size)
+        subgroups, makespan = pack_subgroups(works, degrees, cp_size, tries)
         if best is None or makespan < best[0]:
             best = (makespan, list(degrees), subgroups)
     return best[1], best[2]
 
 
-def pack_subgroups(works: Sequence[float], degrees: Sequence[int], cp_size: int) -> tuple[list[int], float]:
+def pack_subgroups(works: Sequence[float], degrees: Sequence[int], cp_size: int,
+                   tries: Sequence[Sequence[int]] = ()) -> tuple[list[int], float]:
     """(subgroup per tree, makespan): the subgroup (of ``degrees[t]`` consecutive CP ranks; index 0 ..
     cp_size / d - 1) each tree runs on, and the most work any rank gets.
 
     Longest-processing-time first: each tree, heaviest first, goes to the subgroup whose busiest member
     has the least work so far, and adds ``works[t] / d`` to every member. Ties go to the lowest index.
+    ``tries``: the trees of each trie of the step (``replay.trie``); a trie's trees of degree 1 go to one
+    rank together, as one tree of their summed work, so that their shared tokens run once.
     """
     for t, d in enumerate(degrees):
         if d < 1 or cp_size % d:
             raise ValueError(f"tree {t}: degree {d} does not divide the CP group size {cp_size}")
+    together = {t: trie[0] for trie in tries for t in trie if degrees[t] == 1 and len(trie) > 1}
+    items: dict[int, list[int]] = {}
+    for t in range(len(works)):
+        items.setdefault(together.get(t, t), []).append(t)
+    placed, makespan = _pack([sum(works[t] for t in item) for item in items.values()],
+                             [degrees[item[0]] for item in items.values()], cp_size)
+    subgroups = [0] * len(works)
+    for item, s in zip(items.values(), placed):
+        for t in item:
+            subgroups[t] = s
+    return subgroups, makespan
+
+
+def _pack(works: list[float], degrees: list[int], cp_size: int) -> tuple[list[int], float]:
     load = [0.0] * cp_size
     subgroups = [0] * len(works)
     for t in sorted(range(len(works)), key=lambda t: (-works[t], t)):
@@ -184,8 +227,8 @@ def _world_mesh() -> CPMesh:
     return CPMesh.whole_world()
 
 
-def _check_subgroups(mesh: CPMesh, plans: list[Plan | None], subgroups, trees,
-                     rebalance: bool) -> tuple[list[Plan | None], list[int]]:
+def _check_subgroups(mesh: CPMesh, plans: list[Plan | None], subgroups, trees, rebalance: bool,
+                     min_shared_tokens: int) -> tuple[list[Plan | None], list[int]]:
     """(plans, subgroups): the given subgroups checked, or ``assign_subgroups``' (a tree it moves to one rank
     runs there with the one-device plan, carrying the planner's one-rank estimate)."""
     degrees = [plan.degree if plan is not None else 1 for plan in plans]
@@ -194,7 +237,8 @@ def _check_subgroups(mesh: CPMesh, plans: list[Plan | None], subgroups, trees,
             raise ValueError(f"tree {t}: plan degree {d} differs from the CP group size {mesh.cp_size} "
                              f"(CP degrees here: {list(mesh.degrees)})")
     if subgroups is None:
-        degrees, subgroups = assign_subgroups(trees, plans, mesh.cp_size, rebalance=rebalance)
+        degrees, subgroups = assign_subgroups(trees, plans, mesh.cp_size, rebalance=rebalance,
+                                              min_shared_tokens=min_shared_tokens)
         return [plan if plan is None or plan.degree == d else Plan(est_time_s=plan.est_single_s)
                 for plan, d in zip(plans, degrees)], subgroups
     subgroups = list(subgroups)

@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from augtree_verl.replay.trie import MIN_SHARED_TOKENS
 from augtree_verl.testing import harness as H
 from augtree_verl.testing import verl_batch
 
@@ -29,6 +30,7 @@ SETTINGS = {
     "rows-1": dict(use_dynamic_bsz=False, micro_batch_size_per_gpu=1),
     "rows-2": dict(use_dynamic_bsz=False, micro_batch_size_per_gpu=2),
     "dynamic": dict(use_dynamic_bsz=True, max_token_len_per_gpu=16),
+    "dynamic-long": dict(use_dynamic_bsz=True, max_token_len_per_gpu=2 * MIN_SHARED_TOKENS + 32),  # shared_rows'
 }
 # Skewed worlds: rank -> its groups (ours; an even number of rows each). 32 rows: the stock engine's even deal.
 # Group 0 is one response micro-batch (MICRO_BATCH_TOKENS), the others several each.
@@ -42,11 +44,17 @@ EXTRA_UNSHARDED = 1
 
 
 def _batch(rows, setting: str, **extra):
-    return verl_batch.rows_to_batch(rows, **SETTINGS[setting], **extra)
+    batch = verl_batch.rows_to_batch(rows, **SETTINGS[setting], **extra)
+    if any("mask" in row for row in rows):  # tokens not trained (a tool's output inside a response)
+        mask = torch.nested.as_nested_tensor([row.get("mask", torch.ones(len(row["response"]), dtype=torch.int64))
+                                              for row in rows], layout=torch.jagged)
+        batch["response_mask"], batch["loss_mask"] = mask, mask.clone()
+    return batch
 
 
-def _steps(stock, stock_loss, ours, our_loss, stock_rows, our_rows, setting, where, global_rows, entropy_coeff):
-    """STEPS steps of both engines; rows are global row indices into ``H.group_rows(..., seed=step)``."""
+def _steps(stock, stock_loss, ours, our_loss, stock_rows, our_rows, setting, where, rows_of, entropy_coeff):
+    """STEPS steps of both engines; rows are global row indices into ``rows_of(step)``. Returns the last
+    step's metrics of ours."""
     from verl.utils import tensordict_utils as tu
 
     from augtree_verl.integration.memory_meter import UnshardedGroups
@@ -55,7 +63,7 @@ def _steps(stock, stock_loss, ours, our_loss, stock_rows, our_rows, setting, whe
 
     seen = {"stock": 0, "ours": 0}
     for step in range(STEPS):
-        rows = H.group_rows(global_rows, seed=step)
+        rows = rows_of(step)
         # as verl's worker does: the batches carry the model config's use_remove_padding (False for hybrids)
         padding = dict(use_remove_padding=stock.model_config.use_remove_padding)
         batch = _batch([rows[k] for k in our_rows], setting, **padding)
@@ -79,11 +87,56 @@ def _steps(stock, stock_loss, ours, our_loss, stock_rows, our_rows, setting, whe
                           torch.tensor(out_stock["metrics"]["grad_norm"]))
         _assert_params_match(ours, stock, step)
     assert 0 < seen["ours"] <= seen["stock"] + EXTRA_UNSHARDED, f"{where}: unsharded groups at once {seen}"
+    return out_ours["metrics"]
 
 
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory, single_process_group):
     return H.save_tiny_qwen2(str(tmp_path_factory.mktemp("tiny-qwen2")))
+
+
+def shared_rows(step: int) -> list[dict]:
+    """Rows whose tokens are shared beyond a group's prompt (the trie of ``replay.trie``, a node wherever
+    sharing saves at least its ``MIN_SHARED_TOKENS``): a system prompt S under four uids; group 0's two first
+    responses share a stretch X, then branch; group 2 has group 1's prompt; group 3 is group 0's next turn
+    (its prompt ends inside X), whose response starts with a tool's output, not trained; group 4 shares
+    nothing (a depth-1 trie); group 5 has group 0's prompt and a response that is X (it ends where group 0's
+    responses branch)."""
+    g = torch.Generator().manual_seed(step)
+    ids = lambda n: torch.randint(3, H.VOCAB, (n,), generator=g)
+    system, shared = ids(MIN_SHARED_TOKENS + 2), ids(MIN_SHARED_TOKENS + 2)
+    p0, p1 = torch.cat([system, torch.tensor([1]), ids(5)]), torch.cat([system, torch.tensor([2]), ids(4)])
+    p4 = ids(7)
+    adv = torch.randn(12, generator=g).tolist()
+    tool = torch.ones(shared.shape[0] - 40 + 2, dtype=torch.int64)
+    tool[:10] = 0
+    responses = [("group-0", p0, torch.cat([shared, torch.tensor([1]), ids(3)])),
+                 ("group-0", p0, torch.cat([shared, torch.tensor([2]), ids(5)])), ("group-0", p0, ids(4)),
+                 ("group-1", p1, ids(3)), ("group-1", p1, ids(6)), ("group-2", p1, ids(4)), ("group-2", p1, ids(2)),
+                 ("group-3", torch.cat([p0, shared[:40]]), torch.cat([shared[40:], torch.tensor([0]), ids(1)])),
+                 ("group-4", p4, ids(3)), ("group-4", p4, ids(2)), ("group-5", p0, shared.clone()),
+                 ("group-5", p0, ids(3))]
+    rows = [dict(uid=uid, prompt=p, response=r, advantage=a) for (uid, p, r), a in zip(responses, adv)]
+    rows[7]["mask"] = tool
+    return rows
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("setting", ["rows-1", "rows-2", "dynamic-long"])
+def test_shared_prefixes_across_uids_match_stock_engine(model_path, setting):
+    """Sharing found from the tokens (a depth-4 trie and a depth-1 one) at verl micro-batch sizes 1, 2 and
+    dynamic, checkpointing with micro-batches of 2; the trie's nodes in the step metrics."""
+    common = dict(loss_agg_mode="token-mean", entropy_coeff=0.01, gradient_checkpointing=setting == "rows-2")
+    stock, stock_loss = H.build_engine("fsdp2", model_path, **common)
+    ours, our_loss = H.build_engine("augtree", model_path, **common)
+    rows = list(range(12))
+    metrics = _steps(stock, stock_loss, ours, our_loss, rows, rows, setting, setting, shared_rows, 0.01)
+    # S, the prompts of groups 0 and 1 (2 shares it), X up to group 3's prompt end, the rest of X; group 4's
+    assert metrics["augtree/trie/nodes"].aggregate() == 6
+    assert metrics["augtree/trees"].aggregate() == 6
+    logical = sum(len(r["prompt"]) + len(r["response"]) for r in shared_rows(STEPS - 1))
+    assert metrics["augtree/logical_tokens"].aggregate() == logical
+    assert metrics["augtree/executed_tokens"].aggregate() < logical / 3
 
 
 @pytest.mark.timeout(300)
@@ -94,7 +147,8 @@ def test_every_micro_batch_setting_matches_stock_engine(model_path, setting, che
     stock, stock_loss = H.build_engine("fsdp2", model_path, **common)
     ours, our_loss = H.build_engine("augtree", model_path, **common)
     rows = list(range(sum(len(rs) for _, rs in GROUPS)))
-    _steps(stock, stock_loss, ours, our_loss, rows, rows, setting, setting, GROUPS, 0.01)
+    _steps(stock, stock_loss, ours, our_loss, rows, rows, setting, setting,
+           lambda step: H.group_rows(GROUPS, seed=step), 0.01)
 
 
 def _skewed_main(rank: int, world: int, port: int, model_path: str, setting: str, checkpointing: bool) -> None:
@@ -108,7 +162,8 @@ def _skewed_main(rank: int, world: int, port: int, model_path: str, setting: str
     group_of = [int(row["uid"].split("-")[1]) for row in rows]
     our_rows = [k for k, g in enumerate(group_of) if g in SKEW[world][rank]]
     stock_rows = list(range(rank, len(rows), world))
-    _steps(stock, stock_loss, ours, our_loss, stock_rows, our_rows, setting, f"rank {rank}", SKEWED_GROUPS, 0.0)
+    _steps(stock, stock_loss, ours, our_loss, stock_rows, our_rows, setting, f"rank {rank}",
+           lambda step: H.group_rows(SKEWED_GROUPS, seed=step), 0.0)
     dist.destroy_process_group()
 
 

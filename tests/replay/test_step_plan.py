@@ -24,7 +24,8 @@ def test_without_a_cp_group_every_tree_is_a_slot_here_most_micro_batches_first()
 
 def test_from_batch_decodes_the_trainers_plans_and_counts_what_cannot_apply_here():
     uids, prompt_lens, response_lens = ["a", "b", "a"], [4, 3, 4], [2, 5, 3]
-    sequences = [torch.arange(p + r) for p, r in zip(prompt_lens, response_lens)]
+    # the two uids share no tokens (shared tokens would make one trie of their rows)
+    sequences = [torch.arange(p + r) + 100 * (u == "b") for u, p, r in zip(uids, prompt_lens, response_lens)]
     planned = {"a|4": Plan(degree=2, est_time_s=1.0, est_single_s=1.5), "b|3": Plan(est_time_s=0.5)}
     entries = plan_entries(find_trees(uids, prompt_lens, response_lens), planned, len(uids))
     trees = find_trees(uids, prompt_lens, response_lens, sequences)
@@ -103,3 +104,14 @@ def test_without_planner_estimates_the_planned_degrees_stand():
 
 def test_without_rebalance_the_planned_degrees_stand():
     assert assign_subgroups(_trees(2), [_cp(1.0), _cp(1.0)], 2, rebalance=False) == ([2, 2], [0, 0])
+
+
+def test_the_trees_of_one_trie_go_to_one_rank():
+    """Trees 0 and 3 share their prompt (one trie): on one rank together, as one item of their summed work
+    (5 + 1 = 6, then 6 on the other rank, then 4 on the first, the lower on a tie), where alone they part."""
+    assert pack_subgroups([5.0, 6.0, 4.0, 1.0], [1, 1, 1, 1], 2, tries=[[0, 3], [1], [2]]) == ([0, 1, 0, 0], 10.0)
+    assert pack_subgroups([5.0, 6.0, 4.0, 1.0], [1, 1, 1, 1], 2) == ([1, 0, 1, 0], 9.0)
+    trees = random_trees([6, 5, 7], [[2, 3], [4], [1, 2]], seed=2)
+    trees[2] = Tree.of_tokens(trees[0].prompt, list(trees[2].responses))
+    _, subgroups = assign_subgroups(trees, [None] * 3, 2, rebalance=False)
+    assert subgroups[0] == subgroups[2] != subgroups[1]

@@ -1,0 +1,193 @@
+"""The step's prefix trie: every row's [prompt || response] tokens, shared prefixes found from the tokens,
+whatever the uids (docs/design.md §9).
+
+A row is a response of a ``groups.Tree``, named ``(t, i)``; its sequence is ``trees[t].prompt`` followed by
+``trees[t].responses[i]``. The compressed trie of all rows' sequences is cut
+
+- where rows diverge (a branch), where a row ends, and
+- where a row's prompt ends, so that a group (one prompt, G responses) is the depth-1 trie of today's
+  ``Tree``: its prompt one node, its responses the leaves, the same model calls;
+
+then every inner node not worth its own call is dissolved: its tokens are prepended to its children (and
+to a new leaf of the rows ending in it). A node is kept when it ends a row's prompt, or when running it
+once saves at least ``MIN_SHARED_TOKENS`` token passes: (branches - 1) x length, its branches being its
+children and the rows that end in it. An inner node below a root shorter than ``MIN_CALL_TOKENS`` is
+dissolved too (then a prompt may end inside a node): on a hybrid model it starts from its parent's
+linear-attention state, and a one-token continuation takes the layers' in-place single-step path
+(``linear_state``).
+
+Inner nodes run as one prefill each (attending to their ancestors' K/V); leaves (the rows' own suffixes;
+identical rows share one) run as padded micro-batches of their parent's leaves. A node scores the tokens
+that some row through it scores (``score_from``); each row takes, from every node on its path, the scores of
+its own response tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from augtree_verl.groups import Tree
+from augtree_verl.replay.linear_state import MIN_CALL_TOKENS
+
+# A node of the trie costs one prefill call and one delayed backward more than its tokens' FLOPs: the
+# planner's ``slot_overhead_s`` (its default profile: 28 layers x 36 kernels x 10 us = 10 ms of launch time
+# for a 7B model). One token's forward and backward at 7B costs 3 x 2 x 7.6e9 FLOPs at 0.6 x 989 TFLOP/s
+# = 77 us, so a node pays off when it saves about 10 ms / 77 us = 130 token passes; 128 rounds it.
+MIN_SHARED_TOKENS = 128
+
+Row = tuple[int, int]  # (tree index, response index)
+
+
+@dataclass(eq=False)
+class TrieNode:
+    """One node: the tokens at positions [``start``, ``end``) shared by ``rows``.
+
+    ``sequence``: the [L] token ids of one row through the node (``tokens`` is a view of it); ``ends``: the
+    rows whose last token is the node's last; ``children``: in the order of their first row; ``prompt_ends``:
+    the prompt length of every row through it (by row); ``score_from``: the first position the node scores
+    (None: none; a leaf scores all its tokens, each row takes its own part); ``micro_batches``: its leaves'
+    micro-batches, indices into ``leaves`` (set by the lock-step plan).
+    """
+
+    start: int
+    end: int
+    sequence: torch.Tensor
+    rows: list[Row]
+    ends: list[Row] = field(default_factory=list)
+    children: list[TrieNode] = field(default_factory=list)
+    score_from: int | None = None
+    micro_batches: list[list[int]] = field(default_factory=list)
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        """[end - start] token ids."""
+        return self.sequence[self.start: self.end]
+
+    @property
+    def length(self) -> int:
+        return self.end - self.start
+
+    @property
+    def inner(self) -> list[TrieNode]:
+        """The children with children of their own (each one prefill), heaviest subtree first."""
+        kids = [c for c in self.children if c.children]
+        return sorted(kids, key=lambda c: -c.weight)
+
+    @property
+    def leaves(self) -> list[TrieNode]:
+        """The children without children (rows' own suffixes, micro-batched), in the order of their first row."""
+        return [c for c in self.children if not c.children]
+
+    @property
+    def weight(self) -> int:
+        """Tokens of the subtree, each once (orders siblings for the lock-step shape)."""
+        return self.length + sum(c.weight for c in self.children)
+
+    def depth(self) -> int:
+        """1 for a node whose children are all leaves."""
+        return 1 + max((c.depth() for c in self.inner), default=0)
+
+    def trees(self) -> list[int]:
+        """The trees with a row through the node, in order."""
+        return sorted({t for t, _ in self.rows})
+
+
+def build_trie(trees: Sequence[Tree], *, min_node_tokens: int = MIN_CALL_TOKENS,
+               min_shared_tokens: int = MIN_SHARED_TOKENS) -> list[TrieNode]:
+    """The tries of ``trees``' rows (``Tree.of_tokens``; see the module docstring): their roots, in the order
+    of their first row. ``min_node_tokens``: the fewest tokens of an inner node below a root. Token ids are
+    read to the host once (one copy for the whole step)."""
+    if min_node_tokens < 1:
+        raise ValueError(f"min_node_tokens must be >= 1, got {min_node_tokens}")
+    rows = [(t, i) for t, tree in enumerate(trees) for i in range(len(tree.responses))]
+    if not rows:
+        return []
+    sequences = {(t, i): torch.cat([trees[t].prompt, trees[t].responses[i]]) for t, i in rows}
+    host = torch.cat([sequences[r] for r in rows]).cpu().numpy()
+    arrays, offset = {}, 0
+    for r in rows:
+        arrays[r] = host[offset: offset + len(sequences[r])]
+        offset += len(sequences[r])
+    prompt_ends = {(t, i): trees[t].prompt_len for t, i in rows}
+    build = _Builder(sequences, arrays, prompt_ends, min_node_tokens, min_shared_tokens)
+    roots = [build.node(group, 0) for group in _by_token(rows, arrays, 0)]
+    return build.simplify(roots, top=True)
+
+
+def _by_token(rows: list[Row], arrays, position: int) -> list[list[Row]]:
+    groups: dict[int, list[Row]] = {}
+    for r in rows:
+        groups.setdefault(int(arrays[r][position]), []).append(r)
+    return list(groups.values())
+
+
+class _Builder:
+    def __init__(self, sequences, arrays, prompt_ends, min_node_tokens: int, min_shared_tokens: int):
+        self.sequences, self.arrays, self.prompt_ends = sequences, arrays, prompt_ends
+        self.min_node_tokens, self.min_shared_tokens = min_node_tokens, min_shared_tokens
+
+    def node(self, rows: list[Row], start: int) -> TrieNode:
+        """The node of ``rows`` (which share their tokens up to ``start`` and the one at ``start``) and its
+        subtree."""
+        end = min(len(self.arrays[r]) for r in rows)
+        end = min([end] + [p for r in rows if start < (p := self.prompt_ends[r]) < end])
+        ref = self.arrays[rows[0]]
+        for r in rows[1:]:
+            differ = np.flatnonzero(self.arrays[r][start:end] != ref[start:end])
+            if differ.size:
+                end = start + int(differ[0])
+        node = TrieNode(start, end, self.sequences[rows[0]], rows,
+                        ends=[r for r in rows if len(self.arrays[r]) == end])
+        rest = [r for r in rows if len(self.arrays[r]) > end]
+        node.children = [self.node(group, end) for group in _by_token(rest, self.arrays, end)]
+        return node
+
+    def simplify(self, nodes: list[TrieNode], *, top: bool) -> list[TrieNode]:
+        """``nodes`` (siblings) with every inner node not worth a call dissolved, top down; scores set."""
+        out: list[TrieNode] = []
+        for node in nodes:
+            if node.children and not self._keep(node, top):
+                out += self.simplify(self._dissolve(node), top=top)
+                continue
+            node.children = self.simplify(node.children, top=False)
+            node.score_from = self._score_from(node)
+            out.append(node)
+        return sorted(out, key=lambda n: min(n.rows))
+
+    def _keep(self, node: TrieNode, top: bool) -> bool:
+        if not top and node.length < self.min_node_tokens:
+            return False
+        if any(self.prompt_ends[r] == node.end for r in node.rows):
+            return True
+        branches = len(node.children) + (1 if node.ends else 0)
+        return (branches - 1) * node.length >= self.min_shared_tokens
+
+    def _dissolve(self, node: TrieNode) -> list[TrieNode]:
+        """``node``'s children starting at its start, and a leaf of its tokens for the rows ending in it."""
+        for child in node.children:
+            child.start = node.start
+        if node.ends:
+            node.children.append(TrieNode(node.start, node.end, node.sequence, node.ends, ends=node.ends))
+        return node.children
+
+    def _score_from(self, node: TrieNode) -> int | None:
+        if not node.children:
+            return node.start
+        first = max(node.start, min(self.prompt_ends[r] for r in node.rows))
+        return first if first < node.end else None
+
+
+def row_scores(path: Sequence[tuple[TrieNode, torch.Tensor | None]], prompt_len: int) -> list[torch.Tensor]:
+    """The parts of one row's scores from the nodes of its path: ``path`` holds (node, its scores [n_scored]
+    or [n_scored, 2], from ``node.score_from``; None where it scores nothing); the row, of prompt length
+    ``prompt_len``, takes the scores of its positions >= ``prompt_len``."""
+    parts = []
+    for node, scores in path:
+        if node.score_from is None or prompt_len >= node.end:
+            continue
+        parts.append(scores[max(prompt_len, node.score_from) - node.score_from:])
+    return parts
