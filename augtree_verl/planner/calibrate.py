@@ -39,9 +39,12 @@ agreed (min of throughputs, max of latencies) so all ranks plan alike.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import statistics
 import time
+
+import numpy as np
 
 import torch
 import torch.distributed as dist
@@ -64,7 +67,12 @@ MIN_DENSE_SHARE = 0.1   # the dense share of that response's time is taken as at
 COMM_BYTES = {"cpu": 4 << 20, "cuda": 256 << 20}
 REPEATS = 7
 MIN_OVERHEAD_S = 1e-6   # a fixed cost the noise of a shared machine put at or below zero
-SECONDS = ("launch_latency_s", "call_overhead_s", "slot_overhead_s")   # agreed by max, the rest by min
+# The replay's fixed costs the calibration fits (planner/cost.py): per call, per tree, per ring hop, per
+# all-to-all, per score exchange; agreed by max over ranks, the rest by min.
+FIXED_COSTS = ("call_overhead_s", "slot_overhead_s", "ring_hop_s", "all_to_all_s", "launch_latency_s")
+THROUGHPUTS = ("flops_per_s", "attention_flops_per_s", "causal_attention_flops_per_s", "p2p_bytes_per_s",
+               "collective_bytes_per_s", "internode_bytes_per_s")
+TINY, HUGE = 1e-300, 1e300   # a figure that makes its term vanish (profiles take positive numbers only)
 COMM_REPEATS = 15
 LATENCY_REPEATS = 50
 
@@ -114,18 +122,21 @@ def measure_hardware(profile, group=None, device=None, model=None, lockstep_grou
     causal_step, causal_flops = _attention_block(profile, device, dtype, causal=True)
     measured = {"attention_flops_per_s": attention_flops / _median_seconds(attention_step, device, REPEATS),
                 "causal_attention_flops_per_s": causal_flops / _median_seconds(causal_step, device, REPEATS)}
+    distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+    if distributed:
+        measured.update(_measure_comm(group, device, attention_step))
     if model is None:
         measured["flops_per_s"] = _matmul_flops(profile, device, dtype)
     else:
-        measured.update(_replay_costs(model, dataclasses.replace(profile, **measured), device, lockstep_group))
+        # CP plans run over the world (the replay's mesh without one), so only a world group fits them.
+        cp_world = dist.get_world_size(group) if distributed and dist.get_world_size(group) == \
+            dist.get_world_size() else 1
+        measured.update(_replay_costs(model, dataclasses.replace(profile, **measured), device, lockstep_group,
+                                      cp_world))
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         measured["memory_per_rank_bytes"] = float(free) * CUDA_MEMORY_HEADROOM
-
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
-        measured.update(_measure_comm(group, device, attention_step))
-        measured = _agree(measured, group, device)
-    return measured
+    return _agree(measured, group, device) if distributed else measured
 
 
 def _matmul_flops(profile, device: torch.device, dtype: torch.dtype) -> float:
@@ -172,27 +183,28 @@ def _attention_step(q, k, v, dout, causal: bool):
     return step
 
 
-def _replay_costs(model, profile, device: torch.device, lockstep_group) -> dict:
-    """flops_per_s, call_overhead_s and slot_overhead_s of ``replay`` on ``model`` (the module docstring);
-    ``profile`` has the measured attention throughputs."""
+def _replay_costs(model, profile, device: torch.device, lockstep_group, cp_world: int) -> dict:
+    """flops_per_s and the fixed costs (``FIXED_COSTS``) of ``replay`` on ``model`` (the module docstring);
+    ``profile`` has the measured attention throughputs and bandwidths; ``cp_world`` > 1: the CP plans of
+    tiny trees run over the world too."""
     gen = torch.Generator().manual_seed(0)
     ids = lambda n: torch.randint(0, model.get_input_embeddings().num_embeddings, (n,), generator=gen).to(device)
     prompt = ids(OVERHEAD_PROMPT)
     dense_tokens = DENSE_TOKENS.get(device.type, DENSE_TOKENS["cpu"])
-    trees = {"one": Tree.of_tokens(prompt, [ids(2)]), "long": Tree.of_tokens(prompt, [ids(dense_tokens + 1)]),
-             "calls": Tree.of_tokens(prompt, [ids(2) for _ in range(1 + OVERHEAD_CALLS)])}
     loss = per_response(lambda t, i, scores: scores.sum())
     params = [p for p in model.parameters() if p.requires_grad] if hasattr(model, "parameters") else []
     saved = [p.grad for p in params]
 
-    def step(name):
-        return lambda: replay(model, StepPlan.build([trees[name]], lockstep_group=lockstep_group,
-                                                    micro_batch_tokens=1 if name == "calls" else dense_tokens), loss)
+    def step(trees, plans=None, micro_batch_tokens=dense_tokens):
+        return lambda: replay(model, StepPlan.build(trees, plans=plans, lockstep_group=lockstep_group,
+                                                    micro_batch_tokens=micro_batch_tokens), loss)
 
+    one = step([Tree.of_tokens(prompt, [ids(2)])])
+    configs = _tiny_trees(profile, prompt, ids, cp_world)
     try:
-        calls = _median_added_seconds(step("calls"), step("one"), device, REPEATS)
-        long = _median_added_seconds(step("long"), step("one"), device, REPEATS)
-        one = _median_seconds(step("one"), device, REPEATS)
+        long = _median_added_seconds(step([Tree.of_tokens(prompt, [ids(dense_tokens + 1)])]), one, device, REPEATS)
+        seconds = _interleaved_medians([step([tree], [plan], micro_batch_tokens=1) for tree, plan, _, _ in configs],
+                                       device, REPEATS)
     finally:
         for p, g in zip(params, saved):
             p.grad = g
@@ -200,9 +212,73 @@ def _replay_costs(model, profile, device: torch.device, lockstep_group) -> dict:
     attention_s = p.train_factor * p.attention_pair_flops * dense_tokens * (
         OVERHEAD_PROMPT / p.attention_flops_per_s + dense_tokens / 2 / p.causal_attention_flops_per_s)
     dense_s = max(long - attention_s, MIN_DENSE_SHARE * long)
-    call = max(calls / OVERHEAD_CALLS, MIN_OVERHEAD_S)
+    fitted = _fit_fixed_costs([counts for _, _, counts, _ in configs],
+                              [t - variable for t, (_, _, _, variable) in zip(seconds, configs)])
+    names = FIXED_COSTS if cp_world > 1 else FIXED_COSTS[:2]
     return {"flops_per_s": p.train_factor * (p.linear_flops + p.head_flops) * dense_tokens / dense_s,
-            "call_overhead_s": call, "slot_overhead_s": max(one - call, MIN_OVERHEAD_S)}
+            **{name: max(fitted[i], MIN_OVERHEAD_S) for i, name in enumerate(FIXED_COSTS) if name in names}}
+
+
+def _tiny_trees(profile, prompt: torch.Tensor, ids, cp_world: int) -> list[tuple]:
+    """(tree, plan or None, counts [len(FIXED_COSTS)], variable s) of the calibration's tiny trees: the prompt
+    with n two-token responses on one device (one micro-batch each), and with ``cp_world`` > 1 under each CP
+    primitive and lane count over the world; counts and variable seconds (FLOPs and bytes) are what the
+    cost model estimates for them."""
+    from augtree_verl.planner.cost import cost_model
+    from augtree_verl.planner.search import estimate
+
+    variable = dataclasses.replace(profile, **dict.fromkeys(FIXED_COSTS, TINY))
+    units = [dataclasses.replace(variable, **dict.fromkeys(THROUGHPUTS, HUGE), **{name: 1.0}) for name in FIXED_COSTS]
+    P = prompt.shape[0]
+    out = []
+    for n in (1, 1 + OVERHEAD_CALLS):
+        cost = cost_model(variable)
+        out.append((Tree.of_tokens(prompt, [ids(2) for _ in range(n)]), None, [n, 1] + [0] * (len(FIXED_COSTS) - 2),
+                    cost.prefill(P, 1)[0] + cost.one_device(P, [2] * n)))
+    if cp_world > 1:
+        for primitive, lanes in (("ring", 1), ("tree_move_kv", 1), ("tree_move_kv", cp_world), ("move_q", 1),
+                                 ("move_q", cp_world)):
+            for n in (lanes, lanes * (1 + OVERHEAD_CALLS)):
+                lens = [2] * n
+                plan = estimate(P, lens, degree=cp_world, primitive=primitive, lanes=lanes, profile=profile)
+                counts = [estimate(P, lens, degree=cp_world, primitive=primitive, lanes=lanes,
+                                   profile=u).est_time_s for u in units]
+                out.append((Tree.of_tokens(prompt, [ids(2) for _ in range(n)]), plan, counts,
+                            estimate(P, lens, degree=cp_world, primitive=primitive, lanes=lanes,
+                                     profile=variable).est_time_s))
+    return out
+
+
+def _interleaved_medians(fns, device: torch.device, repeats: int) -> list[float]:
+    """Median seconds of each of ``fns``, run in turn ``repeats`` times (so drifting load hits all alike)."""
+    for fn in fns:                                # warm-up
+        _seconds(fn, device)
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(repeats):
+        for fn, t in zip(fns, times):
+            t.append(_seconds(fn, device))
+    return [statistics.median(t) for t in times]
+
+
+def _fit_fixed_costs(counts: list[list[float]], seconds: list[float]) -> list[float]:
+    """Non-negative least squares of ``seconds`` [C] on ``counts`` [C, F], relative to each time (a tiny
+    tree's 10% counts as much as a larger one's): every subset of the coefficients free, the rest 0, the
+    best feasible fit; coefficients no row counts are 0."""
+    A, y = np.array(counts, dtype=np.float64), np.array(seconds, dtype=np.float64)
+    weight = 1.0 / np.maximum(np.abs(y), MIN_OVERHEAD_S)
+    A, y = A * weight[:, None], y * weight
+    used = [j for j in range(A.shape[1]) if A[:, j].any()]
+    best, best_residual = np.zeros(A.shape[1]), float(np.sum(y ** 2))
+    for size in range(1, len(used) + 1):
+        for free in itertools.combinations(used, size):
+            x = np.linalg.lstsq(A[:, free], y, rcond=None)[0]
+            if (x < 0).any():
+                continue
+            residual = float(np.sum((A[:, free] @ x - y) ** 2))
+            if residual < best_residual:
+                best, best_residual = np.zeros(A.shape[1]), residual
+                best[list(free)] = x
+    return best.tolist()
 
 
 def _comm_device(group, device: torch.device) -> torch.device:
@@ -234,7 +310,8 @@ def _measure_comm(group, device: torch.device, work) -> dict:
 
     tiny_send, tiny_recv = torch.ones(1, device=device), torch.empty(1, device=device)
     dist.barrier(group)
-    out = {"launch_latency_s": _median_seconds(lambda: exchange(tiny_send, tiny_recv), device, LATENCY_REPEATS)}
+    latency = _median_seconds(lambda: exchange(tiny_send, tiny_recv), device, LATENCY_REPEATS)
+    out = dict.fromkeys(("launch_latency_s", "ring_hop_s", "all_to_all_s"), latency)   # until fitted
     dist.barrier(group)
     alone = _median_seconds(lambda: exchange(send, recv), device, COMM_REPEATS)
     dist.barrier(group)
@@ -252,7 +329,7 @@ def _agree(measured: dict, group, device: torch.device) -> dict:
     """Every rank ends with the same figures: min of throughputs and memory, max of latencies."""
     device = _comm_device(group, device)
     names = sorted(measured)
-    signs = torch.tensor([-1.0 if name in SECONDS else 1.0 for name in names],
+    signs = torch.tensor([-1.0 if name in FIXED_COSTS else 1.0 for name in names],
                          dtype=torch.float64)
     values = torch.tensor([measured[name] for name in names], dtype=torch.float64) * signs
     values = values.to(device)

@@ -116,7 +116,7 @@ class CostModel:
         p = self.profile
         nbytes = kv_tokens * ((ranks - 1) / ranks * self.ring_relay_bytes + self.ring_accumulator_bytes)
         steps = p.num_layers * (self.forward_passes * (ranks - 1) + ranks)
-        seconds = nbytes / self._bandwidth(ranks, False) + steps * p.launch_latency_s
+        seconds = nbytes / self._bandwidth(ranks, False) + steps * p.ring_hop_s
         return np.where(ranks > 1, seconds, 0.0)
 
     def prefill(self, P: int, ranks):
@@ -170,7 +170,7 @@ class CostModel:
             return compute, 0.0
         bandwidth = p.internode_bytes_per_s if d > p.ranks_per_node else p.collective_bytes_per_s
         per_rank = (d - 1) / d * queries * self.moveq_bytes / bandwidth
-        steps = rounds * (self.moveq_steps_per_round * math.ceil(math.log2(d)) + 1) * p.launch_latency_s
+        steps = rounds * (self.moveq_steps_per_round * math.ceil(math.log2(d)) * p.all_to_all_s + p.launch_latency_s)
         return compute, per_rank + steps
 
     # ---- per-primitive memory (bytes per rank) ---------------------------------------------------

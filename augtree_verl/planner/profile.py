@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 _POSITIVE_FLOATS = ("flops_per_s", "attention_flops_per_s", "causal_attention_flops_per_s", "p2p_bytes_per_s",
-                    "collective_bytes_per_s", "internode_bytes_per_s", "launch_latency_s", "call_overhead_s",
-                    "slot_overhead_s", "memory_per_rank_bytes")
+                    "collective_bytes_per_s", "internode_bytes_per_s", "launch_latency_s", "ring_hop_s",
+                    "all_to_all_s", "call_overhead_s", "slot_overhead_s", "memory_per_rank_bytes")
 _POSITIVE_INTS = ("ranks_per_node", "num_layers", "num_heads", "num_kv_heads", "head_dim", "hidden_size",
                   "intermediate_size", "vocab_size", "dtype_bytes")
 # What a profile says about the model and how it trains (the rest is hardware and policy): a saved profile
@@ -25,7 +25,7 @@ MODEL_FIELDS = ("num_layers", "num_heads", "num_kv_heads", "head_dim", "hidden_s
                 "vocab_size", "dtype_bytes", "activation_checkpointing")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ClusterProfile:
     # --- hardware, per rank ---
     flops_per_s: float              # achieved dense matmul throughput (FLOP/s) in the training dtype
@@ -34,7 +34,10 @@ class ClusterProfile:
     p2p_bytes_per_s: float          # point-to-point bandwidth to a neighbour inside a node, one direction
     collective_bytes_per_s: float   # per-rank bandwidth of the all-to-all MoveQ uses, inside a node
     internode_bytes_per_s: float    # per-rank bandwidth once a group spans nodes (p2p and collectives)
-    launch_latency_s: float         # one small communication step (a P2P exchange or one collective round)
+    launch_latency_s: float         # one exchange of a step's scores among its ranks (a small P2P exchange)
+    # Fixed costs inside a CP call, per layer (a saved profile without them plans with the default's):
+    ring_hop_s: float = 10e-6       # one K/V ring step: a P2P shift, a block's attention call and its merge
+    all_to_all_s: float = 10e-6     # one of MoveQ's all-to-alls, with the owners' attention call it feeds
     call_overhead_s: float          # one response call (decoder, LM head, loss, backward) beyond its FLOPs
     slot_overhead_s: float          # one tree beyond its FLOPs: its prefill call and delayed prompt backward
     memory_per_rank_bytes: float    # what replay may use: activations, prompt K/V, comm buffers, outputs

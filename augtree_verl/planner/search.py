@@ -97,6 +97,21 @@ def plan_tree(prompt_len: int, response_lens, *, degrees, profile: ClusterProfil
     return replace(search.to_plan(best), est_single_s=min((c.time for c in single), default=None))
 
 
+def estimate(prompt_len: int, response_lens, *, degree: int, primitive: str, lanes: int,
+             profile: ClusterProfile) -> Plan:
+    """The plan of one candidate (``degree`` ranks, ``primitive``, ``lanes``; any memory) with its estimate,
+    whether or not the planner would choose it; ``ValueError`` when no such candidate exists."""
+    P, R = check_tree_lengths(prompt_len, response_lens)
+    search = _Search(cost_model(profile), P, R)
+    found = [c for c in search.candidates((degree,), primitive) if c.lanes == lanes]
+    if not found:
+        raise ValueError(f"no candidate {primitive}(d={degree}, lanes={lanes}) for {len(R)} responses with "
+                         f"ranks_per_node={profile.ranks_per_node}")
+    if found[0].parts is None:
+        search.exact(found[0])
+    return search.to_plan(found[0])
+
+
 def _default_profile() -> ClusterProfile:
     global _DEFAULT_PROFILE
     if _DEFAULT_PROFILE is None:

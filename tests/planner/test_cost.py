@@ -14,8 +14,9 @@ from augtree_verl.replay.microbatch import DEFAULT_MICRO_BATCH_TOKENS
 # Round numbers, so that every term of a time can be told apart.
 UNIT = dataclasses.replace(ClusterProfile.default(), flops_per_s=1e12, attention_flops_per_s=1e12,
                            causal_attention_flops_per_s=5e11, call_overhead_s=1e-3, slot_overhead_s=1e-2,
-                           launch_latency_s=1e-4, activation_checkpointing=False)
-NO_FIXED_COSTS = dataclasses.replace(UNIT, call_overhead_s=1e-300, slot_overhead_s=1e-300, launch_latency_s=1e-300)
+                           launch_latency_s=1e-4, ring_hop_s=1e-5, all_to_all_s=1e-6, activation_checkpointing=False)
+NO_FIXED_COSTS = dataclasses.replace(UNIT, call_overhead_s=1e-300, slot_overhead_s=1e-300, launch_latency_s=1e-300,
+                                     ring_hop_s=1e-300, all_to_all_s=1e-300)
 REL = 1e-9   # the same float64 sums in another order
 
 
@@ -39,15 +40,15 @@ def test_every_plan_of_degree_one_is_the_one_device_time_with_one_slot():
         assert plan.est_time_s == pytest.approx(prefill + cost.one_device(P, R), rel=REL), primitive
 
 
-def test_a_cp_step_pays_a_call_and_a_score_exchange():
-    """A response replayed on a lane of 2 ranks: one call, and on top of the K/V ring's L (f (k-1) + k) = 6
-    latencies (2 layers) the step's score exchange."""
+def test_a_cp_step_pays_a_call_ring_hops_and_a_score_exchange():
+    """A response replayed on a lane of 2 ranks: one call, the K/V ring's L (f (k-1) + k) = 6 hops (2 layers)
+    and the step's score exchange."""
     R = np.array([100.0, 300.0, 50.0])
     profile = dataclasses.replace(UNIT, num_layers=2)
     compute, comm = CostModel(profile).tree_responses(4000, R, 2)
     free_compute, free_comm = CostModel(dataclasses.replace(NO_FIXED_COSTS, num_layers=2)).tree_responses(4000, R, 2)
     assert compute - free_compute == pytest.approx([UNIT.call_overhead_s] * 3, rel=REL)
-    assert comm - free_comm == pytest.approx([7 * UNIT.launch_latency_s] * 3, rel=REL)
+    assert comm - free_comm == pytest.approx([6 * UNIT.ring_hop_s + UNIT.launch_latency_s] * 3, rel=REL)
 
 
 def test_lanes_in_lock_step_pad_with_calls_and_share_their_scores():
@@ -69,7 +70,8 @@ def test_move_q_rounds_exchange_their_scores():
     _, comm = cost.moveq_owners(8192, 400.0, rounds=3, d=2)
     _, free_comm = free.moveq_owners(8192, 400.0, rounds=3, d=2)
     # per round: three all-to-alls per layer and direction (x ceil(log2 2) = 1), and one score exchange
-    assert comm - free_comm == pytest.approx(3 * (cost.moveq_steps_per_round + 1) * UNIT.launch_latency_s, rel=REL)
+    assert comm - free_comm == pytest.approx(
+        3 * (cost.moveq_steps_per_round * UNIT.all_to_all_s + UNIT.launch_latency_s), rel=REL)
 
 
 def test_causal_blocks_run_at_the_causal_throughput():

@@ -19,7 +19,8 @@ BENCH_BASE = dataclasses.replace(ClusterProfile.default().with_model(SMALL), act
 # ClusterProfile.calibrate(model=qwen2-small) as `augtree bench` runs it, on 2 gloo ranks of the shared 2-core
 # CPU, twice in one minute: the machine's load moved the compute and latency figures by 2x and 7x.
 # Recorded before the causal attention throughput and the replay's call and slot overheads were measured: the
-# causal figure is the full one (the model of then), both overheads the pass overhead of then (L x per-layer).
+# causal figure is the full one (the model of then), both overheads the pass overhead of then (L x per-layer),
+# ring hops and all-to-alls the latency of then (``_latency_everywhere``).
 RECORDED = {
     "calm": dict(flops_per_s=1.143e11, attention_flops_per_s=3.178e10, causal_attention_flops_per_s=3.178e10,
                  p2p_bytes_per_s=4.360e8,
@@ -50,14 +51,20 @@ BYTES_REL = 1e-12   # the same sums in another order
 @pytest.mark.parametrize("workload", sorted(BENCH_TREES))
 def test_recorded_profiles_pick_the_measured_fastest_primitive(condition, workload):
     prompt_len, response_lens, fastest = BENCH_TREES[workload]
-    profile = dataclasses.replace(BENCH_BASE, **RECORDED[condition])
+    profile = dataclasses.replace(BENCH_BASE, **_latency_everywhere(RECORDED[condition]))
     plan = plan_tree(prompt_len, response_lens, degrees=[2], profile=profile)
     assert (plan.primitive, plan.lanes) == fastest
 
 
+def _latency_everywhere(figures: dict) -> dict:
+    """A recorded profile's figures, its one latency as every ring hop's and all-to-all's fixed cost."""
+    return {**figures, "ring_hop_s": figures["launch_latency_s"], "all_to_all_s": figures["launch_latency_s"]}
+
+
 def _byte_counting(profile: ClusterProfile) -> ClusterProfile:
-    """Unit bandwidths and negligible latency: the cost model's communication seconds are its bytes."""
-    return dataclasses.replace(profile, p2p_bytes_per_s=1.0, collective_bytes_per_s=1.0, launch_latency_s=1e-300)
+    """Unit bandwidths and negligible fixed costs: the cost model's communication seconds are its bytes."""
+    return dataclasses.replace(profile, p2p_bytes_per_s=1.0, collective_bytes_per_s=1.0,
+                               **_latency_everywhere({"launch_latency_s": 1e-300}))
 
 
 def _engine_mean_bytes(plan: Plan, prompt_len: int, response_lens: list[int]) -> float:
