@@ -34,10 +34,10 @@ class ClusterProfile:
     p2p_bytes_per_s: float          # point-to-point bandwidth to a neighbour inside a node, one direction
     collective_bytes_per_s: float   # per-rank bandwidth of the all-to-all MoveQ uses, inside a node
     internode_bytes_per_s: float    # per-rank bandwidth once a group spans nodes (p2p and collectives)
-    launch_latency_s: float         # one exchange of a step's scores among its ranks (a small P2P exchange)
-    # Fixed costs inside a CP call, per layer (a saved profile without them plans with the default's):
-    ring_hop_s: float = 10e-6       # one K/V ring step: a P2P shift, a block's attention call and its merge
-    all_to_all_s: float = 10e-6     # one of MoveQ's all-to-alls, with the owners' attention call it feeds
+    # Fixed costs of context-parallel replay (calibrate() fits them on the CP group's own replay):
+    launch_latency_s: float         # a CP step's score exchange among its ranks, and what the step adds around it
+    ring_hop_s: float               # one K/V ring step of one layer: a P2P shift, a block's attention and merge
+    all_to_all_s: float             # one of MoveQ's all-to-alls of one layer, with the owners' attention it feeds
     call_overhead_s: float          # one response call (decoder, LM head, loss, backward) beyond its FLOPs
     slot_overhead_s: float          # one tree beyond its FLOPs: its prefill call and delayed prompt backward
     memory_per_rank_bytes: float    # what replay may use: activations, prompt K/V, comm buffers, outputs
@@ -91,7 +91,7 @@ class ClusterProfile:
         - attention: FlashAttention-2 forward + backward in bf16 on H100 SXM reaches about 35% of dense peak
           at head dim 128 (FlashAttention-3 paper, Shah et al. 2024, H100 benchmarks: ~300-350 TFLOPS);
           causal blocks somewhat less (the diagonal tiles are partly masked): we assume 30%.
-        - latency: ~10 us for a small NCCL step inside a node.
+        - latency, ring hop, all-to-all: ~10 us for a small NCCL step inside a node.
         - call and slot overheads: a decoder layer's forward + backward launches ~36 kernels at ~10 us of host
           time each (eager PyTorch), for 28 layers, per response call and per tree (prefill and delayed
           backward); they only matter for short steps.
@@ -103,6 +103,7 @@ class ClusterProfile:
         return cls(flops_per_s=0.6 * 989e12, attention_flops_per_s=0.35 * 989e12,
                    causal_attention_flops_per_s=0.3 * 989e12, p2p_bytes_per_s=360e9,
                    collective_bytes_per_s=250e9, internode_bytes_per_s=45e9, launch_latency_s=10e-6,
+                   ring_hop_s=10e-6, all_to_all_s=10e-6,
                    call_overhead_s=28 * 36 * 10e-6, slot_overhead_s=28 * 36 * 10e-6, memory_per_rank_bytes=50e9,
                    ranks_per_node=8, num_layers=28, num_heads=28, num_kv_heads=4, head_dim=128,
                    hidden_size=3584, intermediate_size=18944, vocab_size=152064)
@@ -143,8 +144,9 @@ class ClusterProfile:
     def calibrate(self, group=None, device=None, model=None, lockstep_group=None) -> ClusterProfile:
         """This profile with compute, bandwidth, latency (and, on CUDA, memory) measured here, on this
         profile's model shapes; ``model`` (optional, what ``replay`` runs: a causal LM or
-        ``integration.fsdp_model.FSDPReplayModel``) sets the call and slot overheads from the replay itself,
-        its calls in step over ``lockstep_group`` (an FSDP2-sharded model); see calibrate.py.
+        ``integration.fsdp_model.FSDPReplayModel``) sets the fixed costs from the replay itself (with a world
+        process group, the CP ones too), its calls in step over ``lockstep_group`` (an FSDP2-sharded model);
+        see calibrate.py.
 
         Collective: when ``torch.distributed`` is initialised with more than one rank, every rank of ``group``
         must call it, and all of them get the same profile back.
@@ -163,6 +165,11 @@ class ClusterProfile:
         unknown = sorted(set(d) - names)
         if unknown:
             raise ValueError(f"ClusterProfile has no field(s) {unknown}")
+        missing = sorted(f.name for f in dataclasses.fields(cls) if f.name not in d and
+                         f.default is dataclasses.MISSING)
+        if missing:
+            raise ValueError(f"ClusterProfile needs the field(s) {missing} (a profile saved by an earlier "
+                             f"version: calibrate it again)")
         return cls(**d)
 
     def save(self, path) -> None:

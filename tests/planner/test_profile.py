@@ -46,6 +46,13 @@ def test_from_dict_rejects_unknown_fields():
         ClusterProfile.from_dict(d)
 
 
+def test_from_dict_names_the_fields_an_earlier_version_did_not_save():
+    d = ClusterProfile.default().to_dict()
+    del d["ring_hop_s"], d["all_to_all_s"]
+    with pytest.raises(ValueError, match=r"needs the field\(s\) \['all_to_all_s', 'ring_hop_s'\]"):
+        ClusterProfile.from_dict(d)
+
+
 def test_with_model_reads_a_hugging_face_config():
     cfg = Qwen2Config(hidden_size=256, num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=2,
                       intermediate_size=512, vocab_size=1000)
