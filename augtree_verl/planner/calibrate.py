@@ -13,16 +13,23 @@ Compute is measured on the profile's model shapes (call ``with_model`` first), w
   missing, or float32); 3 x forward FLOPs / time, as the cost model counts.
 - causal_attention_flops_per_s: the same block causal, its visible half's FLOPs counted (a flash kernel
   skips the masked tiles but not the diagonal's work, so it reaches less).
-- call_overhead_s, slot_overhead_s (with ``model``, what ``replay`` runs): the replay's own fixed costs, from
-  the replay itself: the median time of replaying a tiny tree (``OVERHEAD_PROMPT`` prompt tokens) with one
-  two-token response and with 1 + ``OVERHEAD_CALLS``, each response its own micro-batch (a decoder call, an
-  LM-head call, the loss and a backward); the extra calls' time per call is the call overhead, what remains
-  of the one-call tree the slot overhead (prefill call, delayed prompt backward). The gradients of
-  ``model.parameters()`` are left as they were (a wrapper without ``parameters()``, verl's FSDP2 view, leaves
-  that to its caller). Without ``model`` the profile's overheads stay.
+- the fixed costs ``FIXED_COSTS`` (with ``model``: what ``replay`` runs), fitted on the replay itself: tiny trees
+  (``OVERHEAD_PROMPT`` prompt tokens, n two-token responses, n = 1 and 1 + ``OVERHEAD_CALLS``) replayed on
+  one device, each response its own micro-batch, and, with a world process group of W > 1 ranks, under
+  every CP primitive and lane count (ring; TreeMoveKV and MoveQ with 1 and W lanes) over the world, as
+  the engine runs them. Each tree's median time (repeats interleaved across the trees, so drifting load
+  hits all alike), less what the cost model gives its FLOPs and bytes, is regressed on what the cost model
+  counts for it (calls, slots, ring hops, all-to-alls, score exchanges; ``search.estimate`` under unit
+  profiles, so the counts are the model's own): non-negative least squares, relative to each time. So a
+  CP step's fixed cost (its decoder call over a ring, the LM-head call, the exchange, the keep-alives, one
+  block attention and merge per ring hop) is measured where it runs, not inferred from a one-device call
+  and a ping. Without a world group only the call and slot costs are fitted. The gradients of
+  ``model.parameters()`` are left as they were (a wrapper without ``parameters()``, verl's FSDP2 view,
+  leaves that to its caller). Without ``model`` the profile's fixed costs stay.
 With an initialised process group of more than one rank, communication too (medians over many repeats, so
 one descheduled step on a shared machine does not set the figure):
-- launch_latency_s: median of a one-element ring exchange (``batch_isend_irecv``).
+- launch_latency_s, ring_hop_s, all_to_all_s (until the replay fits them): median of a one-element ring
+  exchange (``batch_isend_irecv``).
 - p2p_bytes_per_s: each rank sends ``COMM_BYTES`` to its ring successor and receives from its predecessor
   (the K/V ring's pattern and message size class), alone and started before an attention step as the ring
   does; bytes sent / the larger of (exchange time, what the exchange adds to the attention step). On a CPU
@@ -45,7 +52,6 @@ import statistics
 import time
 
 import numpy as np
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F

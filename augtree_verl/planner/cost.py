@@ -14,15 +14,19 @@ checkpointing (the forward runs again in backward), else 1. A pass (one forward+
 tokens) costs (f + 2) (dense / F + attention / F_attn + causal attention / F_causal): the prompt-to-prompt and
 response-to-response blocks are causal, a response's queries against the prompt's keys full.
 
-Fixed costs, what short steps are made of (measured by the calibration on the replay itself):
+Fixed costs, what short steps are made of (fitted by the calibration on the replay itself, the CP ones on
+the CP group):
     each response call (one device: a micro-batch; CP: a step): ``call_overhead_s`` (a decoder call, an
     LM-head call, the loss and the backward, beyond their FLOPs); each tree (a slot): ``slot_overhead_s``
     (its prefill call and delayed prompt backward); each exchange among more than one rank (a CP step's
-    score exchange, a TreeMoveKV tree's lane share): ``launch_latency_s``.
+    score exchange, a MoveQ round's, a TreeMoveKV tree's lane share): ``launch_latency_s``, with what a CP
+    step adds around it; each K/V ring hop of a layer (below): ``ring_hop_s``; each all-to-all of a layer
+    (MoveQ): ``all_to_all_s``.
 One device (any plan of degree 1) runs the responses as padded micro-batches of ``DEFAULT_MICRO_BATCH_TOKENS``
 (rows x longest row, ``replay.microbatch``): each row computes as many tokens as the longest.
 
-Communication per rank (bytes / bandwidth + ``launch_latency_s`` per sequential step; no overlap credited),
+Communication per rank (bytes / bandwidth + a fixed cost per sequential step: ``ring_hop_s`` for the K/V ring,
+``all_to_all_s`` for MoveQ; no overlap credited),
 mirroring what the CP engine sends (cp/ring.py, cp/move_q.py, and ``cp.cost.analytic_bytes``):
     K/V ring over k > 1 ranks, keys of N tokens, kv = L 2 H_kv D:
         bytes = (f + 1) (k-1)/k N kv e  +  N kv a
@@ -33,7 +37,8 @@ mirroring what the CP engine sends (cp/ring.py, cp/move_q.py, and ``cp.cost.anal
     MoveQ, Q queries over d prompt owners: bytes = (d-1)/d Q L H_q (f (2 e D + 4) + (3 e D + 4))
         forward: the queries travel (e D per head) and the owners return partial states (e D + 4 lse);
         backward: (dout, merged out, lse) travel (2 e D + 4), dq returns (e D): C_MoveQ ~ L_R H_q + T_red.
-        steps = rounds L (3 f + 3) ceil(log2 d): three all-to-alls per layer forward, three backward.
+        steps = rounds L (3 f + 3) ceil(log2 d): three all-to-alls per layer forward, three backward; and
+        each round one score exchange among all d.
 
 Memory per rank: saved activations (with checkpointing only the layer input, L H e per token, plus one
 layer's full activations while it is recomputed), prompt K/V leaves and their gradients (2 kv per prompt

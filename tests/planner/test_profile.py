@@ -8,13 +8,23 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from augtree_verl.planner import ClusterProfile
-from augtree_verl.planner.calibrate import MIN_OVERHEAD_S
+from augtree_verl.planner import ClusterProfile, calibrate
+from augtree_verl.planner.calibrate import (
+    FIXED_COSTS,
+    MIN_OVERHEAD_S,
+    OVERHEAD_CALLS,
+    OVERHEAD_PROMPT,
+    _fit_fixed_costs,
+    _tiny_trees,
+)
 
 CALIBRATE_SECONDS = 20      # "in seconds" on a shared 2-core CPU, with generous slack
 COMM_FIELDS = ("p2p_bytes_per_s", "collective_bytes_per_s")
 COMPUTE_FIELDS = ("flops_per_s", "attention_flops_per_s")
 OVERHEAD_FIELDS = ("call_overhead_s", "slot_overhead_s")
+FIT_REL = 1e-9     # float64 least squares on exact data
+TINY_CFG = Qwen2Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                       intermediate_size=128, vocab_size=256)
 
 
 def test_default_is_an_h100_node_with_a_qwen7b_shape():
@@ -51,6 +61,40 @@ def test_from_dict_names_the_fields_an_earlier_version_did_not_save():
     del d["ring_hop_s"], d["all_to_all_s"]
     with pytest.raises(ValueError, match=r"needs the field\(s\) \['all_to_all_s', 'ring_hop_s'\]"):
         ClusterProfile.from_dict(d)
+
+
+def test_the_fixed_costs_fit_recovers_known_costs_and_stays_non_negative():
+    """Exact times of known per-feature costs come back; a feature whose free fit goes negative is held at 0."""
+    counts = [[1, 1, 0], [5, 1, 0], [1, 1, 6], [5, 1, 30], [2, 1, 12]]
+    costs = [2e-3, 5e-3, 3e-4]
+    seconds = [sum(c * x for c, x in zip(row, costs)) for row in counts]
+    assert _fit_fixed_costs(counts, seconds) == pytest.approx(costs, rel=FIT_REL)
+    # The third feature would fit below 0 (rows 3-4 are faster than rows 1-2 alone): it is held at 0.
+    faster = [seconds[0], seconds[1], seconds[0] * 0.5, seconds[1] * 0.5, seconds[0] * 0.5]
+    fitted = _fit_fixed_costs(counts, faster)
+    assert fitted[2] == 0.0 and min(fitted) >= 0.0
+
+
+def test_the_tiny_trees_count_what_the_replay_runs():
+    """Calibration trees on 2 ranks of a 2-layer model: (calls, slots, ring hops, all-to-alls, exchanges) as
+    the cost model counts them: the lane ring and the prefill ring 2 (1 + 2) = 6 hops each, MoveQ's 2 x 6
+    all-to-alls per round, one exchange per CP step (and per MoveQ round), one lane share."""
+    profile = dataclasses.replace(ClusterProfile.default().with_model(TINY_CFG), activation_checkpointing=False)
+    gen = torch.Generator().manual_seed(0)
+    ids = lambda n: torch.randint(0, 256, (n,), generator=gen)   # noqa: E731
+    trees = _tiny_trees(profile, ids(OVERHEAD_PROMPT), ids, cp_world=2)
+    got = {(None if plan is None else (plan.primitive, plan.lanes), len(tree.responses)): counts
+           for tree, plan, counts, _ in trees}
+    n = 1 + OVERHEAD_CALLS
+    want = {(None, 1): [1, 1, 0, 0, 0], (None, n): [n, 1, 0, 0, 0],
+            (("ring", 1), 1): [1, 1, 6, 0, 1], (("ring", 1), n): [n, 1, 6 * n, 0, n],
+            (("tree_move_kv", 1), n): [n, 1, 6 + 6 * n, 0, n],
+            (("tree_move_kv", 2), 2 * n): [n, 1, 0, 0, 1],
+            (("move_q", 1), n): [n, 1, 6 + 6 * n, 12 * n, n],
+            (("move_q", 2), 2 * n): [n, 1, 6, 12 * n, n]}
+    for key, counts in want.items():
+        assert got[key] == pytest.approx(counts, rel=FIT_REL), key
+    assert len(got) == 12
 
 
 def test_with_model_reads_a_hugging_face_config():
@@ -122,3 +166,34 @@ def test_calibrate_on_gloo_agrees_across_ranks():
     for f in COMM_FIELDS:
         assert p0[f] != getattr(base, f) and 1e6 < p0[f] < 1e12
     assert p0["launch_latency_s"] != base.launch_latency_s and 0 < p0["launch_latency_s"] < 1e-1
+
+
+def _calibrate_model_worker(rank, world, port, results):
+    torch.set_num_threads(1)                      # the ranks share the cores
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        torch.manual_seed(0)
+        model = Qwen2ForCausalLM(TINY_CFG).train()
+        rows = []
+        fit = calibrate._fit_fixed_costs
+        calibrate._fit_fixed_costs = lambda counts, seconds: rows.append(len(counts)) or fit(counts, seconds)
+        profile = dataclasses.replace(ClusterProfile.default().with_model(TINY_CFG), activation_checkpointing=False,
+                                      dtype_bytes=4).calibrate(model=model)
+        results[rank] = (profile.to_dict(), rows, all(p.grad is None for p in model.parameters()))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_calibrate_with_a_model_on_gloo_fits_the_cp_fixed_costs_on_the_group():
+    """With a world process group the fit runs over every CP primitive's tiny trees too (12 of them on 2
+    ranks), and the ranks agree on what it found; the model's gradients are left as they were."""
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(_calibrate_model_worker, args=(2, _free_port(), results), nprocs=2, join=True)
+        results = dict(results)
+    (p0, rows0, clean0), (p1, rows1, clean1) = results[0], results[1]
+    assert p0 == p1 and rows0 == rows1 == [12] and clean0 and clean1
+    for f in FIXED_COSTS:
+        assert MIN_OVERHEAD_S <= p0[f] < 1.0, (f, p0[f])
