@@ -48,9 +48,9 @@ class RunProfile:
         p = self.profile
         return (f"planner profile from {self.source}: dense {p.flops_per_s:.3g} FLOP/s, attention "
                 f"{p.attention_flops_per_s:.3g} FLOP/s (causal {p.causal_attention_flops_per_s:.3g}), p2p "
-                f"{p.p2p_bytes_per_s:.3g} B/s, all-to-all "
-                f"{p.collective_bytes_per_s:.3g} B/s, latency {p.launch_latency_s:.3g} s, call overhead "
-                f"{p.call_overhead_s:.3g} s, slot overhead {p.slot_overhead_s:.3g} s, memory "
+                f"{p.p2p_bytes_per_s:.3g} B/s, all-to-all {p.collective_bytes_per_s:.3g} B/s; fixed costs: score "
+                f"exchange {p.launch_latency_s:.3g} s, ring hop {p.ring_hop_s:.3g} s, all-to-all "
+                f"{p.all_to_all_s:.3g} s, call {p.call_overhead_s:.3g} s, slot {p.slot_overhead_s:.3g} s; memory "
                 f"{p.memory_per_rank_bytes:.3g} B/rank, {p.ranks_per_node} ranks/node; model "
                 f"{p.num_layers} layers, hidden {p.hidden_size}, heads {p.num_heads}/{p.num_kv_heads}x"
                 f"{p.head_dim}, MLP {p.intermediate_size}, vocab {p.vocab_size}, {p.dtype_bytes} B/element, "
