@@ -236,7 +236,7 @@ def _tiny_trees(profile, prompt: torch.Tensor, ids, cp_world: int) -> list[tuple
     variable = dataclasses.replace(profile, **dict.fromkeys(FIXED_COSTS, TINY))
     units = [dataclasses.replace(variable, **dict.fromkeys(THROUGHPUTS, HUGE), **{name: 1.0}) for name in FIXED_COSTS]
     P = prompt.shape[0]
-    out = []
+    out: list[tuple] = []
     for n in (1, 1 + OVERHEAD_CALLS):
         cost = cost_model(variable)
         out.append((Tree.of_tokens(prompt, [ids(2) for _ in range(n)]), None, [n, 1] + [0] * (len(FIXED_COSTS) - 2),
