@@ -28,6 +28,7 @@ from augtree_verl.bench.methods import VERL_FSDP2, Method, describe_plans, metho
 from augtree_verl.bench.workloads import Workload, build_workload
 from augtree_verl.models import load_model, vocab_size
 from augtree_verl.planner import ClusterProfile
+from augtree_verl.planner.startup import RunProfile
 from augtree_verl.replay import ReplayStats, StepPlan, Tree, per_response, replay
 from augtree_verl.replay.baseline import flattened_replay
 from augtree_verl.replay.flops import step_flops
@@ -96,6 +97,8 @@ def run_benchmark(cfg: BenchConfig, rank: int = 0, world: int = 1, device: str =
     # on one device it only predicts the AugTree step times (``predicted_s``).
     profile = replace(ClusterProfile.default().with_model(model.config), activation_checkpointing=False,
                       dtype_bytes=dtype.itemsize).calibrate(device=device, model=model)
+    if rank == 0:
+        print(RunProfile(profile, f"calibrated now on {world} {device} rank(s)").describe([world]), flush=True)
     bar = tqdm(total=len(cfg.workloads) * (cfg.repeats * len(methods) + (world > 1)), disable=rank != 0,
                desc="augtree bench", unit="step", dynamic_ncols=True)
     verl = _build_verl(model, methods)
