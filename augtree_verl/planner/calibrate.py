@@ -46,6 +46,7 @@ agreed (min of throughputs, max of latencies) so all ranks plan alike.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 import statistics
@@ -237,21 +238,17 @@ def _tiny_trees(profile, prompt: torch.Tensor, ids, cp_world: int) -> list[tuple
     units = [dataclasses.replace(variable, **dict.fromkeys(THROUGHPUTS, HUGE), **{name: 1.0}) for name in FIXED_COSTS]
     P = prompt.shape[0]
     out: list[tuple] = []
+    cost = cost_model(variable)
     for n in (1, 1 + OVERHEAD_CALLS):
-        cost = cost_model(variable)
         out.append((Tree.of_tokens(prompt, [ids(2) for _ in range(n)]), None, [n, 1] + [0] * (len(FIXED_COSTS) - 2),
                     cost.prefill(P, 1)[0] + cost.one_device(P, [2] * n)))
     if cp_world > 1:
         for primitive, lanes in (("ring", 1), ("tree_move_kv", 1), ("tree_move_kv", cp_world), ("move_q", 1),
                                  ("move_q", cp_world)):
             for n in (lanes, lanes * (1 + OVERHEAD_CALLS)):
-                lens = [2] * n
-                plan = estimate(P, lens, degree=cp_world, primitive=primitive, lanes=lanes, profile=profile)
-                counts = [estimate(P, lens, degree=cp_world, primitive=primitive, lanes=lanes,
-                                   profile=u).est_time_s for u in units]
-                out.append((Tree.of_tokens(prompt, [ids(2) for _ in range(n)]), plan, counts,
-                            estimate(P, lens, degree=cp_world, primitive=primitive, lanes=lanes,
-                                     profile=variable).est_time_s))
+                plan = functools.partial(estimate, P, [2] * n, degree=cp_world, primitive=primitive, lanes=lanes)
+                out.append((Tree.of_tokens(prompt, [ids(2) for _ in range(n)]), plan(profile=profile),
+                            [plan(profile=u).est_time_s for u in units], plan(profile=variable).est_time_s))
     return out
 
 
