@@ -65,11 +65,13 @@ class Method:
 
     def predicted_s(self, trees: Sequence[Tree], plans: list[Plan] | None, profile) -> float | None:
         """The planner's predicted update-step time: its estimate summed over the trees (they run one after
-        another); on one device, the estimate of each tree's degree-1 plan. None for the baselines."""
+        another); on one device (no plans, or a tree demoted from CP), the estimate of each tree's degree-1 plan
+        (the planner sees no sharing between trees). None for the baselines."""
         if not self.planned or profile is None:
             return None
-        plans = plans or [plan_tree(t.prompt_len, t.response_lens, degrees=[1], profile=profile) for t in trees]
-        return sum(p.est_time_s for p in plans)
+        return sum(p.est_time_s if p is not None and p.est_time_s is not None else
+                   plan_tree(t.prompt_len, t.response_lens, degrees=[1], profile=profile).est_time_s
+                   for t, p in zip(trees, plans or [None] * len(trees)))
 
 
 VERL_FSDP2 = Method("verl-fsdp2", verl=True)

@@ -22,6 +22,7 @@ from augtree_verl.bench.workloads import (
 from augtree_verl.cli import _parser, bench_config
 from augtree_verl.groups import Tree
 from augtree_verl.models import load_model
+from augtree_verl.planner import ClusterProfile
 
 
 def test_agent_groups_share_one_system_turn_of_the_shipped_length():
@@ -103,7 +104,10 @@ def _shared_workload(system_len=140):
 
 def test_shared_plans_run_on_one_device_as_in_the_engine():
     trees = list(_shared_workload().trees)
-    assert [p.degree for p in Method("AugTree").plans(trees, 2)] == [1, 1]
+    plans = Method("AugTree").plans(trees, 2)
+    assert [p.degree for p in plans] == [1, 1]
+    # Demoted plans carry no estimate at degree 2 only: the prediction takes each tree's one-device plan.
+    assert Method("AugTree").predicted_s(trees, plans, ClusterProfile.default()) > 0
     assert [p.degree for p in DEPTH1.plans(trees, 2)] == [2, 2]  # each group alone in its depth-1 trie
     assert [p.degree for p in Method("MegaR", fixed="megar").plans(trees, 2)] == [2, 2]
 
