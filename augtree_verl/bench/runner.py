@@ -26,6 +26,7 @@ from augtree_verl.bench.config import BenchConfig
 from augtree_verl.bench.loss import grpo_loss
 from augtree_verl.bench.methods import DEPTH1_SHARED_TOKENS, VERL_FSDP2, Method, describe_plans, methods_for
 from augtree_verl.bench.workloads import SHARED_WORKLOADS, Workload, build_workload
+from augtree_verl.cp.mesh import CPMesh
 from augtree_verl.models import load_model, vocab_size
 from augtree_verl.planner import ClusterProfile
 from augtree_verl.replay import ReplayStats, StepPlan, Tree, per_response, replay
@@ -203,8 +204,10 @@ def _timed_step(model, trees, loss_fn, method: Method, plans, world: int, verl=N
         flattened_replay(model, trees, loss_fn)
     else:
         stats = ReplayStats()
-        replay(model, StepPlan.build(trees, plans=plans, stats=stats, min_shared_tokens=method.min_shared_tokens),
-               per_response(loss_fn))
+        # The CP group even where every plan is one-device (trees demoted for sharing): each tree on one rank.
+        mesh = CPMesh.whole_world() if world > 1 else None
+        replay(model, StepPlan.build(trees, plans=plans, mesh=mesh, stats=stats,
+                                     min_shared_tokens=method.min_shared_tokens), per_response(loss_fn))
     _sync(model, world)
     return time.perf_counter() - start, stats
 
