@@ -42,6 +42,6 @@ def test_cp2_shared_workloads_run_each_tree_once_and_exactly():
     for w in cfg.workloads:
         # Trees sharing beyond their group run on one device each (demoted from CP, on one rank per trie).
         assert by[w, "AugTree"].plan == "single" and by[w, "AugTree"].comm_bytes < by[w, "MegaR"].comm_bytes
-        aug, depth1 = by[w, "AugTree"], by[w, "AugTree[depth-1]"]
-        assert aug.executed_tokens < depth1.executed_tokens < by[w, "MegaN"].executed_tokens
+        # (Executed tokens of one-device and CP plans differ by micro-batch padding: not compared here.)
+        assert by[w, "AugTree"].executed_tokens < by[w, "MegaN"].executed_tokens
     assert "(d=2," in by["agent", "AugTree[depth-1]"].plan  # each group alone in its depth-1 trie keeps CP
