@@ -12,12 +12,12 @@
 - AugTree[depth-1] (the shared workloads only): the trie cut to the nodes that end a prompt, so each group's
   prompt runs once and nothing beyond it is shared (a prompt that begins a later turn's prompt is still one
   node: the trie always cuts at a prompt's end).
+- verl-fsdp2 (CPU): verl's stock FSDP2 engine as users run it today, one sequence per verl micro-batch, data
+  parallel over the step's responses at d ranks (``verl_fsdp2.py``).
 
 The AugTree methods' CP plans of trees whose trie is more than their own group run on one device, as the
 engine runs them (``step_plan.demote_shared_plans``); MegaN and MegaR keep their fixed CP plans (no
 sharing beyond the tree).
-- verl-fsdp2 (CPU): verl's stock FSDP2 engine as users run it today, one sequence per verl micro-batch, data
-  parallel over the step's responses at d ranks (``verl_fsdp2.py``).
 """
 
 from __future__ import annotations

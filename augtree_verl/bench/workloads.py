@@ -145,10 +145,11 @@ def build_workload(name: str, budget_tokens: int, group_size: int, num_groups: i
         shapes, turns = _conversation(groups, ids)
         return Workload(name=name, groups=tuple(shapes), trees=tuple(turns))
     system = ids(agent_system_turns()[0]) if name == "agent" else None
-    prompts = [ids(g.prompt_len) if system is None else torch.cat([system, ids(g.prompt_len - len(system))])
-               for g in groups]
-    trees = tuple(Tree.of_tokens(prompt=p, responses=[ids(r) for r in g.response_lens])
-                  for g, p in zip(groups, prompts))
+
+    def prompt(g: GroupShape) -> torch.Tensor:
+        return ids(g.prompt_len) if system is None else torch.cat([system, ids(g.prompt_len - len(system))])
+
+    trees = tuple(Tree.of_tokens(prompt=prompt(g), responses=[ids(r) for r in g.response_lens]) for g in groups)
     return Workload(name=name, groups=tuple(groups), trees=trees)
 
 
