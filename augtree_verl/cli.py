@@ -1,6 +1,6 @@
 """The ``augtree`` console script.
 
-    augtree bench [--workload all|longdoc|rag|chat|reasoning] [--budget B] [--group-size G] [--cp D]
+    augtree bench [--workload all|longdoc|rag|chat|reasoning|agent|multiturn ...] [--budget B] [--group-size G] [--cp D]
                   [--model NAME_OR_PATH] [--device cpu|cuda] [--quick] [--repeats N]
                   [--json PATH] [--plot PATH] [--wandb]
 """
@@ -11,7 +11,7 @@ import argparse
 import sys
 
 from augtree_verl.bench.config import QUICK, BenchConfig
-from augtree_verl.bench.workloads import WORKLOADS
+from augtree_verl.bench.workloads import ALL_WORKLOADS, DEFAULT_GROUPS, WORKLOADS
 from augtree_verl.models import BUILTIN_MODELS
 
 
@@ -22,14 +22,16 @@ def _parser() -> argparse.ArgumentParser:
         "bench", help="benchmark the RL update step: MegaN, MegaR and AugTree side by side on real workload shapes",
         description="One full update step (forward + backward of a GRPO loss) per method and repetition, "
                     "timed side by side; every method's gradients are checked against the flattened baseline.")
-    bench.add_argument("--workload", default="all", choices=("all",) + WORKLOADS,
-                       help="workload regime (default: all)")
+    bench.add_argument("--workload", "--workloads", nargs="+", default=["all"], choices=("all",) + ALL_WORKLOADS,
+                       help=f"workload regimes (default: all = {' '.join(WORKLOADS)}; agent and multiturn, "
+                            f"which share tokens beyond the group, run when named)")
     bench.add_argument("--budget", type=int, help=f"logical tokens per group, G*P + sum R_i "
                                                   f"(default {BenchConfig.budget_tokens}; "
                                                   f"--quick {QUICK['budget_tokens']})")
     bench.add_argument("--group-size", type=int, help=f"responses per prompt G (default {BenchConfig.group_size}; "
                                                       f"--quick {QUICK['group_size']})")
-    bench.add_argument("--groups", type=int, help="groups (trees) per step (default 1)")
+    bench.add_argument("--groups", type=int, help=f"groups (trees) per step (default 1; "
+                                                  f"{', '.join(f'{k} {v}' for k, v in DEFAULT_GROUPS.items())})")
     bench.add_argument("--cp", type=int, help=f"context-parallel degree: spawns that many processes (default "
                                               f"{BenchConfig.cp}; 1 runs MegaN and AugTree in this process)")
     bench.add_argument("--model", help=f"built-in model ({', '.join(BUILTIN_MODELS)}; default {BenchConfig.model}, "
@@ -48,7 +50,8 @@ def _parser() -> argparse.ArgumentParser:
 def bench_config(args: argparse.Namespace) -> BenchConfig:
     given = {"budget_tokens": args.budget, "group_size": args.group_size, "num_groups": args.groups, "cp": args.cp,
              "model": args.model, "device": args.device, "repeats": args.repeats, "seed": args.seed,
-             "workloads": WORKLOADS if args.workload == "all" else (args.workload,)}
+             "workloads": tuple(dict.fromkeys(w for name in args.workload
+                                              for w in (WORKLOADS if name == "all" else (name,))))}
     given = {k: v for k, v in given.items() if v is not None}
     return BenchConfig.quick(**given) if args.quick else BenchConfig(**given)
 
@@ -60,13 +63,16 @@ def bench(args: argparse.Namespace) -> int:
 
     cfg = bench_config(args)
     print(f"augtree bench: workloads={','.join(cfg.workloads)} budget={cfg.budget_tokens} G={cfg.group_size} "
-          f"groups={cfg.num_groups} cp={cfg.cp} model={cfg.model} device={cfg.device} repeats={cfg.repeats}",
+          f"groups={cfg.num_groups or 'default'} cp={cfg.cp} model={cfg.model} device={cfg.device} "
+          f"repeats={cfg.repeats}",
           flush=True)
     results = distributed.run(cfg)
     print()
     print(report.format_table(results))
     print()
     print(report.format_ideal(results))
+    if shared := report.format_shared(results):
+        print(shared)
     print(report.format_prediction(results))
     config = asdict(cfg)
     if args.json:

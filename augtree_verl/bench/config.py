@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from augtree_verl.bench.workloads import WORKLOADS
+from augtree_verl.bench.workloads import ALL_WORKLOADS, WORKLOADS
 from augtree_verl.models import DEFAULT_MODEL
 
 # Defaults sized for 2 CPU cores. Measured on a shared 2-core machine: the default run took 9 min with 3
@@ -23,7 +23,7 @@ class BenchConfig:
     workloads: tuple[str, ...] = WORKLOADS
     budget_tokens: int = DEFAULT_BUDGET     # logical tokens per group (G·P + ΣR_i), see workloads.py
     group_size: int = DEFAULT_GROUP_SIZE
-    num_groups: int = 1
+    num_groups: int | None = None  # groups (trees) per step; None: the workload's (workloads.DEFAULT_GROUPS)
     cp: int = DEFAULT_CP
     model: str = DEFAULT_MODEL
     device: str = "cpu"
@@ -32,12 +32,14 @@ class BenchConfig:
 
     def __post_init__(self):
         for w in self.workloads:
-            if w not in WORKLOADS:
-                raise ValueError(f"unknown workload {w!r}; choose one of {WORKLOADS} or 'all'")
+            if w not in ALL_WORKLOADS:
+                raise ValueError(f"unknown workload {w!r}; choose one of {ALL_WORKLOADS} or 'all'")
         if not self.workloads:
             raise ValueError("no workload given")
         for name in ("budget_tokens", "group_size", "num_groups", "cp", "repeats"):
             value = getattr(self, name)
+            if name == "num_groups" and value is None:
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if self.device not in DEVICES:

@@ -16,6 +16,10 @@ How each regime's prompt and responses are formed (token counts as the policy se
   response = the gold answer (one per group).
 - chat: Arena-Bench-v1, prompt = the user turn, responses = the first answer turn of each of the 18 models
   (model files in sorted name order).
+- agent (``agent.json``, no groups: its user turns are chat's): the tiny-agents default system prompt and its
+  two exit-loop tools (``huggingface_hub.inference._mcp.constants``, the package installed here) rendered as
+  the system turn of the Qwen2.5 chat template with tools (the model tiny-agents defaults to is Qwen2.5-72B),
+  and the template's own default system turn, which every chat prompt above starts with.
 - reasoning: Sky-T1 32B long-CoT family (the 11 correct-5K-32B checkpoints and the corrupt/reflection variants)
   on AIME24 and AMC23. The sibling lengths come from ``length_tables/qwen2_5_token_lengths.csv`` (same
   tokenizer, raw text); the two traces shipped as text are re-tokenized here and must match that table.
@@ -52,14 +56,23 @@ class Counter:
         return len(self.tok(s, add_special_tokens=False)["input_ids"])
 
     def chat_prompt(self, user: str) -> int:
-        ids = self.tok.apply_chat_template([{"role": "user", "content": user}], add_generation_prompt=True,
-                                           tokenize=True)
-        if isinstance(ids, dict) or hasattr(ids, "keys"):
-            ids = ids["input_ids"]
-        return len(ids)
+        return len(self._ids(self.tok.apply_chat_template([{"role": "user", "content": user}],
+                                                          add_generation_prompt=True, tokenize=True)))
 
     def response(self, s: str) -> int:
         return self.text(s) + END_OF_TURN_TOKENS
+
+    def system_turns(self, system: str, tools: list[dict]) -> tuple[int, int]:
+        """(tokens of the system turn ``system`` with ``tools``, tokens of the template's default system turn)."""
+        ids = self._ids(self.tok.apply_chat_template([{"role": "system", "content": system}], tools=tools,
+                                                     tokenize=True))
+        user_only = self._ids(self.tok.apply_chat_template([{"role": "user", "content": "x"}], tokenize=True))
+        start = self.tok.convert_tokens_to_ids("<|im_start|>")
+        return len(ids), [i for i, t in enumerate(user_only) if t == start][1]
+
+    @staticmethod
+    def _ids(ids) -> list[int]:
+        return ids["input_ids"] if hasattr(ids, "keys") else ids
 
 
 def _jsonl(path: Path) -> list[dict]:
@@ -122,6 +135,17 @@ def _check_shipped_traces(data: Path, count: Counter, rows: list[dict]) -> None:
                 raise ValueError(f"{name} idx {rec['idx']}: tokenized {ours} but the length table says {theirs}")
 
 
+def derive_agent(count: Counter) -> dict:
+    from huggingface_hub.inference._mcp.constants import DEFAULT_SYSTEM_PROMPT, EXIT_LOOP_TOOLS
+
+    tools = json.loads(json.dumps(EXIT_LOOP_TOOLS))  # dict subclasses: plain dicts, as a client sends them
+    system, default = count.system_turns(DEFAULT_SYSTEM_PROMPT, tools)
+    return {"system_prompt_tokens": system, "default_system_tokens": default}
+
+
+AGENT_SOURCE = ("tiny-agents default system prompt + exit-loop tools (huggingface_hub 1.33.0) as the Qwen2.5 "
+                "system turn; user turns from chat")
+
 REGIMES = {
     "longdoc": (derive_longdoc, "LongReward example (THUDM/LongReward), long-document QA, one real G=10 group"),
     "rag": (derive_rag, "MuSiQue-Ans train subset via HippoRAG, 20-paragraph RAG prompts, gold answers"),
@@ -144,6 +168,9 @@ def main(argv: list[str] | None = None) -> None:
         path.write_text(json.dumps(record, separators=(",", ":")) + "\n")
         n = sum(len(g["response_lens"]) for g in groups)
         print(f"{name}: {len(groups)} groups, {n} responses -> {path}")
+    agent = {"workload": "agent", "source": AGENT_SOURCE, **derive_agent(count)}
+    (args.out_dir / "agent.json").write_text(json.dumps(agent, separators=(",", ":")) + "\n")
+    print(f"agent: {agent['system_prompt_tokens']} system-turn tokens -> {args.out_dir / 'agent.json'}")
 
 
 if __name__ == "__main__":

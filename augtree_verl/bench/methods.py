@@ -9,8 +9,15 @@
   Needs d > 1; on one device it is exactly AugTree.
 - AugTree: the grouped replay; with d > 1 the planner picks primitive, grid and placement per tree.
 - AugTree[<primitive>]: the planner restricted to one split primitive (forced "ring" is MegaN itself).
+- AugTree[depth-1] (the shared workloads only): the trie cut to the nodes that end a prompt, so each group's
+  prompt runs once and nothing beyond it is shared (a prompt that begins a later turn's prompt is still one
+  node: the trie always cuts at a prompt's end).
 - verl-fsdp2 (CPU): verl's stock FSDP2 engine as users run it today, one sequence per verl micro-batch, data
   parallel over the step's responses at d ranks (``verl_fsdp2.py``).
+
+The AugTree methods' CP plans of trees whose trie is more than their own group run on one device, as the
+engine runs them (``step_plan.demote_shared_plans``); MegaN and MegaR keep their fixed CP plans (no
+sharing beyond the tree).
 """
 
 from __future__ import annotations
@@ -21,8 +28,12 @@ from dataclasses import dataclass
 from augtree_verl.groups import Tree
 from augtree_verl.plan import Plan
 from augtree_verl.planner import plan_tree
+from augtree_verl.replay.step_plan import demote_shared_plans
+from augtree_verl.replay.trie import MIN_SHARED_TOKENS
 
 SPLIT_PRIMITIVES = ("tree_move_kv", "move_q")
+# No trie node saves this many token passes, so only the nodes that end a prompt stay: depth-1 reuse.
+DEPTH1_SHARED_TOKENS = 2**62
 
 
 @dataclass(frozen=True)
@@ -32,6 +43,7 @@ class Method:
     fixed: str | None = None        # "ring" or "megar": a plan built here, not by the planner
     force: str | None = None        # planner restricted to this primitive
     verl: bool = False              # verl's stock fsdp2 engine (verl_fsdp2.py) instead of ``replay``
+    min_shared_tokens: int = MIN_SHARED_TOKENS  # the trie's threshold (``StepPlan.build``)
 
     def plans(self, trees: Sequence[Tree], degree: int, profile=None) -> list[Plan] | None:
         """One plan per tree for CP degree ``degree`` (None: single device, no plan)."""
@@ -42,9 +54,9 @@ class Method:
         if self.fixed == "megar":
             return [Plan(degree=degree, primitive="tree_move_kv", rounds=len(t.responses), lanes=1,
                          placement=tuple((i, 0) for i in range(len(t.responses)))) for t in trees]
-        return [plan_tree(t.prompt_len, t.response_lens, degrees=[degree], profile=profile,
-                          force_primitive=self.force) for t in trees]
-
+        plans = [plan_tree(t.prompt_len, t.response_lens, degrees=[degree], profile=profile,
+                           force_primitive=self.force) for t in trees]
+        return demote_shared_plans(trees, plans, self.min_shared_tokens)[0]
 
     @property
     def planned(self) -> bool:
@@ -53,23 +65,28 @@ class Method:
 
     def predicted_s(self, trees: Sequence[Tree], plans: list[Plan] | None, profile) -> float | None:
         """The planner's predicted update-step time: its estimate summed over the trees (they run one after
-        another); on one device, the estimate of each tree's degree-1 plan. None for the baselines."""
+        another); on one device (no plans, or a tree demoted from CP), the estimate of each tree's degree-1 plan
+        (the planner sees no sharing between trees). None for the baselines."""
         if not self.planned or profile is None:
             return None
-        plans = plans or [plan_tree(t.prompt_len, t.response_lens, degrees=[1], profile=profile) for t in trees]
-        return sum(p.est_time_s for p in plans)
+        return sum(p.est_time_s if p is not None and p.est_time_s is not None else
+                   plan_tree(t.prompt_len, t.response_lens, degrees=[1], profile=profile).est_time_s
+                   for t, p in zip(trees, plans or [None] * len(trees)))
 
 
 VERL_FSDP2 = Method("verl-fsdp2", verl=True)
+DEPTH1 = Method("AugTree[depth-1]", min_shared_tokens=DEPTH1_SHARED_TOKENS)
 
 
-def methods_for(cp: int, device: str = "cpu") -> list[Method]:
-    """MegaN first (the reference every other method is compared with); verl-fsdp2 last, on CPU only (verl's
-    engine runs here on our CPU platform; on CUDA it is not wired up yet)."""
+def methods_for(cp: int, device: str = "cpu", depth1: bool = False) -> list[Method]:
+    """MegaN first (the reference every other method is compared with); with ``depth1``, AugTree[depth-1]
+    right after AugTree; verl-fsdp2 last, on CPU only (verl's engine runs here on our CPU platform; on CUDA
+    it is not wired up yet)."""
     verl = [VERL_FSDP2] if device == "cpu" else []
+    augtree = [Method("AugTree")] + ([DEPTH1] if depth1 else [])
     if cp == 1:
-        return [Method("MegaN", flattened=True), Method("AugTree")] + verl
-    return ([Method("MegaN", fixed="ring"), Method("MegaR", fixed="megar"), Method("AugTree")]
+        return [Method("MegaN", flattened=True)] + augtree + verl
+    return ([Method("MegaN", fixed="ring"), Method("MegaR", fixed="megar")] + augtree
             + [Method(f"AugTree[{p}]", force=p) for p in SPLIT_PRIMITIVES] + verl)
 
 
@@ -84,7 +101,7 @@ def describe_plans(plans: Sequence[Plan] | None, flattened: bool, verl_world: in
         return "single"
     seen: list[str] = []
     for p in plans:
-        text = f"{p.primitive}(d={p.degree})" if p.primitive == "ring" else \
+        text = "single" if p.degree == 1 else f"{p.primitive}(d={p.degree})" if p.primitive == "ring" else \
             f"{p.primitive}(d={p.degree},b={p.rounds},s={p.lanes})"
         if text not in seen:
             seen.append(text)

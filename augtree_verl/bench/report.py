@@ -7,6 +7,7 @@ import statistics
 from collections.abc import Sequence
 from pathlib import Path
 
+from augtree_verl.bench.methods import DEPTH1, SPLIT_PRIMITIVES, VERL_FSDP2
 from augtree_verl.bench.runner import MethodResult, paired_ratio
 
 JSON_KEYS = ("workload", "method", "step_time_s", "predicted_s", "executed_tokens", "logical_tokens", "comm_bytes",
@@ -36,20 +37,41 @@ def _errors(r: MethodResult) -> str:
 
 def format_ideal(results: Sequence[MethodResult]) -> str:
     """Per workload: the ideal FLOP-count speedup of prompt reuse and what AugTree reached of it, and how the
-    planner's choice compares with the best forced primitive (paired per round; 1.00x = as fast)."""
+    planner's choice compares with the best forced primitive (paired per round; 1.00x = as fast). The shared
+    workloads' ideals are ``format_shared``'s."""
     lines = []
-    for workload in dict.fromkeys(r.workload for r in results):
+    for workload in dict.fromkeys(r.workload for r in results if r.ideal_trie is None):
         rows = {r.method: r for r in results if r.workload == workload}
         aug = rows.get("AugTree")
         ideal = next(iter(rows.values())).ideal_speedup
         reached = f", AugTree reached {aug.speedup_vs_megan / ideal:.0%} of it" if aug else ""
-        forced = [r for name, r in rows.items() if name.startswith("AugTree[")]
+        forced = [r for name, r in rows.items() if name in [f"AugTree[{p}]" for p in SPLIT_PRIMITIVES]]
         if aug and forced:
             best = max(forced, key=lambda f: paired_ratio(aug, f))
             same = " (the same plan)" if best.plan == aug.plan else ""
             reached += (f"; planner's choice takes {paired_ratio(aug, best):.2f}x the time of the best forced "
                         f"primitive, {best.method}{same}")
         lines.append(f"{workload}: ideal FLOP-count speedup of prompt reuse over flattened {ideal:.2f}x{reached}")
+    return "\n".join(lines)
+
+
+def format_shared(results: Sequence[MethodResult]) -> str:
+    """Per shared workload (sharing beyond the group): the ideal FLOP ratios over flattened of the trie, of
+    depth-1 reuse and of each group's prompt run once per group, and AugTree's and AugTree[depth-1]'s
+    speedups over verl-fsdp2 and over depth-1 reuse (paired per round)."""
+    lines = []
+    for workload in dict.fromkeys(r.workload for r in results if r.ideal_trie is not None):
+        rows = {r.method: r for r in results if r.workload == workload}
+        first = next(iter(rows.values()))
+        parts = []
+        for name in ("AugTree", DEPTH1.name):
+            if name in rows:
+                over = [f"{paired_ratio(rows[base], rows[name]):.2f}x over {base}"
+                        for base in (VERL_FSDP2.name, DEPTH1.name) if base in rows and base != name]
+                parts.append(f"{name} " + ", ".join(over))
+        lines.append(f"{workload}: ideal FLOP ratio over flattened: trie {first.ideal_trie:.2f}x, depth-1 "
+                     f"{first.ideal_depth1:.2f}x, prompt once per group {first.ideal_speedup:.2f}x; measured: "
+                     + "; ".join(parts))
     return "\n".join(lines)
 
 

@@ -24,14 +24,16 @@ from tqdm import tqdm
 
 from augtree_verl.bench.config import BenchConfig
 from augtree_verl.bench.loss import grpo_loss
-from augtree_verl.bench.methods import VERL_FSDP2, Method, describe_plans, methods_for
-from augtree_verl.bench.workloads import Workload, build_workload
+from augtree_verl.bench.methods import DEPTH1_SHARED_TOKENS, VERL_FSDP2, Method, describe_plans, methods_for
+from augtree_verl.bench.workloads import SHARED_WORKLOADS, Workload, build_workload
+from augtree_verl.cp.mesh import CPMesh
 from augtree_verl.models import load_model, vocab_size
 from augtree_verl.planner import ClusterProfile
 from augtree_verl.planner.startup import RunProfile
 from augtree_verl.replay import ReplayStats, StepPlan, Tree, per_response, replay
 from augtree_verl.replay.baseline import flattened_replay
-from augtree_verl.replay.flops import step_flops
+from augtree_verl.replay.flops import step_flops, trie_flops
+from augtree_verl.replay.trie import build_trie
 
 # float32: every method sums the same terms in another order (prompt adjoints accumulated over micro-batches,
 # attention split over [prompt ; response] or over ranks), so gradients differ by rounding only; 1e-5 of a
@@ -61,6 +63,10 @@ class MethodResult:
     max_logp_rel_err: float | None = None
     comm_counted: bool = True  # False for verl-fsdp2: FSDP2's all-gathers and reduce-scatters are not counted
     groups: list[dict] = field(default_factory=list)
+    # The shared workloads only: ideal FLOP ratios of every shared token run once, and of depth-1 reuse, over
+    # flattened (``ideal_trie_speedup``).
+    ideal_trie: float | None = None
+    ideal_depth1: float | None = None
 
     @property
     def prediction_error(self) -> float | None:
@@ -92,22 +98,23 @@ def run_benchmark(cfg: BenchConfig, rank: int = 0, world: int = 1, device: str =
     """Run every workload and method; with ``world`` > 1 all ranks call this inside one process group."""
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     model = load_model(cfg.model, device=device, dtype=dtype, seed=cfg.seed)
-    methods = methods_for(world, device)
+    methods = {name: methods_for(world, device, depth1=name in SHARED_WORKLOADS) for name in cfg.workloads}
+    every = max(methods.values(), key=len)
     # The planner's cost model, measured on this machine and process group (collective: every rank calls it);
     # on one device it only predicts the AugTree step times (``predicted_s``).
     profile = replace(ClusterProfile.default().with_model(model.config), activation_checkpointing=False,
                       dtype_bytes=dtype.itemsize).calibrate(device=device, model=model)
     if rank == 0:
         print(RunProfile(profile, f"calibrated now on {world} {device} rank(s)").describe([world]), flush=True)
-    bar = tqdm(total=len(cfg.workloads) * (cfg.repeats * len(methods) + (world > 1)), disable=rank != 0,
+    bar = tqdm(total=sum(cfg.repeats * len(m) + (world > 1) for m in methods.values()), disable=rank != 0,
                desc="augtree bench", unit="step", dynamic_ncols=True)
-    verl = _build_verl(model, methods)
-    _warm_up(model, methods, rank, world, profile, device, verl)
+    verl = _build_verl(model, every)
+    _warm_up(model, every, rank, world, profile, device, verl)
     results = []
     for name in cfg.workloads:
         workload = build_workload(name, cfg.budget_tokens, cfg.group_size, cfg.num_groups,
                                   vocab_size=vocab_size(model), seed=cfg.seed)
-        results += _run_workload(model, workload, methods, cfg.repeats, cfg.seed, rank, world, profile, bar,
+        results += _run_workload(model, workload, methods[name], cfg.repeats, cfg.seed, rank, world, profile, bar,
                                  FLOAT32_GRAD_RTOL if dtype == torch.float32 else BF16_GRAD_RTOL, verl)
     bar.close()
     if verl is not None:
@@ -135,6 +142,9 @@ def _run_workload(model, workload: Workload, methods: list[Method], repeats: int
         reference = _split_flattened_grads(model, trees, loss_fn, rank, world)
         bar.update()
     plans = {m.name: m.plans(trees, world, profile if world > 1 else None) for m in methods}
+    shared = workload.name in SHARED_WORKLOADS
+    ideal_trie = ideal_trie_speedup(model.config, trees) if shared else None
+    ideal_depth1 = ideal_trie_speedup(model.config, trees, DEPTH1_SHARED_TOKENS) if shared else None
     results = {m.name: MethodResult(
         workload=workload.name, method=m.name, step_times_s=[], executed_tokens=0,
         logical_tokens=workload.logical_tokens, comm_bytes=0, max_grad_rel_err=0.0,
@@ -143,6 +153,7 @@ def _run_workload(model, workload: Workload, methods: list[Method], repeats: int
         tolerance=tolerance, predicted_s=m.predicted_s(trees, plans[m.name], profile),
         groups=[{"id": g.id, "prompt_len": g.prompt_len, "response_lens": list(g.response_lens)}
                 for g in workload.groups],
+        ideal_trie=ideal_trie, ideal_depth1=ideal_depth1,
     ) for m in methods}
     verl_step = verl.prepare(model, trees, seed, rank, world) if verl is not None else None
     if verl_step is not None:
@@ -196,7 +207,10 @@ def _timed_step(model, trees, loss_fn, method: Method, plans, world: int, verl=N
         flattened_replay(model, trees, loss_fn)
     else:
         stats = ReplayStats()
-        replay(model, StepPlan.build(trees, plans=plans, stats=stats), per_response(loss_fn))
+        # The CP group even where every plan is one-device (trees demoted for sharing): each tree on one rank.
+        mesh = CPMesh.whole_world() if world > 1 else None
+        replay(model, StepPlan.build(trees, plans=plans, mesh=mesh, stats=stats,
+                                     min_shared_tokens=method.min_shared_tokens), per_response(loss_fn))
     _sync(model, world)
     return time.perf_counter() - start, stats
 
@@ -267,6 +281,14 @@ def max_rel_err(grads: dict[str, torch.Tensor], reference: dict[str, torch.Tenso
             return float("nan")
         worst = max(worst, err)
     return worst
+
+
+def ideal_trie_speedup(config, trees, min_shared_tokens: int = 0) -> float:
+    """Flattened over trie training FLOPs for one step over ``trees`` (``Tree.of_tokens``): the tries of
+    ``replay.trie.build_trie`` with nodes of any length, shared when they save ``min_shared_tokens`` token
+    passes (0: every shared token once; ``DEPTH1_SHARED_TOKENS``: each prompt once)."""
+    flat = sum(step_flops(config, t.prompt_len, list(t.response_lens), reuse=False) for t in trees)
+    return flat / trie_flops(config, build_trie(trees, min_node_tokens=1, min_shared_tokens=min_shared_tokens))
 
 
 def ideal_speedup(config, groups) -> float:

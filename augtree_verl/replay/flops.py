@@ -39,3 +39,20 @@ def step_flops(cfg, prompt_len: int, response_lens: list[int], reuse: bool) -> f
 
 def ideal_speedup(cfg, prompt_len: int, response_lens: list[int]) -> float:
     return step_flops(cfg, prompt_len, response_lens, False) / step_flops(cfg, prompt_len, response_lens, True)
+
+
+def trie_flops(cfg, roots) -> float:
+    """Training FLOPs of running every node of the tries ``roots`` (``replay.trie``) once: a node's tokens see
+    its ancestors' keys and their own causally, a leaf's last token is only a target (its first is scored from
+    the parent's last hidden state, as in ``step_flops``' reuse), the LM head runs once on each scored token."""
+    dense, per_key = _per_token_dense(cfg), _attn_per_key(cfg)
+    tokens = keys = scored = 0
+    stack = list(roots)
+    while stack:
+        node = stack.pop()
+        stack += node.children
+        fed = node.length - (not node.children)
+        tokens += fed
+        keys += _causal_keys(fed, node.start)
+        scored += node.end - node.score_from if node.score_from is not None else 0
+    return 3 * (dense * tokens + per_key * keys + 2 * cfg.hidden_size * cfg.vocab_size * scored)
