@@ -179,12 +179,21 @@ def pack_subgroups(works: Sequence[float], degrees: Sequence[int], cp_size: int,
     Longest-processing-time first: each tree, heaviest first, goes to the subgroup whose busiest member
     has the least work so far, and adds ``works[t] / d`` to every member. Ties go to the lowest index.
     ``tries``: the trees of each trie of the step (``replay.trie``); a trie's trees of degree 1 go to one
-    rank together, as one tree of their summed work, so that their shared tokens run once.
+    rank together, as one tree of their summed work, so that their shared tokens run once; a trie heavier
+    than a rank's fair share (the total work over ``cp_size``: a batch-wide system prompt makes the whole
+    batch one trie) is cut into chunks of at most that share, heaviest trees first, each chunk together.
     """
     for t, d in enumerate(degrees):
         if d < 1 or cp_size % d:
             raise ValueError(f"tree {t}: degree {d} does not divide the CP group size {cp_size}")
-    together = {t: trie[0] for trie in tries for t in trie if degrees[t] == 1 and len(trie) > 1}
+    share = sum(works) / cp_size
+    together: dict[int, int] = {}
+    for trie in tries:
+        chunk, load = None, 0.0
+        for t in sorted((t for t in trie if degrees[t] == 1), key=lambda t: (-works[t], t)):
+            if chunk is None or load + works[t] > share:
+                chunk, load = t, 0.0
+            together[t], load = chunk, load + works[t]
     items: dict[int, list[int]] = {}
     for t in range(len(works)):
         items.setdefault(together.get(t, t), []).append(t)

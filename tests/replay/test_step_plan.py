@@ -111,7 +111,14 @@ def test_the_trees_of_one_trie_go_to_one_rank():
     (5 + 1 = 6, then 6 on the other rank, then 4 on the first, the lower on a tie), where alone they part."""
     assert pack_subgroups([5.0, 6.0, 4.0, 1.0], [1, 1, 1, 1], 2, tries=[[0, 3], [1], [2]]) == ([0, 1, 0, 0], 10.0)
     assert pack_subgroups([5.0, 6.0, 4.0, 1.0], [1, 1, 1, 1], 2) == ([1, 0, 1, 0], 9.0)
-    trees = random_trees([6, 5, 7], [[2, 3], [4], [1, 2]], seed=2)
+    trees = random_trees([6, 5, 7], [[2, 3], [40], [1, 2]], seed=2)   # the trie of 0 and 2 within a share
     trees[2] = Tree.of_tokens(trees[0].prompt, list(trees[2].responses))
     _, subgroups = assign_subgroups(trees, [None] * 3, 2, rebalance=False)
     assert subgroups[0] == subgroups[2] != subgroups[1]
+
+
+def test_a_trie_heavier_than_a_ranks_share_is_cut_into_chunks():
+    """Four trees behind one system prompt (one trie) on 2 ranks: two per rank (each rank runs the shared
+    prefix once), not all four on one rank; a light trie still stays together."""
+    assert pack_subgroups([4.0, 4.0, 4.0, 4.0], [1] * 4, 2, tries=[[0, 1, 2, 3]]) == ([0, 0, 1, 1], 8.0)
+    assert pack_subgroups([5.0, 1.0, 1.0, 9.0], [1] * 4, 2, tries=[[0, 1, 2]]) == ([1, 1, 1, 0], 9.0)
