@@ -84,11 +84,12 @@ def _rank_main(rank: int, port: int, model_path: str, args) -> None:
 
     from augtree_verl.models import load_model
     from augtree_verl.planner import ClusterProfile
+    from augtree_verl.planner.calibrate import calibrate
 
     H.init_process_group(rank=rank, world_size=WORLD, port=port)
     model = load_model(args.model)
-    profile = dataclasses.replace(ClusterProfile.default().with_model(model.config), activation_checkpointing=False,
-                                  dtype_bytes=4).calibrate(device="cpu", model=model)
+    profile = calibrate(dataclasses.replace(ClusterProfile.default().with_model(model.config),
+                                            activation_checkpointing=False, dtype_bytes=4), device="cpu", model=model)
     del model
     engines = {"stock": H.build_engine("fsdp2", model_path)} if args.stock else {}
     engines["augtree dp"] = H.build_engine("augtree", model_path, engine_knobs={"cp_degrees": [1]})

@@ -29,6 +29,7 @@ from augtree_verl.bench.workloads import SHARED_WORKLOADS, Workload, build_workl
 from augtree_verl.cp.mesh import CPMesh
 from augtree_verl.models import load_model, vocab_size
 from augtree_verl.planner import ClusterProfile
+from augtree_verl.planner.calibrate import calibrate
 from augtree_verl.planner.startup import RunProfile
 from augtree_verl.replay import ReplayStats, StepPlan, Tree, per_response, replay
 from augtree_verl.replay.baseline import flattened_replay
@@ -102,8 +103,8 @@ def run_benchmark(cfg: BenchConfig, rank: int = 0, world: int = 1, device: str =
     every = max(methods.values(), key=len)
     # The planner's cost model, measured on this machine and process group (collective: every rank calls it);
     # on one device it only predicts the AugTree step times (``predicted_s``).
-    profile = replace(ClusterProfile.default().with_model(model.config), activation_checkpointing=False,
-                      dtype_bytes=dtype.itemsize).calibrate(device=device, model=model)
+    profile = calibrate(replace(ClusterProfile.default().with_model(model.config), activation_checkpointing=False,
+                                dtype_bytes=dtype.itemsize), device=device, model=model)
     if rank == 0:
         print(RunProfile(profile, f"calibrated now on {world} {device} rank(s)").describe([world]), flush=True)
     bar = tqdm(total=sum(cfg.repeats * len(m) + (world > 1) for m in methods.values()), disable=rank != 0,

@@ -58,6 +58,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from augtree_verl.ops.attention import attention_backward, attention_forward
+from augtree_verl.planner.cost import cost_model
+from augtree_verl.planner.profile import ClusterProfile
+from augtree_verl.planner.search import estimate
 from augtree_verl.replay import StepPlan, Tree, per_response, replay
 
 CUDA_MEMORY_HEADROOM = 0.9    # leave 10% of free memory to the allocator and NCCL
@@ -118,8 +121,20 @@ def _dtype(profile, device: torch.device) -> torch.dtype:
     return {2: torch.bfloat16, 4: torch.float32}.get(profile.dtype_bytes, torch.bfloat16)
 
 
-def measure_hardware(profile, group=None, device=None, model=None, lockstep_group=None) -> dict:
-    """The measured ``ClusterProfile`` fields (see the module docstring)."""
+def calibrate(profile: ClusterProfile, group=None, device=None, model=None, lockstep_group=None) -> ClusterProfile:
+    """``profile`` with compute, bandwidth, latency (and, on CUDA, memory) measured here, on its model shapes;
+    ``model`` (optional, what ``replay`` runs: a causal LM or ``integration.fsdp_model.FSDPReplayModel``)
+    sets the fixed costs from the replay itself (with a world process group, the CP ones too), its calls in
+    step over ``lockstep_group`` (an FSDP2-sharded model); see the module docstring.
+
+    Collective: when ``torch.distributed`` is initialised with more than one rank, every rank of ``group``
+    must call it, and all of them get the same profile back.
+    """
+    return dataclasses.replace(profile, **_measure(profile, group, device, model, lockstep_group))
+
+
+def _measure(profile, group, device, model, lockstep_group) -> dict:
+    """The measured ``ClusterProfile`` fields."""
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else \
             torch.device("cpu")
@@ -231,9 +246,6 @@ def _tiny_trees(profile, prompt: torch.Tensor, ids, cp_world: int) -> list[tuple
     with n two-token responses on one device (one micro-batch each), and with ``cp_world`` > 1 under each CP
     primitive and lane count over the world; counts and variable seconds (FLOPs and bytes) are what the
     cost model estimates for them."""
-    from augtree_verl.planner.cost import cost_model
-    from augtree_verl.planner.search import estimate
-
     variable = dataclasses.replace(profile, **dict.fromkeys(FIXED_COSTS, TINY))
     units = [dataclasses.replace(variable, **dict.fromkeys(THROUGHPUTS, HUGE), **{name: 1.0}) for name in FIXED_COSTS]
     P = prompt.shape[0]

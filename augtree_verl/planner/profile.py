@@ -141,21 +141,6 @@ class ClusterProfile:
             hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
             vocab_size=config.vocab_size)
 
-    def calibrate(self, group=None, device=None, model=None, lockstep_group=None) -> ClusterProfile:
-        """This profile with compute, bandwidth, latency (and, on CUDA, memory) measured here, on this
-        profile's model shapes; ``model`` (optional, what ``replay`` runs: a causal LM or
-        ``integration.fsdp_model.FSDPReplayModel``) sets the fixed costs from the replay itself (with a world
-        process group, the CP ones too), its calls in step over ``lockstep_group`` (an FSDP2-sharded model);
-        see calibrate.py.
-
-        Collective: when ``torch.distributed`` is initialised with more than one rank, every rank of ``group``
-        must call it, and all of them get the same profile back.
-        """
-        from augtree_verl.planner.calibrate import measure_hardware
-
-        return dataclasses.replace(self, **measure_hardware(self, group=group, device=device, model=model,
-                                                            lockstep_group=lockstep_group))
-
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 

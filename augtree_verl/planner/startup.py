@@ -9,7 +9,7 @@
 1. ``user_file`` (the engine knob ``planner_profile``): a profile JSON, e.g. a cache file of an earlier run;
 2. the cache: ``$AUGTREE_PROFILE_CACHE`` (default ``~/.cache/augtree-verl/profiles``) holds one file per
    (model shape, dtype, checkpointing, device, world size, ranks per node), named by a hash of that key;
-3. ``base.calibrate(group, device, model)`` on this device and process group (seconds), saved to the cache.
+3. ``calibrate.calibrate(base, group, device, model)`` on this device and process group (seconds), saved to the cache.
 
 A file whose model fields (``MODEL_FIELDS``) differ from the run's is refused by name (a user file) or
 recalibrated over (a cache file). Collective over ``group`` when it has more than one rank: rank 0 of the
@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from augtree_verl.planner.calibrate import calibrate
 from augtree_verl.planner.profile import MODEL_FIELDS, ClusterProfile
 
 CACHE_ENV = "AUGTREE_PROFILE_CACHE"
@@ -114,7 +115,7 @@ def startup_profile(base: ClusterProfile, *, user_file: str | None, device: torc
         return RunProfile(dataclasses.replace(ClusterProfile.from_dict(profile), min_parallel_efficiency=
                                               base.min_parallel_efficiency), source)
     start = time.perf_counter()
-    profile = base.calibrate(group=group, device=device, model=model, lockstep_group=lockstep_group)
+    profile = calibrate(base, group=group, device=device, model=model, lockstep_group=lockstep_group)
     seconds = time.perf_counter() - start
     note = f"calibrated now in {seconds:.1f} s on {device_name(device)}, world {world}"
     if not distributed or dist.get_rank(group) == 0:

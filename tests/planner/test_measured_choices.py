@@ -16,7 +16,7 @@ SMALL = Qwen2Config(hidden_size=128, intermediate_size=352, num_hidden_layers=4,
                     num_key_value_heads=2, vocab_size=512)
 BENCH_BASE = dataclasses.replace(ClusterProfile.default().with_model(SMALL), activation_checkpointing=False,
                                  dtype_bytes=4)
-# ClusterProfile.calibrate(model=qwen2-small) as `augtree bench` runs it, on 2 gloo ranks of the shared 2-core
+# calibrate(profile, model=qwen2-small) as `augtree bench` runs it, on 2 gloo ranks of the shared 2-core
 # CPU, twice in one minute: the machine's load moved the compute and latency figures by 2x and 7x.
 # Recorded before the causal attention throughput and the replay's call and slot overheads were measured: the
 # causal figure is the full one (the model of then), both overheads the pass overhead of then (L x per-layer),

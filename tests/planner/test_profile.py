@@ -107,7 +107,7 @@ def test_with_model_reads_a_hugging_face_config():
 @pytest.mark.timeout(60)
 def test_calibrate_without_process_group_measures_compute_and_keeps_comm():
     base = ClusterProfile.default()
-    p = base.calibrate()
+    p = calibrate.calibrate(base)
     assert all(getattr(p, f) != getattr(base, f) for f in COMPUTE_FIELDS)
     assert 1e8 < p.flops_per_s < 1e13 and 1e8 < p.attention_flops_per_s < 1e13
     assert all(getattr(p, f) == getattr(base, f)    # without a model, the replay's overheads stay too
@@ -124,7 +124,7 @@ def test_calibrate_with_a_model_measures_the_replays_call_and_slot_overheads():
     model = Qwen2ForCausalLM(cfg).train()
     grad = model.lm_head.weight.grad = torch.ones_like(model.lm_head.weight)
     base = ClusterProfile.default().with_model(cfg)
-    p = base.calibrate(model=model)
+    p = calibrate.calibrate(base, model=model)
     for f in OVERHEAD_FIELDS:   # measured (the slot's rest may come out at the floor on a loaded machine)
         assert getattr(p, f) != getattr(base, f) and MIN_OVERHEAD_S <= getattr(p, f) < 1.0, (f, getattr(p, f))
     assert model.lm_head.weight.grad is grad and all(
@@ -140,7 +140,7 @@ def _free_port() -> int:
 def _calibrate_worker(rank, world, port, results):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        results[rank] = ClusterProfile.default().calibrate().to_dict()
+        results[rank] = calibrate.calibrate(ClusterProfile.default()).to_dict()
     finally:
         dist.destroy_process_group()
 
@@ -170,8 +170,8 @@ def _calibrate_model_worker(rank, world, port, results):
         rows = []
         fit = calibrate._fit_fixed_costs
         calibrate._fit_fixed_costs = lambda counts, seconds: rows.append(len(counts)) or fit(counts, seconds)
-        profile = dataclasses.replace(ClusterProfile.default().with_model(TINY_CFG), activation_checkpointing=False,
-                                      dtype_bytes=4).calibrate(model=model)
+        profile = calibrate.calibrate(dataclasses.replace(ClusterProfile.default().with_model(TINY_CFG),
+                                                          activation_checkpointing=False, dtype_bytes=4), model=model)
         results[rank] = (profile.to_dict(), rows, all(p.grad is None for p in model.parameters()))
     finally:
         dist.destroy_process_group()
