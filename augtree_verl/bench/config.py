@@ -7,9 +7,8 @@ from dataclasses import dataclass, replace
 from augtree_verl.bench.workloads import ALL_WORKLOADS, WORKLOADS
 from augtree_verl.models import DEFAULT_MODEL
 
-# Defaults sized for 2 CPU cores. Measured on a shared 2-core machine: the default run took 9 min with 3
-# repeats and 4-8 other processes competing for the cores (load 6-8), 3 min 49 s at load ~2; --quick 51 s
-# with repeats=1 nearly alone. 5 repeats (~6 min at load ~2) steady the paired ratios of sub-second steps.
+# Defaults sized for 2 CPU cores: 5 repeats steady the paired ratios of sub-second steps. Measured on an
+# otherwise idle 2-core machine (load ~2, the bench's own two ranks): the default run takes 14 min, --quick 2 min.
 DEFAULT_BUDGET = 32_768
 DEFAULT_GROUP_SIZE = 8
 DEFAULT_REPEATS = 5
