@@ -17,8 +17,7 @@ from tests.families import family_model
 from tests.integration.test_engine_cp import PLANS_DEGREE_2
 from tests.integration.test_engine_cp import _rank_main as cp_rank_main
 from tests.integration.test_engine_parity_dp2 import _rank_main
-from tests.integration.test_engine_streaming import GROUPS as STREAM_GROUPS
-from tests.integration.test_engine_streaming import _steps as stream_steps
+from tests.integration.test_engine_streaming import compare_at_micro_batch_setting
 
 pytestmark = pytest.mark.slow  # spawns process groups and builds verl engines
 
@@ -51,13 +50,7 @@ def one_rank(single_process_group):
 def test_hybrid_micro_batch_settings_match_stock_engine(one_rank, tmp_path, setting, checkpointing):
     """A hybrid (Qwen3.5: Gated DeltaNet state) under verl's other micro-batch settings (rows-2: the dp2 family
     run), world 1, 3 steps: the streamed schedule's check."""
-    path = _save("qwen3.5", tmp_path / "qwen3.5")
-    common = dict(loss_agg_mode="seq-mean-token-mean", entropy_coeff=0.01, gradient_checkpointing=checkpointing)
-    stock, stock_loss = H.build_engine("fsdp2", path, **common)
-    ours, our_loss = H.build_engine("augtree", path, **common)
-    rows = list(range(sum(len(rs) for _, rs in STREAM_GROUPS)))
-    stream_steps(stock, stock_loss, ours, our_loss, rows, rows, setting, setting,
-                 lambda step: H.group_rows(STREAM_GROUPS, seed=step), 0.01)
+    compare_at_micro_batch_setting(_save("qwen3.5", tmp_path / "qwen3.5"), setting, checkpointing)
 
 
 @pytest.mark.timeout(420)

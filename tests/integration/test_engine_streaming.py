@@ -143,6 +143,12 @@ def test_shared_prefixes_across_uids_match_stock_engine(model_path, setting):
 @pytest.mark.parametrize("setting,checkpointing", [("rows-1", False), ("rows-2", True), ("dynamic", False),
                                                    ("dynamic", True)])
 def test_every_micro_batch_setting_matches_stock_engine(model_path, setting, checkpointing):
+    compare_at_micro_batch_setting(model_path, setting, checkpointing)
+
+
+def compare_at_micro_batch_setting(model_path, setting: str, checkpointing: bool) -> None:
+    """Both engines, built from ``model_path``, train ``GROUPS``' rows for STEPS steps at a verl micro-batch
+    ``setting`` on one rank; they must agree (``_steps``)."""
     common = dict(loss_agg_mode="seq-mean-token-mean", entropy_coeff=0.01, gradient_checkpointing=checkpointing)
     stock, stock_loss = H.build_engine("fsdp2", model_path, **common)
     ours, our_loss = H.build_engine("augtree", model_path, **common)
