@@ -6,9 +6,11 @@ Importing this module has no side effects. Call :func:`use_cpu_platform` before 
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import functools
 import os
+import shutil
 import socket
 import tempfile
 import time
@@ -39,12 +41,15 @@ ADAM_EPS = 1e-3
 def use_cpu_platform() -> None:
     """Select our CPU platform for verl in this process (and the processes it spawns, through the environment).
 
-    Sets ``VERL_PLATFORM=cpu`` (and a private inductor cache folder: some runs leave an empty one behind even
-    with torch.compile off), imports verl and our plugin, and resolves verl's platform. RuntimeError if this
-    process resolved it to another device before (verl keeps the first one).
+    Sets ``VERL_PLATFORM=cpu`` (and a private inductor cache folder, removed when this process exits: some
+    runs write one even with torch.compile off), imports verl and our plugin, and resolves verl's platform.
+    RuntimeError if this process resolved it to another device before (verl keeps the first one).
     """
     os.environ["VERL_PLATFORM"] = "cpu"
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="augtree-inductor-"))
+    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+        cache = tempfile.mkdtemp(prefix="augtree-inductor-")
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
+        atexit.register(shutil.rmtree, cache, ignore_errors=True)
     import verl  # noqa: F401  (loads our entry point when the package is installed)
     from verl.utils.device import get_device_name
 
