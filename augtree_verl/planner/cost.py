@@ -22,6 +22,8 @@ the CP group):
     score exchange, a MoveQ round's, a TreeMoveKV tree's lane share): ``launch_latency_s``, with what a CP
     step adds around it; each K/V ring hop of a layer (below): ``ring_hop_s``; each all-to-all of a layer
     (MoveQ): ``all_to_all_s``.
+A trie of trees sharing tokens beyond a group's prompt (``replay.trie``) runs on one device node by node
+(``CostModel.trie``): each inner node a prefill against its ancestors' keys, its leaves as below.
 One device (any plan of degree 1) runs the responses as padded micro-batches of ``DEFAULT_MICRO_BATCH_TOKENS``
 (rows x longest row, ``replay.microbatch``): each row computes as many tokens as the longest.
 
@@ -140,6 +142,18 @@ class CostModel:
                                           self.attn_flops * n * longest * P, self.attn_flops * n * longest ** 2 / 2))
             total += self.profile.call_overhead_s
         return total
+
+    def trie(self, node) -> float:
+        """Seconds of a trie (``replay.trie.TrieNode``, its root or any node) on one device, as ``TrieRun``
+        replays it: each inner node one prefill of its tokens against its ancestors' keys (full blocks) and
+        its own (causal), with the LM head on the tokens it scores and a slot's fixed cost; its leaves as
+        padded micro-batches against the path (``one_device``); then its inner children. A group's depth-1
+        trie costs ``prefill(P, 1)[0] + one_device(P, R)``."""
+        n, scored = node.length, node.end - node.score_from if node.score_from is not None else 0
+        prefill = float(self.pass_time(self.lin_flops * n + self.head_flops * scored, self.attn_flops * n * node.start,
+                                       self.attn_flops * n * n / 2)) + self.profile.slot_overhead_s
+        leaves = self.one_device(node.end, [leaf.length for leaf in node.leaves]) if node.leaves else 0.0
+        return prefill + leaves + sum(self.trie(child) for child in node.inner)
 
     # ---- per-primitive times: [K, G] arrays for ranks [K, 1] and response lengths R [G] ------------
     def ring_sequences(self, P: int, R, d):

@@ -5,11 +5,14 @@ import dataclasses
 
 import numpy as np
 import pytest
+import torch
 
+from augtree_verl.groups import Tree
 from augtree_verl.planner import ClusterProfile, plan_tree
 from augtree_verl.planner.cost import CostModel, cost_model
 from augtree_verl.planner.search import _Search, check_tree_lengths
 from augtree_verl.replay.microbatch import DEFAULT_MICRO_BATCH_TOKENS
+from augtree_verl.replay.trie import build_trie
 
 # Round numbers, so that every term of a time can be told apart.
 UNIT = dataclasses.replace(ClusterProfile.default(), flops_per_s=1e12, attention_flops_per_s=1e12,
@@ -89,3 +92,34 @@ def test_a_zigzag_shard_runs_its_diagonal_chunks_causal_and_the_rest_full():
     assert causal == pytest.approx(UNIT.attention_pair_flops * P * P / 64, rel=REL)
     assert full + causal == pytest.approx(UNIT.attention_pair_flops * P * P / 8, rel=REL)
     assert cost.attention_split(P, 1) == pytest.approx((0.0, UNIT.attention_pair_flops * P * P / 2), rel=REL)
+
+
+def _tokens(*lengths: int):
+    """Distinct token ids in consecutive runs of ``lengths``."""
+    out, start = [], 0
+    for n in lengths:
+        out.append(torch.arange(start, start + n))
+        start += n
+    return out
+
+
+def test_a_groups_depth_one_trie_costs_its_tree_on_one_device():
+    P, R = 900, [500, 40, 300, 800]
+    prompt, *responses = _tokens(P, *R)
+    [root] = build_trie([Tree.of_tokens(prompt, responses)])
+    cost = CostModel(UNIT)
+    assert cost.trie(root) == pytest.approx(cost.prefill(P, 1)[0] + cost.one_device(P, R), rel=REL)
+
+
+def test_a_shared_system_prompt_is_one_prefill_each_prompt_attends_to_it():
+    """Two trees whose prompts begin with one 600-token system prompt: the trie's root is the system prompt
+    (one slot), each prompt's own 100 tokens a prefill against its 600 keys, then their responses."""
+    system, own_a, own_b, *responses = _tokens(600, 100, 100, 50, 70, 60, 80)
+    trees = [Tree.of_tokens(torch.cat([system, own_a]), responses[:2]),
+             Tree.of_tokens(torch.cat([system, own_b]), responses[2:])]
+    [root] = build_trie(trees)
+    cost = CostModel(UNIT)
+    own = 3 * (cost.lin_flops * 100 / 1e12 + cost.attn_flops * 100 * 600 / 1e12
+               + cost.attn_flops * 100 * 100 / 2 / 5e11) + UNIT.slot_overhead_s
+    want = cost.prefill(600, 1)[0] + 2 * own + cost.one_device(700, [50, 70]) + cost.one_device(700, [60, 80])
+    assert root.length == 600 and cost.trie(root) == pytest.approx(want, rel=REL)
