@@ -47,14 +47,6 @@ def batch(groups: int, responses: int, system: bool, seed: int = 0):
     return trees, plan_entries(find_trees(uids, prompt_lens, response_lens), plans, len(uids))
 
 
-def cp_rank0_of_2() -> CPMesh:
-    """Rank 0 of a CP group of 2, without process groups (the plan needs only the layout)."""
-    mesh = CPMesh.__new__(CPMesh)
-    mesh.degrees, mesh.cp_size, mesh.dp_size, mesh.dp_rank, mesh.cp_rank = (1, 2), 2, 1, 0, 0
-    mesh.subgroups, mesh.dp_group = {2: None}, None
-    return mesh
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--groups", type=int, default=16)
@@ -66,7 +58,7 @@ def main() -> None:
     for system in (False, True):
         trees, entries = batch(args.groups, args.responses, system)
         tokens = sum(t.prompt_len * len(t.response_lens) + sum(t.response_lens) for t in trees)  # the rows'
-        for name, mesh in (("none", None), ("cp2", cp_rank0_of_2())):
+        for name, mesh in (("none", None), ("cp2", CPMesh.layout((1, 2), 0))):
             times, cpu = [], []
             for _ in range(args.repeats):
                 start, cpu_start = time.perf_counter(), time.process_time()
