@@ -29,7 +29,7 @@ from augtree_verl.groups import Tree
 from augtree_verl.plan import Plan
 from augtree_verl.planner import plan_tree
 from augtree_verl.replay.step_plan import demote_shared_plans
-from augtree_verl.replay.trie import MIN_SHARED_TOKENS
+from augtree_verl.replay.trie import MIN_SHARED_TOKENS, StepTrie
 
 SPLIT_PRIMITIVES = ("tree_move_kv", "move_q")
 # No trie node saves this many token passes, so only the nodes that end a prompt stay: depth-1 reuse.
@@ -56,7 +56,7 @@ class Method:
                          placement=tuple((i, 0) for i in range(len(t.responses)))) for t in trees]
         plans = [plan_tree(t.prompt_len, t.response_lens, degrees=[degree], profile=profile,
                            force_primitive=self.force) for t in trees]
-        return demote_shared_plans(trees, plans, self.min_shared_tokens)[0]
+        return demote_shared_plans(trees, plans, trie=StepTrie(trees, min_shared_tokens=self.min_shared_tokens))[0]
 
     @property
     def planned(self) -> bool:

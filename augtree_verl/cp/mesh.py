@@ -53,12 +53,21 @@ class CPMesh:
     def whole_world(cls) -> CPMesh:
         """The world as one CP group (no new process group: ``subgroups[world]`` is the world's group);
         what ``replay`` uses for context-parallel plans when it is given no mesh."""
-        mesh = cls.__new__(cls)
-        world, rank = dist.get_world_size(), dist.get_rank()
-        mesh.degrees, mesh.cp_size = (1, world) if world > 1 else (1,), world
-        mesh.dp_size, mesh.dp_rank, mesh.cp_rank = 1, 0, rank
+        world = dist.get_world_size()
+        mesh = cls.layout((1, world), dist.get_rank())
         mesh.dp_group = dist.group.WORLD
         mesh.subgroups = {world: dist.group.WORLD} if world > 1 else {}
+        return mesh
+
+    @classmethod
+    def layout(cls, degrees: Sequence[int], cp_rank: int) -> CPMesh:
+        """Rank ``cp_rank`` of one CP group (no data parallelism) without process groups (every
+        ``subgroups[d]`` and ``dp_group`` None): what a step plan reads, to plan off a cluster (benchmarks,
+        tests)."""
+        mesh = cls.__new__(cls)
+        mesh.degrees = tuple(sorted(set(degrees)))
+        mesh.cp_size, mesh.dp_size, mesh.dp_rank, mesh.cp_rank = mesh.degrees[-1], 1, 0, cp_rank
+        mesh.dp_group, mesh.subgroups = None, {d: None for d in mesh.degrees if d > 1}
         return mesh
 
     def group_of(self, degree: int):

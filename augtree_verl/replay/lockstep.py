@@ -27,9 +27,8 @@ from dataclasses import dataclass, field
 import torch
 
 from augtree_verl.cp.schedule import CPTreeSchedule, cp_tree_schedule
-from augtree_verl.groups import Tree
 from augtree_verl.replay.microbatch import split_micro_batches
-from augtree_verl.replay.trie import MIN_SHARED_TOKENS, TrieNode, build_trie
+from augtree_verl.replay.trie import StepTrie, TrieNode
 
 
 @dataclass(frozen=True)
@@ -80,24 +79,24 @@ class Slot:
         return len(self.cp.steps) if self.cp is not None else len(self.micro_batches)
 
 
-def lockstep_slots(trees: list[Tree], plans: list, budget_tokens: int, *, mesh=None, subgroups=None,
-                   group=None, device: torch.device | None = None,
-                   min_shared_tokens: int = MIN_SHARED_TOKENS) -> list[Slot]:
+def lockstep_slots(trie: StepTrie, plans: list, budget_tokens: int, *, mesh=None, subgroups=None, group=None,
+                   device: torch.device | None = None) -> list[Slot]:
     """This rank's slots, in execution order (see the module docstring).
 
+    ``trie``: the step's (its ``trees``, and the tries of the trees this rank runs on one device, ``trie.of``);
     ``plans[t]``: a ``Plan`` or None; ``mesh`` (``cp.mesh.CPMesh``) and ``subgroups[t]`` (the subgroup
     index of tree t, a CP rank for degree 1; see ``step_plan.assign_subgroups``) when any tree runs
     context-parallel, else every tree is this rank's and runs on one device. With ``group`` (a process
     group) the shape is agreed over it (int64 all-reduces on ``device``, the model's, and one all-gather of
-    the trie shapes); without, no padding. ``min_shared_tokens``: ``trie.build_trie``'s.
+    the trie shapes); without, no padding.
     """
+    trees = trie.trees
     degrees = [plan.degree if plan is not None else 1 for plan in plans]
     phases: list[tuple[int, list[Slot]]] = []
     for d in sorted(mesh.degrees if mesh is not None else (1,), reverse=True):
         if d == 1:
             mine = [t for t in range(len(trees)) if degrees[t] == 1 and (mesh is None or subgroups[t] == mesh.cp_rank)]
-            roots = build_trie([trees[t] for t in mine], min_shared_tokens=min_shared_tokens)
-            slots = [_trie_slot(root, mine, budget_tokens) for root in roots]
+            slots = [_trie_slot(root, budget_tokens) for root in trie.of(mine)]
             slots.sort(key=lambda s: (-s.shape.total_calls, s.tree))
         else:
             mine = [t for t in range(len(trees)) if degrees[t] == d and subgroups[t] == mesh.subgroup_index(d)]
@@ -137,12 +136,10 @@ def lockstep_slots(trees: list[Tree], plans: list, budget_tokens: int, *, mesh=N
     return out
 
 
-def _trie_slot(root: TrieNode, mine: list[int], budget_tokens: int) -> Slot:
-    """The slot of a trie of this rank's trees ``mine`` (``root.rows`` name them by position in ``mine``);
-    every inner node's leaves split into micro-batches (``split_micro_batches`` of their lengths)."""
+def _trie_slot(root: TrieNode, budget_tokens: int) -> Slot:
+    """The slot of a trie; every inner node's leaves split into micro-batches (``split_micro_batches`` of
+    their lengths)."""
     for node in _nodes(root):
-        node.rows = [(mine[t], i) for t, i in node.rows]
-        node.ends = [(mine[t], i) for t, i in node.ends]
         if node.children:
             node.micro_batches = split_micro_batches([leaf.length for leaf in node.leaves], budget_tokens)
     return Slot(root.trees()[0], 1, len(root.micro_batches), root.micro_batches, node=root, shape=Shape.of(root))

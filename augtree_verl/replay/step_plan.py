@@ -4,6 +4,8 @@ flashinfer's plan/run shape: ``StepPlan.build`` (or ``StepPlan.from_batch``, the
 the trainer's plan field) takes the trees of the step and fixes
 
 - the trees (``groups.Tree``, with tokens) and one ``Plan`` (or None) per tree;
+- the tries of their rows (``replay.trie.StepTrie``: found once, one device-to-host copy of the token ids,
+  and read by every decision below);
 - the subgroups: per tree, the subgroup of the CP group it runs on (``subgroups[t]``, of its plan's
   degree; a CP rank for degree 1), chosen by ``assign_subgroups`` unless given;
 - the lock-step shape: this rank's slots (``replay.lockstep``), agreed over ``lockstep_group``;
@@ -30,7 +32,7 @@ from augtree_verl.replay.microbatch import DEFAULT_MICRO_BATCH_TOKENS
 from augtree_verl.replay.offload import Offload
 from augtree_verl.replay.scoring import EntropyFn
 from augtree_verl.replay.stats import ReplayStats
-from augtree_verl.replay.trie import MIN_SHARED_TOKENS, build_trie
+from augtree_verl.replay.trie import MIN_SHARED_TOKENS, StepTrie
 
 
 @dataclass
@@ -62,7 +64,7 @@ class StepPlan:
               micro_batch_tokens: int = DEFAULT_MICRO_BATCH_TOKENS, min_shared_tokens: int = MIN_SHARED_TOKENS,
               temperature: float = 1.0,
               entropy_fn: EntropyFn | None = None, offload: Offload | None = None, stats: ReplayStats | None = None,
-              lockstep_group=None, device: torch.device | None = None) -> StepPlan:
+              lockstep_group=None, device: torch.device | None = None, trie: StepTrie | None = None) -> StepPlan:
         """The plan of one step; ``ValueError`` naming the tree, plan or value on bad input.
 
         ``trees``: ``Tree.of_tokens`` trees. ``plans``: one ``Plan`` (or None) per tree; a plan of degree
@@ -77,7 +79,9 @@ class StepPlan:
         between its prefill and its delayed backward. ``stats``: where the run counts (default: a new
         ``ReplayStats``). ``lockstep_group``: a process group whose ranks all replay together on one
         FSDP2-sharded model; every rank then issues the same sequence of model calls and backwards (agreed
-        here with two int64 all-reduces on ``device``, default the trees' device).
+        here with two int64 all-reduces on ``device``, default the trees' device). ``trie``: the
+        ``StepTrie`` of ``trees`` with ``min_shared_tokens`` where the caller found it already (``from_batch``);
+        default: found here.
         """
         trees = list(trees)
         for t, tree in enumerate(trees):
@@ -90,16 +94,18 @@ class StepPlan:
         if min_shared_tokens < 0:
             raise ValueError(f"min_shared_tokens must be >= 0, got {min_shared_tokens}")
         plans = _check_plans(plans, trees)
+        if trie is None:
+            trie = StepTrie(trees, min_shared_tokens=min_shared_tokens)
         if mesh is None and any(plan is not None and plan.degree > 1 for plan in plans):
             mesh = _world_mesh()
         if mesh is not None:
-            plans, subgroups = _check_subgroups(mesh, plans, subgroups, trees, rebalance, min_shared_tokens)
+            plans, subgroups = _check_subgroups(mesh, plans, subgroups, trie, rebalance)
         elif subgroups is not None:
             raise ValueError("subgroups place trees in a CP group: pass a mesh or a plan of degree > 1")
         if device is None:
             device = torch.device("cpu")
-        slots = lockstep_slots(trees, plans, micro_batch_tokens, mesh=mesh, subgroups=subgroups, group=lockstep_group,
-                               device=device, min_shared_tokens=min_shared_tokens)
+        slots = lockstep_slots(trie, plans, micro_batch_tokens, mesh=mesh, subgroups=subgroups, group=lockstep_group,
+                               device=device)
         return cls(trees=trees, plans=plans, slots=slots, mesh=mesh, subgroups=subgroups, temperature=temperature,
                    entropy_fn=entropy_fn, offload=offload, stats=stats if stats is not None else ReplayStats())
 
@@ -116,22 +122,24 @@ class StepPlan:
         degrees = mesh.degrees if mesh is not None else (1,)
         plans, fallbacks = tree_plans(trees, entries, degrees, min_cp_tokens=min_cp_tokens)
         plans, cp_demoted = demote_cp_plans(model_config, plans)
-        plans, shared = demote_shared_plans(trees, plans, options.get("min_shared_tokens", MIN_SHARED_TOKENS))
+        trie = StepTrie(trees, min_shared_tokens=options.get("min_shared_tokens", MIN_SHARED_TOKENS))
+        plans, shared = demote_shared_plans(trees, plans, trie=trie)
         step_plan = cls.build(trees, plans=plans, mesh=mesh if mesh is not None and mesh.cp_size > 1 else None,
-                              rebalance=True, **options)
+                              rebalance=True, trie=trie, **options)
         step_plan.fallbacks, step_plan.cp_demoted = fallbacks, cp_demoted
         if mesh is None or mesh.cp_rank == 0:  # every rank of the CP group decides alike: one counts
             step_plan.stats.trie_demoted += shared
         return step_plan
 
 
-def demote_shared_plans(trees: Sequence[Tree], plans: Sequence[Plan | None],
-                        min_shared_tokens: int = MIN_SHARED_TOKENS) -> tuple[list[Plan | None], int]:
+def demote_shared_plans(trees: Sequence[Tree], plans: Sequence[Plan | None], *,
+                        trie: StepTrie | None = None) -> tuple[list[Plan | None], int]:
     """(``plans`` with every plan of degree > 1 replaced by the one-device plan carrying its one-rank estimate
     where its tree is not exactly one depth-1 trie of the step's tries (``replay.trie``: its prompt shares
     tokens with another tree's rows, or its responses share a node), how many were replaced). A context-
-    parallel plan runs one tree; the deeper sharing runs on one device."""
-    roots = build_trie(trees, min_shared_tokens=min_shared_tokens)
+    parallel plan runs one tree; the deeper sharing runs on one device. ``trie``: the ``StepTrie`` of ``trees``
+    (default: found here, default thresholds)."""
+    roots = (trie if trie is not None else StepTrie(trees)).roots
     alone = {root.trees()[0] for root in roots
              if len(root.trees()) == 1 and root.depth() == 1 and root.end == trees[root.trees()[0]].prompt_len}
     out = [Plan(est_time_s=p.est_single_s) if p is not None and p.degree > 1 and t not in alone else p
@@ -140,7 +148,7 @@ def demote_shared_plans(trees: Sequence[Tree], plans: Sequence[Plan | None],
 
 
 def assign_subgroups(trees: Sequence[Tree], plans: Sequence[Plan | None], cp_size: int, *,
-                     rebalance: bool = True, min_shared_tokens: int = MIN_SHARED_TOKENS) -> tuple[list[int], list[int]]:
+                     rebalance: bool = True, trie: StepTrie | None = None) -> tuple[list[int], list[int]]:
     """(degree, subgroup) per tree, for one CP group of ``cp_size`` ranks that replays ``trees``.
 
     The planner plans each tree alone; a CP group holding several trees may finish sooner running some of
@@ -149,10 +157,11 @@ def assign_subgroups(trees: Sequence[Tree], plans: Sequence[Plan | None], cp_siz
     degree 1 in order of their parallel efficiency T_1 / (d T_d), least efficient first, and the number of
     demotions with the smallest estimated makespan (``pack_subgroups``) wins (none, on a tie). Otherwise the
     planned degrees stand and trees are packed by their ``groups.tree_workload``. The degree-1 trees of one
-    trie (``replay.trie``, with ``min_shared_tokens``) go to one rank together.
+    trie go to one rank together (``trie``: the ``StepTrie`` of ``trees``; default: found here, default
+    thresholds).
     """
     degrees = [plan.degree if plan is not None else 1 for plan in plans]
-    tries = [root.trees() for root in build_trie(trees, min_shared_tokens=min_shared_tokens)]
+    tries = (trie if trie is not None else StepTrie(trees)).tries()
     if not rebalance or not all(plan is not None and plan.est_time_s is not None for plan in plans):
         works = [float(tree_workload(tree.prompt_len, tree.response_lens)) for tree in trees]
         return degrees, pack_subgroups(works, degrees, cp_size, tries)[0]
@@ -236,8 +245,8 @@ def _world_mesh() -> CPMesh:
     return CPMesh.whole_world()
 
 
-def _check_subgroups(mesh: CPMesh, plans: list[Plan | None], subgroups, trees, rebalance: bool,
-                     min_shared_tokens: int) -> tuple[list[Plan | None], list[int]]:
+def _check_subgroups(mesh: CPMesh, plans: list[Plan | None], subgroups, trie: StepTrie,
+                     rebalance: bool) -> tuple[list[Plan | None], list[int]]:
     """(plans, subgroups): the given subgroups checked, or ``assign_subgroups``' (a tree it moves to one rank
     runs there with the one-device plan, carrying the planner's one-rank estimate)."""
     degrees = [plan.degree if plan is not None else 1 for plan in plans]
@@ -246,13 +255,12 @@ def _check_subgroups(mesh: CPMesh, plans: list[Plan | None], subgroups, trees, r
             raise ValueError(f"tree {t}: plan degree {d} differs from the CP group size {mesh.cp_size} "
                              f"(CP degrees here: {list(mesh.degrees)})")
     if subgroups is None:
-        degrees, subgroups = assign_subgroups(trees, plans, mesh.cp_size, rebalance=rebalance,
-                                              min_shared_tokens=min_shared_tokens)
+        degrees, subgroups = assign_subgroups(trie.trees, plans, mesh.cp_size, rebalance=rebalance, trie=trie)
         return [plan if plan is None or plan.degree == d else Plan(est_time_s=plan.est_single_s)
                 for plan, d in zip(plans, degrees)], subgroups
     subgroups = list(subgroups)
-    if len(subgroups) != len(trees):
-        raise ValueError(f"got {len(subgroups)} subgroups for {len(trees)} trees")
+    if len(subgroups) != len(trie.trees):
+        raise ValueError(f"got {len(subgroups)} subgroups for {len(trie.trees)} trees")
     for t, (d, s) in enumerate(zip(degrees, subgroups)):
         if not 0 <= s < mesh.cp_size // d:
             raise ValueError(f"tree {t}: subgroup {s} outside the {mesh.cp_size // d} subgroups of degree {d}")

@@ -99,61 +99,87 @@ class TrieNode:
 def build_trie(trees: Sequence[Tree], *, min_node_tokens: int = MIN_CALL_TOKENS,
                min_shared_tokens: int = MIN_SHARED_TOKENS) -> list[TrieNode]:
     """The tries of ``trees``' rows (``Tree.of_tokens``; see the module docstring): their roots, in the order
-    of their first row. ``min_node_tokens``: the fewest tokens of an inner node below a root. Token ids are
-    read to the host once (one copy for the whole step)."""
-    if min_node_tokens < 1:
-        raise ValueError(f"min_node_tokens must be >= 1, got {min_node_tokens}")
-    rows = [(t, i) for t, tree in enumerate(trees) for i in range(len(tree.responses))]
-    if not rows:
-        return []
-    sequences = {(t, i): torch.cat([trees[t].prompt, trees[t].responses[i]]) for t, i in rows}
-    host = torch.cat([sequences[r] for r in rows]).cpu().numpy()
-    arrays, offset = {}, 0
-    for r in rows:
-        arrays[r] = host[offset: offset + len(sequences[r])]
-        offset += len(sequences[r])
-    prompt_ends = {(t, i): trees[t].prompt_len for t, i in rows}
-    build = _Builder(sequences, arrays, prompt_ends, min_node_tokens, min_shared_tokens)
-    roots = [build.node(group, 0) for group in _by_token(rows, arrays, 0)]
-    return build.simplify(roots, top=True)
+    of their first row (``StepTrie(...).roots``)."""
+    return StepTrie(trees, min_node_tokens=min_node_tokens, min_shared_tokens=min_shared_tokens).roots
 
 
-def _by_token(rows: list[Row], arrays, position: int) -> list[list[Row]]:
-    groups: dict[int, list[Row]] = {}
-    for r in rows:
-        groups.setdefault(int(arrays[r][position]), []).append(r)
-    return list(groups.values())
+def host_token_ids(ids: torch.Tensor) -> np.ndarray:
+    """[N] token ids (every row of a step, concatenated) copied to the host: a ``StepTrie``'s one
+    device-to-host copy (one host sync); tests count the copies of a step through it."""
+    return ids.cpu().numpy()
 
 
-class _Builder:
-    def __init__(self, sequences, arrays, prompt_ends, min_node_tokens: int, min_shared_tokens: int):
-        self.sequences, self.arrays, self.prompt_ends = sequences, arrays, prompt_ends
-        self.min_node_tokens, self.min_shared_tokens = min_node_tokens, min_shared_tokens
+class StepTrie:
+    """The tries of one step's rows, found once and read by every part of the step plan that needs them
+    (``step_plan.demote_shared_plans`` and ``assign_subgroups``: the tries' trees; ``lockstep.lockstep_slots``:
+    the tries of the trees this rank runs on one device).
 
-    def node(self, rows: list[Row], start: int) -> TrieNode:
+    ``trees``: the step's ``Tree.of_tokens`` trees; ``roots``: the tries of all their rows (``build_trie``'s),
+    rows named ``(tree index, response index)``; ``min_node_tokens``, ``min_shared_tokens``: the thresholds
+    (``build_trie``'s). Building reads every row's token ids to the host in one copy (``host_token_ids``) and
+    keeps them, so that ``of`` finds the tries of a subset of the trees without another copy.
+    """
+
+    def __init__(self, trees: Sequence[Tree], *, min_node_tokens: int = MIN_CALL_TOKENS,
+                 min_shared_tokens: int = MIN_SHARED_TOKENS):
+        if min_node_tokens < 1:
+            raise ValueError(f"min_node_tokens must be >= 1, got {min_node_tokens}")
+        self.trees, self.min_node_tokens, self.min_shared_tokens = list(trees), min_node_tokens, min_shared_tokens
+        self._rows = [(t, i) for t, tree in enumerate(self.trees) for i in range(len(tree.responses))]
+        # per row: its [L] token ids on the trees' device (the nodes' ``sequence``), on the host, its prompt end
+        self._sequences = {(t, i): torch.cat([self.trees[t].prompt, self.trees[t].responses[i]]) for t, i in self._rows}
+        self._arrays: dict[Row, np.ndarray] = {}
+        if self._rows:
+            host, offset = host_token_ids(torch.cat([self._sequences[r] for r in self._rows])), 0
+            for r in self._rows:
+                self._arrays[r] = host[offset: offset + len(self._sequences[r])]
+                offset += len(self._sequences[r])
+        self._prompt_ends = {(t, i): self.trees[t].prompt_len for t, i in self._rows}
+        self.roots = self._build(self._rows)
+
+    def tries(self) -> list[list[int]]:
+        """The trees of each trie (root order)."""
+        return [root.trees() for root in self.roots]
+
+    def of(self, subset: Sequence[int]) -> list[TrieNode]:
+        """The roots ``build_trie`` finds for the trees ``subset`` (tree indices), rows named by tree index
+        as in ``roots``. Where ``subset`` is a union of whole tries, those of ``roots`` (the same objects):
+        every tree's rows lie in one trie, and a node that a trie's rows shared with other tries' was dissolved
+        at the top, which it is without them too, so a trie is found alike alone. Else (a trie cut into
+        chunks, ``step_plan.pack_subgroups``) found again from the kept host token ids."""
+        chosen = set(subset)
+        whole = [root for root in self.roots if chosen.issuperset(root.trees())]
+        if sum(len(root.trees()) for root in whole) == len(chosen):
+            return whole
+        return self._build([r for r in self._rows if r[0] in chosen])
+
+    def _build(self, rows: list[Row]) -> list[TrieNode]:
+        return self._simplify([self._node(group, 0) for group in _by_token(rows, self._arrays, 0)], top=True)
+
+    def _node(self, rows: list[Row], start: int) -> TrieNode:
         """The node of ``rows`` (which share their tokens up to ``start`` and the one at ``start``) and its
         subtree."""
-        end = min(len(self.arrays[r]) for r in rows)
-        end = min([end] + [p for r in rows if start < (p := self.prompt_ends[r]) < end])
-        ref = self.arrays[rows[0]]
+        arrays = self._arrays
+        end = min(len(arrays[r]) for r in rows)
+        end = min([end] + [p for r in rows if start < (p := self._prompt_ends[r]) < end])
+        ref = arrays[rows[0]]
         for r in rows[1:]:
-            differ = np.flatnonzero(self.arrays[r][start:end] != ref[start:end])
+            differ = np.flatnonzero(arrays[r][start:end] != ref[start:end])
             if differ.size:
                 end = start + int(differ[0])
-        node = TrieNode(start, end, self.sequences[rows[0]], rows,
-                        ends=[r for r in rows if len(self.arrays[r]) == end])
-        rest = [r for r in rows if len(self.arrays[r]) > end]
-        node.children = [self.node(group, end) for group in _by_token(rest, self.arrays, end)]
+        node = TrieNode(start, end, self._sequences[rows[0]], rows, ends=[r for r in rows if len(arrays[r]) == end])
+        rest = [r for r in rows if len(arrays[r]) > end]
+        node.children = [self._node(group, end) for group in _by_token(rest, arrays, end)]
         return node
 
-    def simplify(self, nodes: list[TrieNode], *, top: bool) -> list[TrieNode]:
+    def _simplify(self, nodes: list[TrieNode], *, top: bool) -> list[TrieNode]:
         """``nodes`` (siblings) with every inner node not worth a call dissolved, top down; scores set."""
         out: list[TrieNode] = []
         for node in nodes:
             if node.children and not self._keep(node, top):
-                out += self.simplify(self._dissolve(node), top=top)
+                out += self._simplify(self._dissolve(node), top=top)
                 continue
-            node.children = self.simplify(node.children, top=False)
+            node.children = self._simplify(node.children, top=False)
             node.score_from = self._score_from(node)
             out.append(node)
         return sorted(out, key=lambda n: min(n.rows))
@@ -161,7 +187,7 @@ class _Builder:
     def _keep(self, node: TrieNode, top: bool) -> bool:
         if not top and node.length < self.min_node_tokens:
             return False
-        if any(self.prompt_ends[r] == node.end for r in node.rows):
+        if any(self._prompt_ends[r] == node.end for r in node.rows):
             return True
         branches = len(node.children) + (1 if node.ends else 0)
         return (branches - 1) * node.length >= self.min_shared_tokens
@@ -177,8 +203,15 @@ class _Builder:
     def _score_from(self, node: TrieNode) -> int | None:
         if not node.children:
             return node.start
-        first = max(node.start, min(self.prompt_ends[r] for r in node.rows))
+        first = max(node.start, min(self._prompt_ends[r] for r in node.rows))
         return first if first < node.end else None
+
+
+def _by_token(rows: list[Row], arrays, position: int) -> list[list[Row]]:
+    groups: dict[int, list[Row]] = {}
+    for r in rows:
+        groups.setdefault(int(arrays[r][position]), []).append(r)
+    return list(groups.values())
 
 
 def row_scores(path: Sequence[tuple[TrieNode, torch.Tensor | None]], prompt_len: int) -> list[torch.Tensor]:

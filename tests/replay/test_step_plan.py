@@ -7,10 +7,13 @@ import pytest
 import torch
 import transformers
 
+from augtree_verl.cp.mesh import CPMesh
 from augtree_verl.groups import Tree, find_trees
 from augtree_verl.plan import Plan
 from augtree_verl.plan_field import plan_entries
+from augtree_verl.replay import trie
 from augtree_verl.replay.step_plan import StepPlan, assign_subgroups, pack_subgroups
+from augtree_verl.replay.trie import MIN_SHARED_TOKENS
 from tests.parity import random_trees
 
 
@@ -122,3 +125,22 @@ def test_a_trie_heavier_than_a_ranks_share_is_cut_into_chunks():
     prefix once), not all four on one rank; a light trie still stays together."""
     assert pack_subgroups([4.0, 4.0, 4.0, 4.0], [1] * 4, 2, tries=[[0, 1, 2, 3]]) == ([0, 0, 1, 1], 8.0)
     assert pack_subgroups([5.0, 1.0, 1.0, 9.0], [1] * 4, 2, tries=[[0, 1, 2]]) == ([1, 1, 1, 0], 9.0)
+
+
+def test_a_step_reads_its_token_ids_to_the_host_once(monkeypatch):
+    """The engine's plan of a batch behind one system prompt on rank 0 of a CP group of 2: the trie demotes
+    every CP plan, places the trees (the one trie cut into a chunk per rank) and shapes this rank's slots
+    from one copy of the token ids (``trie.host_token_ids``), and so does ``build``."""
+    copies = []
+    monkeypatch.setattr(trie, "host_token_ids", lambda ids: copies.append(len(ids)) or ids.numpy())
+    system = torch.arange(3, 3 + MIN_SHARED_TOKENS)
+    trees = [Tree.of_tokens(torch.cat([system, t.prompt]), t.responses, uid=str(k), samples=range(2 * k, 2 * k + 2))
+             for k, t in enumerate(random_trees([6, 5, 7, 4], [[2, 3], [4, 1], [1, 2], [3, 3]], seed=1))]
+    plan = Plan(degree=2, est_time_s=0.6, est_single_s=1.0)
+    entries = plan_entries(trees, {t.tree_id: plan for t in trees}, 8)
+    step_plan = StepPlan.from_batch(trees, entries, mesh=CPMesh.layout((1, 2), 0),
+                                    model_config=transformers.Qwen2Config())
+    assert len(copies) == 1
+    assert step_plan.stats.trie_demoted == 4 and sorted(step_plan.subgroups) == [0, 0, 1, 1]
+    StepPlan.build(trees)
+    assert len(copies) == 2

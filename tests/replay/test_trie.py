@@ -16,7 +16,7 @@ from augtree_verl import Plan, ReplayStats, StepPlan, Tree, per_response, replay
 from augtree_verl.replay import Offload
 from augtree_verl.replay.baseline import flattened_replay
 from augtree_verl.replay.step_plan import demote_shared_plans
-from augtree_verl.replay.trie import MIN_SHARED_TOKENS, TrieNode, build_trie
+from augtree_verl.replay.trie import MIN_SHARED_TOKENS, StepTrie, TrieNode, build_trie
 from tests.families import family_model
 from tests.parity import assert_grads_match, assert_logps_match, grads, random_trees, tiny_model
 
@@ -223,3 +223,27 @@ def test_a_prompt_ending_inside_a_node_scores_from_there():
     got, gg, want, gw = run_both(model, trees, _loss(trees, 0), micro_batch_tokens=8)
     assert_logps_match(got, want)
     assert_grads_match(gg, gw)
+
+
+def _renamed(node: TrieNode, trees: list[int]):
+    """``_shape`` with each node's tokens, rows (tree positions in ``trees``) named by tree index."""
+    rows = lambda rs: [(trees[t], i) for t, i in rs]
+    return (node.start, node.end, node.tokens.tolist(), rows(node.rows), rows(node.ends), node.score_from,
+            [_renamed(c, trees) for c in node.children])
+
+
+@pytest.mark.parametrize("batch", [sharing_batch, prompt_inside_a_node])
+def test_the_tries_of_any_subset_of_a_steps_trees_are_found_from_its_trie(batch):
+    """``StepTrie.of``: for every subset of the trees (the lock-step's: those a rank runs on one device, a trie
+    cut into chunks among them), exactly ``build_trie``'s tries of that subset; a union of whole tries is
+    the step's own roots."""
+    trees = batch()
+    trie = StepTrie(trees, min_shared_tokens=MIN_SHARED)
+    identity = list(range(len(trees)))
+    for mask in range(2 ** len(trees)):
+        subset = [t for t in identity if mask >> t & 1]
+        want = build_trie([trees[t] for t in subset], min_shared_tokens=MIN_SHARED)
+        assert [_renamed(r, identity) for r in trie.of(subset)] == [_renamed(r, subset) for r in want], subset
+    for k in range(len(trie.roots) + 1):
+        whole = sorted(t for trees_of in trie.tries()[:k] for t in trees_of)
+        assert all(a is b for a, b in zip(trie.of(whole), trie.roots[:k], strict=True))
