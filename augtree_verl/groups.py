@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -109,6 +110,9 @@ def find_trees(uids: Sequence, prompt_lens: Sequence[int], response_lens: Sequen
             f"uids, prompt_lens and response_lens must have one entry per sample, got "
             f"{len(uids)}, {len(prompt_lens)} and {len(response_lens)}")
     members: dict[tuple, list[int]] = {}
+    if sequences is not None:  # every sample's prompt tokens in one device-to-host copy (one sync per step)
+        prompts = torch.cat([sequences[i][: int(p)] for i, p in enumerate(prompt_lens)]).cpu().numpy()
+        offsets = np.cumsum([0] + [int(p) for p in prompt_lens])
     for i, (uid, p, r) in enumerate(zip(uids, prompt_lens, response_lens)):
         if not isinstance(uid, str) or not uid:
             raise ValueError(f"sample {i} has uid {uid!r}; every sample needs a non-empty string uid")
@@ -117,7 +121,7 @@ def find_trees(uids: Sequence, prompt_lens: Sequence[int], response_lens: Sequen
                 f"sample {i} of group {uid!r} has prompt_len={p}, response_len={r}; both must be >= 1")
         key: tuple = (uid, int(p))
         if sequences is not None:
-            key += (sequences[i][: int(p)].cpu().numpy().tobytes(),)
+            key += (prompts[offsets[i]: offsets[i + 1]].tobytes(),)
         members.setdefault(key, []).append(i)
     if sequences is None:
         return [Tree(uid=uid, prompt_len=p, samples=tuple(idx), response_lens=tuple(int(response_lens[i]) for i in idx))
