@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from augtree_verl.groups import Tree
 from augtree_verl.plan import Plan
 from augtree_verl.planner import plan_tree
+from augtree_verl.planner.cost import step_seconds
 from augtree_verl.replay.step_plan import demote_shared_plans
 from augtree_verl.replay.trie import MIN_SHARED_TOKENS, StepTrie
 
@@ -63,15 +64,12 @@ class Method:
         """AugTree methods: their plans come from the planner, so the planner predicts their step time."""
         return not self.flattened and self.fixed is None and not self.verl
 
-    def predicted_s(self, trees: Sequence[Tree], plans: list[Plan] | None, profile) -> float | None:
-        """The planner's predicted update-step time: its estimate summed over the trees (they run one after
-        another); on one device (no plans, or a tree demoted from CP), the estimate of each tree's degree-1 plan
-        (the planner sees no sharing between trees). None for the baselines."""
+    def predicted_s(self, trees: Sequence[Tree], plans: list[Plan] | None, profile, world: int = 1) -> float | None:
+        """The planner's predicted update-step time on ``world`` ranks (``planner.cost.step_seconds``: the trees
+        placed as the step plan places them, shared prefixes once); None for the baselines."""
         if not self.planned or profile is None:
             return None
-        return sum(p.est_time_s if p is not None and p.est_time_s is not None else
-                   plan_tree(t.prompt_len, t.response_lens, degrees=[1], profile=profile).est_time_s
-                   for t, p in zip(trees, plans or [None] * len(trees)))
+        return step_seconds(trees, plans, world, profile, min_shared_tokens=self.min_shared_tokens)
 
 
 VERL_FSDP2 = Method("verl-fsdp2", verl=True)

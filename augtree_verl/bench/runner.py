@@ -151,7 +151,7 @@ def _run_workload(model, workload: Workload, methods: list[Method], repeats: int
         logical_tokens=workload.logical_tokens, comm_bytes=0, max_grad_rel_err=0.0,
         plan=describe_plans(plans[m.name], m.flattened, world if m.verl else None),
         ideal_speedup=ideal_speedup(model.config, workload.groups),
-        tolerance=tolerance, predicted_s=m.predicted_s(trees, plans[m.name], profile),
+        tolerance=tolerance, predicted_s=m.predicted_s(trees, plans[m.name], profile, world),
         groups=[{"id": g.id, "prompt_len": g.prompt_len, "response_lens": list(g.response_lens)}
                 for g in workload.groups],
         ideal_trie=ideal_trie, ideal_depth1=ideal_depth1,

@@ -54,8 +54,11 @@ from functools import lru_cache
 
 import numpy as np
 
+from augtree_verl.cp.mesh import CPMesh
 from augtree_verl.planner.profile import ClusterProfile
 from augtree_verl.replay.microbatch import DEFAULT_MICRO_BATCH_TOKENS, split_micro_batches
+from augtree_verl.replay.step_plan import StepPlan
+from augtree_verl.replay.trie import MIN_SHARED_TOKENS, StepTrie
 
 LSE_BYTES = 4                 # float32 log-sum-exp per query and head in MoveQ's partial states
 MOVEQ_COLLECTIVES = 3         # all-to-alls per layer and direction: queries, outputs, lse (fwd); dout+out, lse, dq
@@ -227,3 +230,20 @@ class CostModel:
 def cost_model(profile: ClusterProfile) -> CostModel:
     """The (cached) cost model of a profile; profiles are frozen and hashable."""
     return CostModel(profile)
+
+
+def step_seconds(trees, plans, cp_size: int, profile: ClusterProfile, *,
+                 min_shared_tokens: int = MIN_SHARED_TOKENS) -> float:
+    """Predicted seconds of one step replaying ``trees`` (``groups.Tree.of_tokens``) with ``plans`` (one ``Plan``
+    or None per tree; None for all: one device) on a CP group of ``cp_size`` ranks, placed as the step plan
+    places them (``StepPlan.build`` at each rank of ``CPMesh.layout``): a rank's tries on one device at
+    ``CostModel.trie``, its CP trees at their plans' estimates; the slowest rank's sum. Each tree's plan was
+    made alone, so only this sees the sharing between trees."""
+    cost = cost_model(profile)
+    plans = list(plans) if plans is not None else [None] * len(trees)
+    ranks = [None] if cp_size == 1 else [CPMesh.layout((1, cp_size), r) for r in range(cp_size)]
+    trie = StepTrie(trees, min_shared_tokens=min_shared_tokens)
+    return max(sum(cost.trie(slot.node) if slot.degree == 1 else plans[slot.tree].est_time_s
+                   for slot in StepPlan.build(trees, plans=plans, mesh=mesh, trie=trie,
+                                              min_shared_tokens=min_shared_tokens).slots)
+               for mesh in ranks)

@@ -1,5 +1,6 @@
 """The workloads that share tokens beyond a group (agent, multiturn), the depth-1 method and the trie ideal."""
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -22,7 +23,9 @@ from augtree_verl.bench.workloads import (
 from augtree_verl.cli import _parser, bench_config
 from augtree_verl.groups import Tree
 from augtree_verl.models import load_model
-from augtree_verl.planner import ClusterProfile
+from augtree_verl.planner import ClusterProfile, plan_tree
+from augtree_verl.planner.cost import cost_model
+from augtree_verl.replay.trie import build_trie
 
 
 def test_agent_groups_share_one_system_turn_of_the_shipped_length():
@@ -106,10 +109,23 @@ def test_shared_plans_run_on_one_device_as_in_the_engine():
     trees = list(_shared_workload().trees)
     plans = Method("AugTree").plans(trees, 2)
     assert [p.degree for p in plans] == [1, 1]
-    # Demoted plans carry no estimate at degree 2 only: the prediction takes each tree's one-device plan.
-    assert Method("AugTree").predicted_s(trees, plans, ClusterProfile.default()) > 0
+    assert Method("AugTree").predicted_s(trees, plans, ClusterProfile.default(), 2) > 0
     assert [p.degree for p in DEPTH1.plans(trees, 2)] == [2, 2]  # each group alone in its depth-1 trie
     assert [p.degree for p in Method("MegaR", fixed="megar").plans(trees, 2)] == [2, 2]
+
+
+def test_the_prediction_sees_the_shared_system_prompt_once_per_rank():
+    """One rank runs both groups behind their system prompt: one prefill of it, where the planner, planning
+    each tree alone, counts it twice; two ranks, each with one group, run it once each."""
+    trees = list(_shared_workload(system_len=2000).trees)
+    profile = dataclasses.replace(ClusterProfile.default(), call_overhead_s=1e-9, slot_overhead_s=1e-9)
+    cost, alone = cost_model(profile), [plan_tree(t.prompt_len, t.response_lens, degrees=[1], profile=profile)
+                                        for t in trees]
+    shared = Method("AugTree").predicted_s(trees, None, profile)
+    [root] = build_trie(trees)
+    assert shared == pytest.approx(cost.trie(root), rel=1e-12)
+    assert shared < 0.6 * sum(p.est_time_s for p in alone)
+    assert Method("AugTree").predicted_s(trees, alone, profile, 2) == pytest.approx(max(p.est_time_s for p in alone))
 
 
 def _run(methods):
