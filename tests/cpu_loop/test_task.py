@@ -9,8 +9,8 @@ from transformers import AutoConfig, AutoTokenizer
 from verl.utils.dataset.rl_dataset import RLHFDataset
 from verl.utils.reward_score import default_compute_score
 
-from augtree_verl.cpu_loop.reward import DATA_SOURCE, compute_score
 from augtree_verl.cpu_loop.environment import keyword_feedback
+from augtree_verl.cpu_loop.reward import DATA_SOURCE, compute_score
 from augtree_verl.cpu_loop.task import KEYS_PER_PROMPT, TaskConfig, main, task_rows
 
 REPO = Path(__file__).resolve().parents[2]
