@@ -91,7 +91,6 @@ VERL_NAMES = {
         "verl.trainer.ppo.v1.agent_loop_tq.AgentLoopWorkerTQ",
     ),
     "rollout/branching.py": (
-        "verl.experimental.agent_loop.agent_loop.register",
         "verl.experimental.agent_loop.tool_agent_loop.AgentState",
         "verl.experimental.agent_loop.tool_agent_loop.ToolAgentLoop",
     ),

@@ -1,9 +1,9 @@
 """A multi-turn agent loop that branches at turn boundaries: verl's ``ToolAgentLoop`` plus an environment and
 k continuations per branch point, so one prompt's samples form a deep tree of shared turns.
 
-Select it by name (``augtree_branching_agent``: per dataset row with ``agent_name``, or for all rows with
-``actor_rollout_ref.rollout.agent.default_agent_loop``) from an agent-loop file
-(``actor_rollout_ref.rollout.agent.agent_loop_config_path``) that sets its knobs::
+It is configured in an agent-loop file (``actor_rollout_ref.rollout.agent.agent_loop_config_path``) and
+selected by the name given there, per dataset row (``agent_name``) or for all rows
+(``actor_rollout_ref.rollout.agent.default_agent_loop``)::
 
     - name: augtree_branching_agent
       _target_: augtree_verl.rollout.branching.BranchingAgentLoop
@@ -28,6 +28,10 @@ another continuation than the first duplicates its sibling and is dropped. The l
 ``Leaves``: ``PlannerFeedWorker`` stores leaf j of session s as sample ``{uid}_{s + j}_0``, each scored and
 grouped by uid as its own GRPO sample (verl's own worker would take a list as one step-wise trajectory).
 Tools and the environment run once per leaf (they must be deterministic for the leaves to share turns).
+
+Not registered with verl's ``register`` decorator: it writes ``{"_target_": class}`` under its name when
+this module is imported, which in a worker happens at the first instantiation, after verl has read the
+agent-loop file; an entry of the same name there would lose its knobs for every later trajectory.
 """
 
 from __future__ import annotations
@@ -39,14 +43,10 @@ import itertools
 from dataclasses import dataclass
 
 from hydra.utils import get_class, get_method
-from verl.experimental.agent_loop.agent_loop import register
 from verl.experimental.agent_loop.tool_agent_loop import AgentState, ToolAgentLoop
 
 from augtree_verl.integration import verl_compat
 from augtree_verl.rollout.agent_loop import Leaves, PlannerFeedAgentLoopManager
-
-AGENT_NAME = "augtree_branching_agent"
-
 
 @dataclass(frozen=True)
 class Branching:
@@ -100,7 +100,6 @@ class BranchClient:
         return getattr(self.client, name)
 
 
-@register(AGENT_NAME)
 class BranchingAgentLoop(ToolAgentLoop):
     """verl's ``ToolAgentLoop`` with an environment and branching (see the module docstring)."""
 
@@ -121,7 +120,7 @@ class BranchingAgentLoop(ToolAgentLoop):
         self.environment = get_method(environment) if environment else None
         manager = self.rollout_config.agent.agent_loop_manager_class
         if not manager or not issubclass(get_class(manager), PlannerFeedAgentLoopManager):
-            raise ValueError(f"{AGENT_NAME} needs rollout.agent.agent_loop_manager_class="
+            raise ValueError(f"BranchingAgentLoop needs rollout.agent.agent_loop_manager_class="
                              f"augtree_verl.rollout.agent_loop.PlannerFeedAgentLoopManager (its worker stores each "
                              f"leaf as a sample), got {manager}")
         self.row: dict = {}
