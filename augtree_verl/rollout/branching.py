@@ -48,6 +48,7 @@ from verl.experimental.agent_loop.tool_agent_loop import AgentState, ToolAgentLo
 from augtree_verl.integration import verl_compat
 from augtree_verl.rollout.agent_loop import Leaves, PlannerFeedAgentLoopManager
 
+
 @dataclass(frozen=True)
 class Branching:
     """Where a trajectory branches: ``branches`` continuations after each assistant turn in ``turns``
