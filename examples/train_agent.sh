@@ -13,7 +13,9 @@
 # such trees, so the batch is one deep trie: the system prompt, each prompt, each tree's shared turns. The
 # agent-loop file is written to OUT_DIR/agent_loops.yaml; each engine's metrics to OUT_DIR/<engine>.jsonl; then
 # the step times (python -m augtree_verl.cpu_loop.compare, OUT_DIR/compare.png when both engines ran) and the
-# sharing the engine found per step (trees, trie nodes, executed against logical tokens) are printed.
+# sharing the engine found per step (trees, trie nodes, executed against logical tokens) are printed. Both
+# engines run our agent-loop manager, whose workers store each leaf as a sample of its own (the stock engine's
+# recipe does not set it; without the AugTree engine it feeds no planner).
 #
 # Environment: ENGINES (default "fsdp2 augtree"), STEPS (2), BATCH prompts per step (2), N samples per prompt
 # (8), BRANCHES (2), BRANCH_TURNS ([1,2]), TURNS (3), TURN_TOKENS (32), SYSTEM_WORDS (512), ASSETS_DIR_AGENT
@@ -47,6 +49,7 @@ for STRATEGY in $ENGINES; do
     STRATEGY="$STRATEGY" VERL_FILE_LOGGER_PATH="$OUT_DIR/$STRATEGY.jsonl" bash "$REPO/examples/run_cpu.sh" \
         actor_rollout_ref.rollout.agent.agent_loop_config_path="$OUT_DIR/agent_loops.yaml" \
         actor_rollout_ref.rollout.agent.default_agent_loop=augtree_branching_agent \
+        ++actor_rollout_ref.rollout.agent.agent_loop_manager_class=augtree_verl.rollout.agent_loop.PlannerFeedAgentLoopManager \
         actor_rollout_ref.rollout.multi_turn.max_assistant_turns="$TURNS" \
         actor_rollout_ref.rollout.n="$N" data.train_batch_size="$BATCH" \
         actor_rollout_ref.actor.ppo_mini_batch_size="$BATCH" \

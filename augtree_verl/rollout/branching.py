@@ -119,7 +119,7 @@ class BranchingAgentLoop(ToolAgentLoop):
             raise ValueError(f"max_tokens_per_turn must be at least 1, got {max_tokens_per_turn}")
         self.max_tokens_per_turn = max_tokens_per_turn
         self.environment = get_method(environment) if environment else None
-        manager = self.rollout_config.agent.agent_loop_manager_class
+        manager = self.rollout_config.agent.get("agent_loop_manager_class")
         if not manager or not issubclass(get_class(manager), PlannerFeedAgentLoopManager):
             raise ValueError(f"BranchingAgentLoop needs rollout.agent.agent_loop_manager_class="
                              f"augtree_verl.rollout.agent_loop.PlannerFeedAgentLoopManager (its worker stores each "

@@ -40,9 +40,9 @@ def stop_after_first_turn(messages, row):
     return None
 
 
-def make_loop(server, n=4, turns=3, **knobs):
+def make_loop(server, n=4, turns=3, recipe="grpo_augtree", **knobs):
     with initialize_config_dir(config_dir=str(REPO / "recipes"), version_base=None):
-        config = compose(config_name="grpo_augtree", overrides=[
+        config = compose(config_name=recipe, overrides=[
             "actor_rollout_ref.model.path=unused", f"actor_rollout_ref.rollout.n={n}",
             f"actor_rollout_ref.rollout.multi_turn.max_assistant_turns={turns}",
             "actor_rollout_ref.rollout.prompt_length=256", "actor_rollout_ref.rollout.response_length=128"])
@@ -108,3 +108,5 @@ def test_branching_knobs_are_validated():
         run(WordServer(), branch_turns=[1, 3])
     with pytest.raises(ValueError, match="max_tokens_per_turn must be at least 1, got 0"):
         run(WordServer(), max_tokens_per_turn=0)
+    with pytest.raises(ValueError, match="needs rollout.agent.agent_loop_manager_class=.*got None"):
+        run(WordServer(), recipe="grpo_fsdp2")          # verl's own worker would merge the leaves
