@@ -36,7 +36,8 @@ class WordServer:
         return TokenOutput(token_ids=ids, log_probs=None, extra_fields={})
 
 
-def stop_after_first_turn(messages, row):
+async def stop_after_first_turn(messages, row):
+    """An environment that ends every trajectory at its first reply (async, as one calling a service would be)."""
     return None
 
 
