@@ -9,17 +9,18 @@
 # Every row of the generated task starts with the same system prompt (SYSTEM_WORDS words), then a short key-word
 # question. Each trajectory has TURNS assistant turns of at most TURN_TOKENS tokens; after each turn the task's
 # environment (augtree_verl.cpu_loop.environment.keyword_feedback) replies as the user, and after the turns in
-# BRANCH_TURNS the trajectory continues BRANCHES ways. A prompt's N samples are N / BRANCHES^len(BRANCH_TURNS)
-# such trees, so the batch is one deep trie: the system prompt, each prompt, each tree's shared turns. The
-# agent-loop file is written to OUT_DIR/agent_loops.yaml; each engine's metrics to OUT_DIR/<engine>.jsonl; then
-# the step times (python -m augtree_verl.cpu_loop.compare, OUT_DIR/compare.png when both engines ran) and the
-# sharing the engine found per step (trees, trie nodes, executed against logical tokens) are printed. Both
-# engines run our agent-loop manager, whose workers store each leaf as a sample of its own (the stock engine's
-# recipe does not set it; without the AugTree engine it feeds no planner).
+# BRANCH_TURNS the trajectory continues BRANCHES ways. A prompt's N samples are N / BRANCHES^len(BRANCH_TURNS) such
+# trees, so each worker's share of the batch is one deep trie: the system prompt, each prompt, each tree's shared
+# turns. The agent-loop file is written to OUT_DIR/agent_loops.yaml; each engine's metrics to
+# OUT_DIR/<engine>.jsonl; then the step times (python -m augtree_verl.cpu_loop.compare, OUT_DIR/compare.png when
+# both engines ran) and the sharing the engine found per step (trees, trie nodes, executed against logical tokens)
+# are printed. Both engines run our agent-loop manager, whose workers store each leaf as a sample of its own (the
+# stock engine's recipe does not set it; without the AugTree engine it feeds no planner).
 #
-# Environment: ENGINES (default "fsdp2 augtree"), STEPS (2), BATCH prompts per step (2), N samples per prompt
-# (8), BRANCHES (2), BRANCH_TURNS ([1,2]), TURNS (3), TURN_TOKENS (32), SYSTEM_WORDS (512), ASSETS_DIR_AGENT
-# (default ~/.cache/augtree-verl/cpu_loop_agent), OUT_DIR; the rest as examples/run_cpu.sh (NPROC, PYTHON, ...).
+# Environment: ENGINES (default "fsdp2 augtree"), STEPS (2), BATCH prompts per step (4: two per worker, so each
+# worker's share of the batch has the system prompt in common), N samples per prompt (8), BRANCHES (2),
+# BRANCH_TURNS ([1,2]), TURNS (3), TURN_TOKENS (32), SYSTEM_WORDS (512), ASSETS_DIR_AGENT (default
+# ~/.cache/augtree-verl/cpu_loop_agent), OUT_DIR; the rest as examples/run_cpu.sh (NPROC, PYTHON, ...).
 # Further arguments are hydra overrides.
 set -euo pipefail
 
@@ -27,7 +28,7 @@ REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 OUT_DIR="$(mkdir -p "${OUT_DIR:-train_agent}" && cd "${OUT_DIR:-train_agent}" && pwd)"
 PYTHON="${PYTHON:-python}"
 ENGINES="${ENGINES:-fsdp2 augtree}"
-BATCH="${BATCH:-2}" N="${N:-8}" BRANCHES="${BRANCHES:-2}" BRANCH_TURNS="${BRANCH_TURNS:-[1,2]}"
+BATCH="${BATCH:-4}" N="${N:-8}" BRANCHES="${BRANCHES:-2}" BRANCH_TURNS="${BRANCH_TURNS:-[1,2]}"
 TURNS="${TURNS:-3}" TURN_TOKENS="${TURN_TOKENS:-32}" SYSTEM_WORDS="${SYSTEM_WORDS:-512}"
 export ASSETS_DIR="${ASSETS_DIR_AGENT:-$HOME/.cache/augtree-verl/cpu_loop_agent}/system-$SYSTEM_WORDS"
 [[ -f "$ASSETS_DIR/data/test.parquet" ]] || "$PYTHON" -m augtree_verl.cpu_loop.task --out "$ASSETS_DIR" \

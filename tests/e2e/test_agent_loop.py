@@ -60,8 +60,10 @@ def test_each_prompt_is_a_tree_of_multi_turn_leaves(agent_runs, step_one):
 
 def test_our_engine_replays_the_batch_as_one_deep_trie(step_one):
     """More node prefills than trees (the system prompt and each tree's shared turn are nodes of their own), and
-    fewer tokens executed than a depth-1 replay (each prompt once, every response in full) would run."""
+    fewer tokens executed than a depth-1 replay (each prompt once, every response in full) would run. The
+    rollout workers' reports (leaves in session order) matched the trainer's samples: every plan came from them."""
     ours = step_one["augtree"]
+    assert ours["augtree/planner/plans_from_rollout"] == BATCH and ours["augtree/planner/mismatched"] == 0
     assert ours["actor/augtree/trees"] == BATCH and ours["actor/augtree/trie/nodes"] > BATCH + 1
     depth_one = BATCH * ours["prompt_length/mean"] + BATCH * N * ours["response_length/mean"]
     assert ours["actor/augtree/executed_tokens"] < 0.8 * depth_one
