@@ -28,6 +28,8 @@ another continuation than the first duplicates its sibling and is dropped. The l
 ``Leaves``: ``PlannerFeedWorker`` stores leaf j of session s as sample ``{uid}_{s + j}_0``, each scored and
 grouped by uid as its own GRPO sample (verl's own worker would take a list as one step-wise trajectory).
 Tools and the environment run once per leaf (they must be deterministic for the leaves to share turns).
+Validation runs ``val_kwargs.n`` sessions the same way: whole trees, so a prompt gets L samples per tree (only
+``rollout.n`` is checked to be a multiple of L).
 
 Not registered with verl's ``register`` decorator: it writes ``{"_target_": class}`` under its name when
 this module is imported, which in a worker happens at the first instantiation, after verl has read the
