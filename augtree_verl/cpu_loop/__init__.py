@@ -1,7 +1,9 @@
 """What the full RL loop needs on a laptop, generated here (no download): a tiny model and a long-prompt task.
 
-``task``: a random-weight tiny Qwen2 with its own word-level tokenizer, and a verl-format parquet data set
-(long prompts, short answers); ``python -m augtree_verl.cpu_loop.task --out DIR``. ``reward``: its rule
-reward (verl's built-in scores for every other data source). ``compare``: step times and curves of runs side
-by side; ``soak``: the pieces of ``benchmarks/soak.py`` (per-process memory, warnings per step, its checks).
+``task``: a random-weight tiny Llama-architecture model with its own word-level tokenizer, and a verl-format
+parquet data set (long prompts, short answers, optionally one system prompt for all rows);
+``python -m augtree_verl.cpu_loop.task --out DIR``. ``reward``: its rule reward (verl's built-in scores for
+every other data source). ``environment``: its user replies for the branching agent loop. ``compare``: step
+times and curves of runs side by side; ``soak``: the pieces of ``benchmarks/soak.py`` (per-process memory,
+warnings per step, its checks).
 """

@@ -3,7 +3,7 @@
 ``python -m augtree_verl.cpu_loop.compare --out compare.png fsdp2=fsdp2.jsonl augtree=augtree.jsonl`` plots
 ``timing_s/update_actor``, ``timing_s/old_log_prob``, ``timing_s/step``, the mean reward and the policy
 loss per step for each run, and prints each timing's median over the steps after the first (which includes
-start-up costs) with the ratio to the first run.
+start-up costs) with the ratio to the first run; ``--show KEY ...`` also prints those metrics per step and run.
 """
 
 from __future__ import annotations
@@ -43,6 +43,16 @@ def summary(runs: dict[str, list[dict]]) -> str:
     return "\n".join(lines)
 
 
+def shown(runs: dict[str, list[dict]], keys: list[str]) -> str:
+    """A text table: each key's value per step for each run ("-" where a run did not log it)."""
+    lines = [f"{'step':<6}{'run':<10}" + "".join(f"{key.rsplit('/', 1)[-1]:>18}" for key in keys)]
+    for name, steps in runs.items():
+        for step, metrics in enumerate(steps, 1):
+            lines.append(f"{step:<6}{name:<10}" + "".join(
+                f"{metrics[key]:>18.6g}" if key in metrics else f"{'-':>18}" for key in keys))
+    return "\n".join(lines)
+
+
 def plot(runs: dict[str, list[dict]], out: Path) -> Path:
     """One panel per timing and curve, one line per run; written as a PNG."""
     import matplotlib
@@ -69,6 +79,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("runs", nargs="+", help="NAME=metrics.jsonl, the first is the baseline of the ratios")
     parser.add_argument("--out", type=Path, required=True, help="PNG to write")
+    parser.add_argument("--show", nargs="+", default=[], metavar="KEY", help="metrics to print per step and run")
     args = parser.parse_args(argv)
     runs = {}
     for spec in args.runs:
@@ -77,6 +88,8 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(f"expected NAME=metrics.jsonl, got {spec!r}")
         runs[name] = read_steps(Path(path))
     print(summary(runs))
+    if args.show:
+        print(shown(runs, args.show))
     print(f"plot: {plot(runs, args.out)}")
 
 

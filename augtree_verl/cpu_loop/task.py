@@ -9,7 +9,9 @@
 - The task: each prompt names 8 key words, then a long text of random words (``min_words`` to
   ``max_words``), then asks for an answer; the reward (``reward.compute_score``) is the fraction of answer
   words that are key words. Rows are verl's RL format: ``prompt`` (chat messages), ``data_source``,
-  ``reward_model.ground_truth``, ``extra_info``.
+  ``reward_model.ground_truth``, ``extra_info``. With ``system_words`` > 0 every row starts with the same
+  system message of that many words (seeded), so the batch shares one long prefix across prompts, as
+  agents' system prompts and tool schemas do (the multi-turn agent task: ``examples/train_agent.sh``).
 
 ``python -m augtree_verl.cpu_loop.task --out DIR`` writes ``DIR/model`` (a Hugging Face model directory with
 its tokenizer) and ``DIR/data/{train,test}.parquet``.
@@ -43,20 +45,23 @@ class TaskConfig:
     hidden_size: int = 64
     num_layers: int = 2
     max_positions: int = 2048
+    system_words: int = 0
     seed: int = 0
 
     def __post_init__(self):
         for name in ("train_rows", "test_rows", "min_words", "hidden_size", "num_layers"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.system_words < 0:
+            raise ValueError(f"system_words must be >= 0, got {self.system_words}")
         if self.max_words < self.min_words:
             raise ValueError(f"max_words ({self.max_words}) must be >= min_words ({self.min_words})")
         if self.hidden_size % 16:
             raise ValueError(f"hidden_size must be a multiple of 16 (4 heads of 16 x k), got {self.hidden_size}")
         # prompt = key words + text + a few task and chat tokens; the answer needs room too
-        if self.max_positions < self.max_words + KEYS_PER_PROMPT + 64:
+        if self.max_positions < self.system_words + self.max_words + KEYS_PER_PROMPT + 64:
             raise ValueError(f"max_positions ({self.max_positions}) leaves no room for prompts of "
-                             f"max_words={self.max_words}")
+                             f"system_words={self.system_words} + max_words={self.max_words}")
 
 
 def build_tokenizer():
@@ -98,12 +103,15 @@ def save_model(directory: Path, config: TaskConfig) -> Path:
 def task_rows(num_rows: int, config: TaskConfig, *, split: str, seed: int) -> list[dict]:
     """``num_rows`` verl RL rows of the key-word task (see the module docstring)."""
     rng = random.Random(seed)
+    system_text = " ".join(random.Random(config.seed).choices(WORDS, k=config.system_words))
+    system = [{"role": "system", "content": system_text}] if config.system_words else []
     rows = []
     for index in range(num_rows):
         keys = rng.sample(WORDS, KEYS_PER_PROMPT)
         text = rng.choices(WORDS, k=rng.randint(config.min_words, config.max_words))
         content = f"key {' '.join(keys)} text {' '.join(text)} answer"
-        rows.append({"data_source": DATA_SOURCE, "prompt": [{"role": "user", "content": content}],
+        messages = system + [{"role": "user", "content": content}]
+        rows.append({"data_source": DATA_SOURCE, "prompt": messages,
                      "ability": "keywords", "reward_model": {"style": "rule", "ground_truth": " ".join(keys)},
                      "extra_info": {"split": split, "index": index, "words": len(text)}})
     return rows
@@ -126,7 +134,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, type=Path, help="output directory (model/ and data/)")
     defaults = TaskConfig()
-    names = ("train_rows", "test_rows", "min_words", "max_words", "max_positions", "seed")
+    names = ("train_rows", "test_rows", "min_words", "max_words", "max_positions", "system_words", "seed")
     for name in names:
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name))
     args = parser.parse_args(argv)

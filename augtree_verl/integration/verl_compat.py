@@ -39,7 +39,11 @@ PRIVATE_OVERRIDES = {
                    "and marks the group finished: PlannerFeedWorker opens the group's length record around it",
     "_agent_loop_postprocess": "verl/trainer/ppo/v1/agent_loop_tq.py AgentLoopWorkerTQ._agent_loop_postprocess "
                                "puts one session's samples into the TransferQueue: PlannerFeedWorker records their "
-                               "lengths and reports the group to the planner once its n sessions are in",
+                               "lengths and reports the group to the planner once its n sessions are in; it "
+                               "stores a branching loop's leaves as sessions of their own",
+    "_handle_generating_state": "verl/experimental/agent_loop/tool_agent_loop.py ToolAgentLoop."
+                                "_handle_generating_state runs one assistant turn: BranchingAgentLoop lets its "
+                                "environment reply where verl would end the trajectory",
 }
 
 # The public verl names every other module of the package uses (imports, and attributes of verl modules it
@@ -85,6 +89,10 @@ VERL_NAMES = {
     "rollout/agent_loop.py": (
         "verl.trainer.ppo.v1.agent_loop_tq.AgentLoopManagerTQ",
         "verl.trainer.ppo.v1.agent_loop_tq.AgentLoopWorkerTQ",
+    ),
+    "rollout/branching.py": (
+        "verl.experimental.agent_loop.tool_agent_loop.AgentState",
+        "verl.experimental.agent_loop.tool_agent_loop.ToolAgentLoop",
     ),
     "rollout/checkpoint_engine.py": (
         "verl.checkpoint_engine.base.CheckpointEngine",
@@ -281,6 +289,13 @@ def rollout_sessions(prompt: dict, default: int) -> int:
     """verl/trainer/ppo/v1/agent_loop_tq.py AgentLoopWorkerTQ._run_prompt runs ``prompt["__rollout_n__"]``
     sessions of a uid (and pops the key), else ``rollout.n``: how many sessions the group has."""
     return prompt.get("__rollout_n__", default)
+
+
+def active_tool_schemas(agent_data) -> list[dict]:
+    """verl/experimental/agent_loop/tool_agent_loop.py ToolAgentLoop.run keeps a trajectory's tool schemas (the
+    row's ``tool_selection`` of the loop's tools) in ``agent_data._active_tool_schemas``: the schemas its
+    chat-template renders take."""
+    return agent_data._active_tool_schemas
 
 
 def tq_session_and_index(key: str, uid: str) -> tuple[int, int] | None:

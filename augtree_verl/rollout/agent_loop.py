@@ -12,9 +12,15 @@ marked finished, so the plan is usually ready before the trainer samples the gro
 groups (a session raised: verl marks the group failed), groups whose outputs have several prompt lengths
 (multi-output agent loops: several trees), and everything without the planner service (the actor's
 engine is not AugTree's, or ``use_planner=false``).
+
+A session whose agent loop returns ``Leaves`` (``rollout.branching``) stores leaf j as the sample of session
+``session_id + j`` (key ``{uid}_{session_id + j}_0``), each scored on its own: verl takes a list of outputs
+as one trajectory's steps (one reward, the last output's, and one GRPO sample per session).
 """
 
 from __future__ import annotations
+
+import asyncio
 
 import ray
 from verl.trainer.ppo.v1.agent_loop_tq import AgentLoopManagerTQ, AgentLoopWorkerTQ
@@ -45,6 +51,11 @@ class GroupLengths:
         return prompt_lens.pop(), [r for _, r in lengths]
 
 
+class Leaves(list):
+    """A branching agent loop's outputs (``AgentLoopOutput``s): independent samples of one tree, leaf j of
+    session s to be stored as session s + j."""
+
+
 class PlannerFeedWorker(verl_compat.ray_actor_class(AgentLoopWorkerTQ)):  # type: ignore[misc]
     """verl's TransferQueue agent-loop worker, reporting each finished training group to the planner."""
 
@@ -65,7 +76,13 @@ class PlannerFeedWorker(verl_compat.ray_actor_class(AgentLoopWorkerTQ)):  # type
             self.open_groups.pop(uid, None)
 
     async def _agent_loop_postprocess(self, output, validate, **kwargs):
-        result = await super()._agent_loop_postprocess(output, validate, **kwargs)
+        if isinstance(output, Leaves):
+            store = super()._agent_loop_postprocess
+            session = int(kwargs["session_id"])
+            result = await asyncio.gather(*(store(leaf, validate, **{**kwargs, "session_id": session + j})
+                                            for j, leaf in enumerate(output)))
+        else:
+            result = await super()._agent_loop_postprocess(output, validate, **kwargs)
         group = self.open_groups.get(kwargs["uid"])
         outputs = output if isinstance(output, list) else [output]
         if group is not None and group.add(kwargs["session_id"],

@@ -9,8 +9,9 @@ from transformers import AutoConfig, AutoTokenizer
 from verl.utils.dataset.rl_dataset import RLHFDataset
 from verl.utils.reward_score import default_compute_score
 
+from augtree_verl.cpu_loop.environment import keyword_feedback
 from augtree_verl.cpu_loop.reward import DATA_SOURCE, compute_score
-from augtree_verl.cpu_loop.task import KEYS_PER_PROMPT, TaskConfig, main
+from augtree_verl.cpu_loop.task import KEYS_PER_PROMPT, TaskConfig, main, task_rows
 
 REPO = Path(__file__).resolve().parents[2]
 SMALL = dict(train_rows=6, test_rows=2, min_words=100, max_words=200, max_positions=512)
@@ -48,6 +49,19 @@ def test_reward_is_the_fraction_of_key_words(task):
     assert compute_score(DATA_SOURCE, "", gold) == 0.0
 
 
+def test_agent_rows_share_one_system_prompt_and_the_environment_marks_key_words():
+    config = TaskConfig(**SMALL, system_words=50)
+    rows = task_rows(3, config, split="train", seed=1) + task_rows(1, config, split="test", seed=2)
+    systems = {row["prompt"][0]["content"] for row in rows}
+    assert len(systems) == 1 and len(systems.pop().split()) == 50
+    assert [m["role"] for m in rows[0]["prompt"]] == ["system", "user"]
+    assert [m["role"] for m in task_rows(1, TaskConfig(**SMALL), split="train", seed=1)[0]["prompt"]] == ["user"]
+    key = rows[0]["reward_model"]["ground_truth"].split()[0]
+    other = next(w for w in ("ba", "be", "bi") if w not in rows[0]["reward_model"]["ground_truth"])
+    reply = keyword_feedback([{"role": "assistant", "content": f"{key} {other} {key}"}], rows[0])
+    assert reply == "key text key"
+
+
 def test_other_data_sources_keep_verls_reward():
     gold = {"target": ["Paris"]}
     assert compute_score("searchR1_musique", "<answer>Paris</answer>", gold) == default_compute_score(
@@ -56,7 +70,8 @@ def test_other_data_sources_keep_verls_reward():
 
 @pytest.mark.parametrize("bad, match", [(dict(max_words=10, min_words=20), "max_words"),
                                         (dict(train_rows=0), "train_rows"), (dict(max_positions=100), "max_positions"),
-                                        (dict(hidden_size=40), "hidden_size")])
+                                        (dict(hidden_size=40), "hidden_size"), (dict(system_words=-1), "system_words"),
+                                        (dict(system_words=1500), "system_words=1500")])
 def test_bad_sizes_are_named(bad, match):
     with pytest.raises(ValueError, match=match):
         TaskConfig(**bad)

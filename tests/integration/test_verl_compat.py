@@ -314,11 +314,12 @@ def test_the_frozen_field_and_the_overridden_methods_exist():
         config.strategy = "fsdp"
     verl_compat.set_frozen_field(config, "strategy", "fsdp")
     assert config.strategy == "fsdp" and "_mutable_fields" in vars(BaseConfig)
+    from verl.experimental.agent_loop.tool_agent_loop import ToolAgentLoop
     from verl.trainer.ppo.v1.agent_loop_tq import AgentLoopWorkerTQ
 
     worker = AgentLoopWorkerTQ.__ray_actor_class__
     owners = {"_build_fsdp_module": FSDPEngine, "_init_device_mesh": FSDPEngine, "_balance_batch": PPOTrainer,
-              "_run_prompt": worker, "_agent_loop_postprocess": worker}
+              "_run_prompt": worker, "_agent_loop_postprocess": worker, "_handle_generating_state": ToolAgentLoop}
     assert set(owners) == set(verl_compat.PRIVATE_OVERRIDES)
     for name, owner in owners.items():
         assert callable(vars(owner).get(name)), f"verl's {owner.__name__} has no {name} any more"

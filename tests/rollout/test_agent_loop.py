@@ -50,7 +50,7 @@ def worker_config(tmp_path, planner_name, *overrides):
             f"actor_rollout_ref.actor.fsdp_config.planner_name={planner_name}", *overrides])
 
 
-def prompts(groups, validate=False):
+def prompts(groups, validate=False, leaves=0):
     """The batch verl's trainer hands the agent-loop manager: one row per prompt, with our test fields."""
     uids = list(groups)
     batch = TensorDict({"test_prompt_len": torch.tensor([groups[u][0] for u in uids])}, batch_size=[len(uids)])
@@ -58,6 +58,7 @@ def prompts(groups, validate=False):
     batch["index"] = NonTensorStack(*range(len(uids)))
     batch["test_response_lens"] = NonTensorStack(*[list(groups[u][1]) for u in uids])
     batch["agent_name"] = NonTensorData("fixed")
+    batch["test_leaves"] = NonTensorData(leaves)
     batch["global_steps"] = NonTensorData(1)
     if validate:
         batch["validate"] = NonTensorData(True)
@@ -119,6 +120,28 @@ def test_finished_training_groups_reach_the_planner_in_session_order(ray_tq, tmp
         data = tq.kv_batch_get(keys=keys, partition_id="train", select_fields=["prompts", "responses"])
         assert [data["responses"][i].numel() for i in range(N)] == rs
         assert all(data["prompts"][i].numel() == p for i in range(N))
+    ray.kill(worker)
+
+
+@pytest.mark.timeout(600)
+def test_a_branching_loops_leaves_are_samples_of_their_own_in_leaf_order(ray_tq, tmp_path):
+    """A session returning ``Leaves`` (one tree of N leaves in session 0): leaf j becomes the sample of session j,
+    and the planner gets the group's lengths in that order."""
+    name = f"planner-{uuid.uuid4().hex[:8]}"
+    planner = start_planner_service(name, degrees=(1, 2, 4, 8), profile=ClusterProfile.default())
+    ray.get(planner.config.remote(), timeout=ACTOR_START_TIMEOUT_S)
+    worker = ray.remote(PlannerFeedWorker).remote(worker_config(tmp_path, name), None)
+    uid = f"tree-{uuid.uuid4().hex[:6]}"
+    ray.get(worker.generate_sequences.remote(prompts({uid: (200, [30] * N)}, leaves=N)),
+            timeout=ACTOR_START_TIMEOUT_S)
+    assert wait_until_settled([uid], "train") == {uid: "finished"}
+    keys = [f"{uid}_{s}_0" for s in range(N)]
+    data = tq.kv_batch_get(keys=keys, partition_id="train", select_fields=["responses"])
+    assert [data["responses"][i].numel() for i in range(N)] == [30 + j for j in range(N)]
+    assert not [key for key in tq.kv_list(partition_id="train")["train"] if key.startswith(uid + "_")
+                and key not in keys]
+    reply = ray.get(planner.take.remote({uid: (200, [30 + j for j in range(N)])}, [], 0.0), timeout=30)
+    assert "plan" in reply["results"][uid]
     ray.kill(worker)
 
 
