@@ -3,16 +3,28 @@
 Compute is measured on the profile's model shapes (call ``with_model`` first), with the kernels the replay runs:
 - flops_per_s: without ``model``, median of [T, hidden] @ [hidden, intermediate] matmuls (an MLP projection;
   float32 on CPU, the profile's dtype on CUDA; widths capped on CPU so a 7B shape still calibrates in
-  seconds). With ``model``, what the model's own layers reach per token, every kernel of them (norms,
-  activations, RoPE: on a small model they cost as much as the matmuls): its dense FLOPs (the cost model's
-  count) over the time one ``DENSE_TOKENS``-token response adds to a replay, less that response's attention
-  at ``attention_flops_per_s``.
-- attention_flops_per_s: median forward + backward of one non-causal attention block with the model's
-  query/KV heads and head dim, through the CP engine's kernels (``ops.attention``: the ATen flash kernel on CPU,
-  torch's flash kernels or flash-attn on CUDA, SDPA there where those cannot run: flash-attn selected but
-  missing, or float32); 3 x forward FLOPs / time, as the cost model counts.
+  seconds). With ``model``, the replay's own throughputs (``_replay_throughputs``): what a response of n
+  tokens adds to a replay after a prompt of p tokens is n A / F + n^2 / 2 B / F_causal + n p B / F_attention,
+  A and B the cost model's dense FLOPs per token and FLOPs per (query, key) pair of a pass. Three such times
+  (responses of both ``DENSE_TOKENS`` lengths after the tiny prompt, the shorter after a prompt of the longer
+  length) give F (every kernel of the model's layers per token: norms, activations, RoPE cost as much as the
+  matmuls on a small model), F_causal and F_attention where the replay runs them: its own attention calls
+  (the varlen kernel for a call's own tokens, blocks against a prompt's K/V) at the lengths of long calls.
+  A flash kernel's causal throughput grows with the sequence (its diagonal tiles, computed whole, are a
+  shrinking share), and the replay's own calls (varlen blocks, blocks against a prompt) are not the
+  microbenchmarks' single block of about a thousand tokens below: on a CPU those rated qwen2-small's causal
+  attention at 37 GFLOP/s where its 2k-token replays reach 48, and the cost model over-predicted the long
+  steps of ``augtree bench`` by 15-25% with them. Where noise makes a figure non-positive, the
+  microbenchmark's stands (and F follows from the rest); F_causal is capped at F_attention (a causal block's
+  visible pairs cost no less than a full block's).
+- attention_flops_per_s: without ``model`` (or as the fallback above), median forward + backward of one
+  non-causal attention block with the model's query/KV heads and head dim, through the CP engine's kernels
+  (``ops.attention``: the ATen flash kernel on CPU, torch's flash kernels or flash-attn on CUDA, SDPA there
+  where those cannot run: flash-attn selected but missing, or float32); 3 x forward FLOPs / time, as the cost
+  model counts.
 - causal_attention_flops_per_s: the same block causal, its visible half's FLOPs counted (a flash kernel
-  skips the masked tiles but not the diagonal's work, so it reaches less).
+  skips the masked tiles but not the diagonal's work, so it reaches less); with ``model``, fitted on the
+  replay (above).
 - the fixed costs ``FIXED_COSTS`` (with ``model``: what ``replay`` runs), fitted on the replay itself: tiny trees
   (``OVERHEAD_PROMPT`` prompt tokens, n two-token responses, n = 1 and 1 + ``OVERHEAD_CALLS``) replayed on
   one device, each response its own micro-batch, and, with a world process group of W > 1 ranks, under
@@ -72,8 +84,10 @@ ATTENTION_CPU_FLOPS = 5e8
 ATTENTION_CPU_TOKENS = (256, 2048)
 ATTENTION_MAX_KV_HEADS = {"cpu": 2, "cuda": 1 << 10}  # throughput per head is flat; keeps a CPU call short
 OVERHEAD_PROMPT, OVERHEAD_CALLS = 8, 4     # the tiny trees' prompt tokens, and the calls one has more
-DENSE_TOKENS = {"cpu": 512, "cuda": 4096}  # the response whose time gives the model's per-token throughput
-MIN_DENSE_SHARE = 0.1   # the dense share of that response's time is taken as at least this (noise guard)
+# The response and prompt lengths whose replay times give the model's throughputs (``_replay_throughputs``):
+# the shorter as long as a typical response call, the longer where attention is a large share.
+DENSE_TOKENS = {"cpu": (512, 2048), "cuda": (4096, 8192)}
+MIN_DENSE_SHARE = 0.1   # the dense share of the shorter response's time is taken as at least this (noise guard)
 COMM_BYTES = {"cpu": 4 << 20, "cuda": 256 << 20}
 REPEATS = 7
 MIN_OVERHEAD_S = 1e-6   # a fixed cost the noise of a shared machine put at or below zero
@@ -206,39 +220,60 @@ def _attention_step(q, k, v, dout, causal: bool):
 
 
 def _replay_costs(model, profile, device: torch.device, lockstep_group, cp_world: int) -> dict:
-    """flops_per_s and the fixed costs (``FIXED_COSTS``) of ``replay`` on ``model`` (the module docstring);
-    ``profile`` has the measured attention throughputs and bandwidths; ``cp_world`` > 1: the CP plans of
-    tiny trees run over the world too."""
+    """The throughputs (``_replay_throughputs``) and the fixed costs (``FIXED_COSTS``) of ``replay`` on ``model``
+    (the module docstring); ``profile`` has the microbenchmarks' attention throughputs and the bandwidths;
+    ``cp_world`` > 1: the CP plans of tiny trees run over the world too."""
     gen = torch.Generator().manual_seed(0)
     ids = lambda n: torch.randint(0, model.get_input_embeddings().num_embeddings, (n,), generator=gen).to(device)
     prompt = ids(OVERHEAD_PROMPT)
-    dense_tokens = DENSE_TOKENS.get(device.type, DENSE_TOKENS["cpu"])
+    lengths = DENSE_TOKENS.get(device.type, DENSE_TOKENS["cpu"])
     loss = per_response(lambda t, i, scores: scores.sum())
     params = [p for p in model.parameters() if p.requires_grad] if hasattr(model, "parameters") else []
     saved = [p.grad for p in params]
 
-    def step(trees, plans=None, micro_batch_tokens=dense_tokens):
+    longest = max(lengths) + 1
+
+    def step(trees, plans=None, micro_batch_tokens=longest):
         return lambda: replay(model, StepPlan.build(trees, plans=plans, lockstep_group=lockstep_group,
                                                     micro_batch_tokens=micro_batch_tokens), loss)
 
     one = step([Tree.of_tokens(prompt, [ids(2)])])
     configs = _tiny_trees(profile, prompt, ids, cp_world)
     try:
-        long = _median_added_seconds(step([Tree.of_tokens(prompt, [ids(dense_tokens + 1)])]), one, device, REPEATS)
+        short, long = lengths
+        context = ids(long)
+        added = [_median_added_seconds(step([Tree.of_tokens(prompt, [ids(n + 1)])]), one, device, REPEATS)
+                 for n in lengths]
+        added.append(_median_added_seconds(step([Tree.of_tokens(context, [ids(short + 1)])]),
+                                           step([Tree.of_tokens(context, [ids(2)])]), device, REPEATS))
         seconds = _interleaved_medians([step([tree], [plan], micro_batch_tokens=1) for tree, plan, _, _ in configs],
                                        device, REPEATS)
     finally:
         for p, g in zip(params, saved):
             p.grad = g
-    p = profile
-    attention_s = p.train_factor * p.attention_pair_flops * dense_tokens * (
-        OVERHEAD_PROMPT / p.attention_flops_per_s + dense_tokens / 2 / p.causal_attention_flops_per_s)
-    dense_s = max(long - attention_s, MIN_DENSE_SHARE * long)
     fitted = _fit_fixed_costs([counts for _, _, counts, _ in configs],
                               [t - variable for t, (_, _, _, variable) in zip(seconds, configs)])
     names = FIXED_COSTS if cp_world > 1 else FIXED_COSTS[:2]
-    return {"flops_per_s": p.train_factor * (p.linear_flops + p.head_flops) * dense_tokens / dense_s,
+    return {**_replay_throughputs(profile, lengths, added),
             **{name: max(fitted[i], MIN_OVERHEAD_S) for i, name in enumerate(FIXED_COSTS) if name in names}}
+
+
+def _replay_throughputs(profile, lengths: tuple[int, int], added: list[float]) -> dict:
+    """flops_per_s, causal_attention_flops_per_s and attention_flops_per_s from the seconds ``added`` to a
+    replay by a response of ``lengths[0]`` and of ``lengths[1]`` tokens after ``OVERHEAD_PROMPT`` prompt
+    tokens, and of ``lengths[0]`` tokens after ``lengths[1]`` (the module docstring)."""
+    p = profile
+    dense, pair = (p.train_factor * f for f in (p.linear_flops + p.head_flops, p.attention_pair_flops))
+    short, long = lengths
+    # [n A, n^2 / 2 B, n p B] per measurement: the seconds per unit of 1 / F, 1 / F_causal, 1 / F_attention.
+    work = np.array([[n * dense, n * n / 2 * pair, n * context * pair]
+                     for n, context in ((short, OVERHEAD_PROMPT), (long, OVERHEAD_PROMPT), (short, long))])
+    inverse = np.linalg.solve(work, np.array(added, dtype=np.float64))
+    full = 1.0 / inverse[2] if inverse[2] > 0 else p.attention_flops_per_s
+    causal = min(1.0 / inverse[1] if inverse[1] > 0 else p.causal_attention_flops_per_s, full)
+    dense_s = max(added[0] - work[0, 1] / causal - work[0, 2] / full, MIN_DENSE_SHARE * added[0])
+    return {"flops_per_s": float(work[0, 0] / dense_s), "causal_attention_flops_per_s": float(causal),
+            "attention_flops_per_s": float(full)}
 
 
 def _tiny_trees(profile, prompt: torch.Tensor, ids, cp_world: int) -> list[tuple]:

@@ -14,6 +14,7 @@ from augtree_verl.planner.calibrate import (
     OVERHEAD_CALLS,
     OVERHEAD_PROMPT,
     _fit_fixed_costs,
+    _replay_throughputs,
     _tiny_trees,
 )
 
@@ -129,6 +130,45 @@ def test_calibrate_with_a_model_measures_the_replays_call_and_slot_overheads():
         assert getattr(p, f) != getattr(base, f) and MIN_OVERHEAD_S <= getattr(p, f) < 1.0, (f, getattr(p, f))
     assert model.lm_head.weight.grad is grad and all(
         param.grad is None for name, param in model.named_parameters() if name != "lm_head.weight")
+
+
+def _added_seconds(p: ClusterProfile, n: int, context: int, dense: float, causal: float, full: float) -> float:
+    """What a response of n tokens adds to a replay after ``context`` prompt tokens (the cost model's terms)."""
+    pair = p.train_factor * p.attention_pair_flops
+    return (n * p.train_factor * (p.linear_flops + p.head_flops) / dense + n * n / 2 * pair / causal
+            + n * context * pair / full)
+
+
+def _measured(p: ClusterProfile, dense: float, causal: float, full: float) -> list[float]:
+    """The three times ``_replay_throughputs`` reads (responses of 512 and 2048 tokens, 512 after 2048)."""
+    return [_added_seconds(p, n, context, dense, causal, full)
+            for n, context in ((512, OVERHEAD_PROMPT), (2048, OVERHEAD_PROMPT), (512, 2048))]
+
+
+MICROBENCHMARKS = dict(attention_flops_per_s=2e10, causal_attention_flops_per_s=1e10)
+
+
+@pytest.mark.parametrize("causal, expected", [(3e10, 3e10), (9e10, 5e10)])
+def test_the_replays_throughputs_are_solved_from_three_replay_times(causal, expected):
+    """Exact times give every figure back; a causal figure above the full blocks' is capped there (and the
+    dense one follows from the shorter response)."""
+    p = dataclasses.replace(ClusterProfile.default().with_model(TINY_CFG), activation_checkpointing=False,
+                            **MICROBENCHMARKS)
+    added = _measured(p, 4e10, causal, 5e10)
+    fitted = _replay_throughputs(p, (512, 2048), added)
+    assert fitted["attention_flops_per_s"] == pytest.approx(5e10, rel=FIT_REL)
+    assert fitted["causal_attention_flops_per_s"] == pytest.approx(expected, rel=FIT_REL)
+    assert _added_seconds(p, 512, OVERHEAD_PROMPT, fitted["flops_per_s"], expected, 5e10) == pytest.approx(added[0])
+    if causal == expected:
+        assert fitted["flops_per_s"] == pytest.approx(4e10, rel=FIT_REL)
+
+
+def test_a_noisy_solution_keeps_the_microbenchmarks_figures():
+    p = dataclasses.replace(ClusterProfile.default().with_model(TINY_CFG), activation_checkpointing=False,
+                            **MICROBENCHMARKS)
+    short = _measured(p, 4e10, 3e10, 5e10)[0]
+    fitted = _replay_throughputs(p, (512, 2048), [short, 2 * short, short])   # far too fast for longer work
+    assert fitted["causal_attention_flops_per_s"] == 1e10 and fitted["attention_flops_per_s"] == 2e10
 
 
 def _free_port() -> int:
