@@ -38,11 +38,18 @@ class Tree:
     responses: tuple[torch.Tensor, ...] = ()
 
     @classmethod
-    def of_tokens(cls, prompt: torch.Tensor, responses: Sequence[torch.Tensor], *, uid: str = "",
-                  samples: Sequence[int] = ()) -> Tree:
+    def of_tokens(
+        cls, prompt: torch.Tensor, responses: Sequence[torch.Tensor], *, uid: str = "", samples: Sequence[int] = ()
+    ) -> Tree:
         """The tree of ``prompt`` [P] and ``responses`` [R_i] (checked by ``check_tokens``, not here)."""
-        return cls(uid=uid, prompt_len=len(prompt), response_lens=tuple(len(r) for r in responses),
-                   samples=tuple(samples), prompt=prompt, responses=tuple(responses))
+        return cls(
+            uid=uid,
+            prompt_len=len(prompt),
+            response_lens=tuple(len(r) for r in responses),
+            samples=tuple(samples),
+            prompt=prompt,
+            responses=tuple(responses),
+        )
 
     @property
     def tree_id(self) -> str:
@@ -65,8 +72,7 @@ class Tree:
         for j, (lo, hi) in enumerate(bounds):
             if lo < 0 or hi >= vocab_size:
                 what = f"tree {index} prompt" if j == 0 else f"tree {index} response {j - 1}"
-                raise ValueError(f"{what} has token id {lo if lo < 0 else hi} outside the vocabulary "
-                                 f"[0, {vocab_size})")
+                raise ValueError(f"{what} has token id {lo if lo < 0 else hi} outside the vocabulary [0, {vocab_size})")
 
 
 def _check_ids(t, what: str, device: torch.device | None) -> None:
@@ -97,8 +103,12 @@ def tree_workload(prompt_len: int, response_lens: Sequence[int]) -> int:
     return int(work[1:].sum() - (len(response_lens) - 1) * work[0])
 
 
-def find_trees(uids: Sequence, prompt_lens: Sequence[int], response_lens: Sequence[int],
-               sequences: Sequence[torch.Tensor] | None = None) -> list[Tree]:
+def find_trees(
+    uids: Sequence,
+    prompt_lens: Sequence[int],
+    response_lens: Sequence[int],
+    sequences: Sequence[torch.Tensor] | None = None,
+) -> list[Tree]:
     """Group samples into trees by ``tree_id``; raise ValueError naming the sample on bad input.
 
     With ``sequences`` (sample i's token ids [prompt_lens[i] + response_lens[i]]) the trees carry their
@@ -108,7 +118,8 @@ def find_trees(uids: Sequence, prompt_lens: Sequence[int], response_lens: Sequen
     if not len(uids) == len(prompt_lens) == len(response_lens):
         raise ValueError(
             f"uids, prompt_lens and response_lens must have one entry per sample, got "
-            f"{len(uids)}, {len(prompt_lens)} and {len(response_lens)}")
+            f"{len(uids)}, {len(prompt_lens)} and {len(response_lens)}"
+        )
     members: dict[tuple, list[int]] = {}
     if sequences is not None:  # every sample's prompt tokens in one device-to-host copy (one sync per step)
         prompts = torch.cat([sequences[i][: int(p)] for i, p in enumerate(prompt_lens)]).cpu().numpy()
@@ -117,14 +128,17 @@ def find_trees(uids: Sequence, prompt_lens: Sequence[int], response_lens: Sequen
         if not isinstance(uid, str) or not uid:
             raise ValueError(f"sample {i} has uid {uid!r}; every sample needs a non-empty string uid")
         if int(p) < 1 or int(r) < 1:
-            raise ValueError(
-                f"sample {i} of group {uid!r} has prompt_len={p}, response_len={r}; both must be >= 1")
+            raise ValueError(f"sample {i} of group {uid!r} has prompt_len={p}, response_len={r}; both must be >= 1")
         key: tuple = (uid, int(p))
         if sequences is not None:
-            key += (prompts[offsets[i]: offsets[i + 1]].tobytes(),)
+            key += (prompts[offsets[i] : offsets[i + 1]].tobytes(),)
         members.setdefault(key, []).append(i)
     if sequences is None:
-        return [Tree(uid=uid, prompt_len=p, samples=tuple(idx), response_lens=tuple(int(response_lens[i]) for i in idx))
-                for (uid, p), idx in members.items()]
-    return [Tree.of_tokens(sequences[idx[0]][:p], [sequences[i][p:] for i in idx], uid=uid, samples=idx)
-            for (uid, p, _), idx in members.items()]
+        return [
+            Tree(uid=uid, prompt_len=p, samples=tuple(idx), response_lens=tuple(int(response_lens[i]) for i in idx))
+            for (uid, p), idx in members.items()
+        ]
+    return [
+        Tree.of_tokens(sequences[idx[0]][:p], [sequences[i][p:] for i in idx], uid=uid, samples=idx)
+        for (uid, p, _), idx in members.items()
+    ]

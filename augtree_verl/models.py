@@ -19,18 +19,54 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qw
 _COMMON = dict(max_position_embeddings=65_536, rope_theta=1_000_000.0, tie_word_embeddings=False)
 BUILTIN_MODELS = {
     # name: (config class, model class, shape)
-    "qwen2-tiny": (Qwen2Config, Qwen2ForCausalLM, dict(
-        hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=128)),
-    "qwen2-small": (Qwen2Config, Qwen2ForCausalLM, dict(
-        hidden_size=128, intermediate_size=352, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=512)),
-    "qwen2-base": (Qwen2Config, Qwen2ForCausalLM, dict(
-        hidden_size=256, intermediate_size=704, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2,
-        vocab_size=2048)),
-    "llama-small": (LlamaConfig, LlamaForCausalLM, dict(
-        hidden_size=128, intermediate_size=352, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
-        vocab_size=512)),
+    "qwen2-tiny": (
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        dict(
+            hidden_size=64,
+            intermediate_size=176,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=128,
+        ),
+    ),
+    "qwen2-small": (
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        dict(
+            hidden_size=128,
+            intermediate_size=352,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=512,
+        ),
+    ),
+    "qwen2-base": (
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        dict(
+            hidden_size=256,
+            intermediate_size=704,
+            num_hidden_layers=8,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            vocab_size=2048,
+        ),
+    ),
+    "llama-small": (
+        LlamaConfig,
+        LlamaForCausalLM,
+        dict(
+            hidden_size=128,
+            intermediate_size=352,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            vocab_size=512,
+        ),
+    ),
 }
 DEFAULT_MODEL = "qwen2-small"
 
@@ -41,8 +77,9 @@ def attn_implementation(device: str) -> str:
     if not device.startswith("cuda"):
         return "sdpa"
     if importlib.util.find_spec("flash_attn") is None:
-        warnings.warn("flash-attn is not installed (pip install -e '.[flash-attn]'): the CUDA baseline uses SDPA",
-                      stacklevel=2)
+        warnings.warn(
+            "flash-attn is not installed (pip install -e '.[flash-attn]'): the CUDA baseline uses SDPA", stacklevel=2
+        )
         return "sdpa"
     return "flash_attention_2"
 
@@ -58,16 +95,19 @@ def load_model(name_or_path: str, *, device: str = "cpu", dtype: torch.dtype = t
             torch.manual_seed(seed)
             model = model_cls(config)
     else:
-        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype, attn_implementation=attn,
-                                                     local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(
+            name_or_path, dtype=dtype, attn_implementation=attn, local_files_only=True
+        )
     return model.to(device=device, dtype=dtype).train()
 
 
 def check_model_name(name_or_path: str) -> None:
     """Raise ``ValueError`` unless ``name_or_path`` is a built-in model or a local directory."""
     if name_or_path not in BUILTIN_MODELS and not Path(name_or_path).is_dir():
-        raise ValueError(f"--model {name_or_path!r} is neither a built-in model ({', '.join(BUILTIN_MODELS)}) "
-                         "nor a local Hugging Face checkpoint directory")
+        raise ValueError(
+            f"--model {name_or_path!r} is neither a built-in model ({', '.join(BUILTIN_MODELS)}) "
+            "nor a local Hugging Face checkpoint directory"
+        )
 
 
 def vocab_size(model) -> int:

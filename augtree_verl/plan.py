@@ -50,12 +50,10 @@ class Plan:
         if not 1 <= self.lanes <= self.degree:
             raise ValueError(f"Plan.lanes must be in [1, degree={self.degree}], got {self.lanes}")
         if self.primitive == "tree_move_kv" and self.degree % self.lanes:
-            raise ValueError(
-                f"Plan.lanes={self.lanes} must divide Plan.degree={self.degree} for tree_move_kv")
+            raise ValueError(f"Plan.lanes={self.lanes} must divide Plan.degree={self.degree} for tree_move_kv")
         for i, (r, s) in enumerate(self.placement):
             if not (0 <= r < self.rounds and 0 <= s < self.lanes):
-                raise ValueError(
-                    f"Plan.placement[{i}]=({r}, {s}) is outside the {self.rounds}x{self.lanes} grid")
+                raise ValueError(f"Plan.placement[{i}]=({r}, {s}) is outside the {self.rounds}x{self.lanes} grid")
         used_rounds = {r for r, _ in self.placement}
         used_lanes = {s for _, s in self.placement}
         if used_rounds != set(range(self.rounds)):
@@ -69,16 +67,30 @@ class Plan:
             where = f" for tree {tree}" if tree is not None else ""
             raise ValueError(
                 f"Plan.placement{where} has {len(self.placement)} cells but the tree has "
-                f"{num_responses} responses; every response must be placed exactly once")
+                f"{num_responses} responses; every response must be placed exactly once"
+            )
 
     def to_dict(self) -> dict:
-        return {"degree": self.degree, "primitive": self.primitive, "rounds": self.rounds,
-                "lanes": self.lanes, "placement": [list(c) for c in self.placement],
-                "est_time_s": self.est_time_s, "est_parts": dict(self.est_parts), "est_single_s": self.est_single_s}
+        return {
+            "degree": self.degree,
+            "primitive": self.primitive,
+            "rounds": self.rounds,
+            "lanes": self.lanes,
+            "placement": [list(c) for c in self.placement],
+            "est_time_s": self.est_time_s,
+            "est_parts": dict(self.est_parts),
+            "est_single_s": self.est_single_s,
+        }
 
     @classmethod
     def from_dict(cls, d: Mapping) -> Plan:
-        return cls(degree=d["degree"], primitive=d["primitive"], rounds=d["rounds"], lanes=d["lanes"],
-                   placement=tuple(tuple(c) for c in d.get("placement", ())),
-                   est_time_s=d.get("est_time_s"), est_parts=dict(d.get("est_parts") or {}),
-                   est_single_s=d.get("est_single_s"))
+        return cls(
+            degree=d["degree"],
+            primitive=d["primitive"],
+            rounds=d["rounds"],
+            lanes=d["lanes"],
+            placement=tuple(tuple(c) for c in d.get("placement", ())),
+            est_time_s=d.get("est_time_s"),
+            est_parts=dict(d.get("est_parts") or {}),
+            est_single_s=d.get("est_single_s"),
+        )

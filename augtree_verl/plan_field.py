@@ -37,8 +37,12 @@ def plan_entries(trees: Sequence[Tree], plans: Mapping[str, Plan], num_samples: 
         plan.check_responses(len(tree.samples), tree=tree.tree_id)
         plan_dict = plan.to_dict()
         for i, sample in enumerate(tree.samples):
-            entries[sample] = {**plan_dict, "tree_id": tree.tree_id, "response_index": i,
-                               "num_responses": len(tree.samples)}
+            entries[sample] = {
+                **plan_dict,
+                "tree_id": tree.tree_id,
+                "response_index": i,
+                "num_responses": len(tree.samples),
+            }
     missing = [i for i, e in enumerate(entries) if e is None]
     if missing:
         raise ValueError(f"samples {missing[:8]} belong to no tree; every sample needs a plan entry")
@@ -71,10 +75,12 @@ def group_plan_entries(entries: Sequence[Mapping]) -> dict[str, PlannedTree]:
     for pos, entry in enumerate(entries):
         tree_id = entry["tree_id"]
         ref = first.setdefault(tree_id, entry)
-        if {k: v for k, v in entry.items() if k != "response_index"} != \
-                {k: v for k, v in ref.items() if k != "response_index"}:
-            raise ValueError(f"samples of tree {tree_id!r} carry different plans (batch rows {rows[tree_id][0][1]} "
-                             f"and {pos})")
+        if {k: v for k, v in entry.items() if k != "response_index"} != {
+            k: v for k, v in ref.items() if k != "response_index"
+        }:
+            raise ValueError(
+                f"samples of tree {tree_id!r} carry different plans (batch rows {rows[tree_id][0][1]} and {pos})"
+            )
         rows.setdefault(tree_id, []).append((int(entry["response_index"]), pos))
     trees = {}
     for tree_id, members in rows.items():
@@ -83,14 +89,23 @@ def group_plan_entries(entries: Sequence[Mapping]) -> dict[str, PlannedTree]:
         n = int(first[tree_id]["num_responses"])
         if len(set(indices)) != len(indices) or not all(0 <= i < n for i in indices):
             raise ValueError(f"tree {tree_id!r} has response indices {indices}; expected distinct values in [0, {n})")
-        trees[tree_id] = PlannedTree(tree_id=tree_id, plan=Plan.from_dict(first[tree_id]),
-                                     positions=tuple(p for _, p in members),
-                                     response_indices=tuple(indices), num_responses=n)
+        trees[tree_id] = PlannedTree(
+            tree_id=tree_id,
+            plan=Plan.from_dict(first[tree_id]),
+            positions=tuple(p for _, p in members),
+            response_indices=tuple(indices),
+            num_responses=n,
+        )
     return trees
 
 
-def tree_plans(trees: Sequence[Tree], entries: Sequence[Mapping] | None, cp_degrees: Sequence[int] = (1,), *,
-               min_cp_tokens: int = 0) -> tuple[list[Plan | None], int]:
+def tree_plans(
+    trees: Sequence[Tree],
+    entries: Sequence[Mapping] | None,
+    cp_degrees: Sequence[int] = (1,),
+    *,
+    min_cp_tokens: int = 0,
+) -> tuple[list[Plan | None], int]:
     """(one plan per tree, number of trees whose plan could not apply here) for the engine's ``trees``
     (``Tree.samples``: rows of the batch) from the batch's entries (``entries[row]``; None: no plans, every
     tree gets None).
@@ -111,8 +126,10 @@ def tree_plans(trees: Sequence[Tree], entries: Sequence[Mapping] | None, cp_degr
     for t, tree in enumerate(trees):
         for row in tree.samples:
             if entries[row]["tree_id"] != tree.tree_id:
-                raise ValueError(f"batch row {row} of tree {t} ({tree.tree_id!r}) carries the plan of tree "
-                                 f"{entries[row]['tree_id']!r}")
+                raise ValueError(
+                    f"batch row {row} of tree {t} ({tree.tree_id!r}) carries the plan of tree "
+                    f"{entries[row]['tree_id']!r}"
+                )
         entry = planned[tree.tree_id]
         plan = entry.plan
         one_device = Plan(est_time_s=plan.est_single_s)

@@ -32,9 +32,18 @@ from augtree_verl import Plan, ReplayStats, StepPlan, Tree, per_response, replay
 from augtree_verl.cp.cost import AttentionShape, analytic_bytes
 from augtree_verl.replay.cp_tree import SCORE_EXCHANGE
 
-CONFIG = dict(vocab_size=4096, hidden_size=512, intermediate_size=512, num_hidden_layers=1,
-              num_attention_heads=8, num_key_value_heads=2, head_dim=64, max_position_embeddings=32768,
-              tie_word_embeddings=False, attn_implementation="sdpa")
+CONFIG = dict(
+    vocab_size=4096,
+    hidden_size=512,
+    intermediate_size=512,
+    num_hidden_layers=1,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    head_dim=64,
+    max_position_embeddings=32768,
+    tie_word_embeddings=False,
+    attn_implementation="sdpa",
+)
 QWEN25_7B = AttentionShape(layers=28, heads=28, kv_heads=4, head_dim=128, element_size=2)
 GROUPS = {"prompt-heavy": (16384, 256, 8), "response-heavy": (512, 4096, 8)}
 
@@ -45,8 +54,9 @@ def plans_for(d: int, g: int) -> dict[str, Plan]:
         for s in sorted({2, d}):
             if s <= d and (primitive != "tree_move_kv" or d % s == 0):
                 placement = tuple((i // s, i % s) for i in range(g))
-                plans[f"{primitive} s={s}"] = Plan(degree=d, primitive=primitive, rounds=-(-g // s), lanes=s,
-                                                   placement=placement)
+                plans[f"{primitive} s={s}"] = Plan(
+                    degree=d, primitive=primitive, rounds=-(-g // s), lanes=s, placement=placement
+                )
     return plans
 
 
@@ -72,8 +82,16 @@ def _rank_main(rank, world, port, groups, queue):
             want = analytic_bytes(plan, p, tree.response_lens, rank, shape)
             got = {k: stats.comm_bytes.get(f"{plan.primitive}/{k}", 0) for k in ("fwd", "bwd")}
             assert got == want, f"rank {rank} {name} {label}: measured {got} != analytic {want}"
-            row = dict(group=name, plan=label, rank=rank, seconds=elapsed, fwd=got["fwd"], bwd=got["bwd"],
-                       logp=stats.comm_bytes.get(f"{SCORE_EXCHANGE}/fwd", 0), executed_tokens=stats.executed_tokens)
+            row = dict(
+                group=name,
+                plan=label,
+                rank=rank,
+                seconds=elapsed,
+                fwd=got["fwd"],
+                bwd=got["bwd"],
+                logp=stats.comm_bytes.get(f"{SCORE_EXCHANGE}/fwd", 0),
+                executed_tokens=stats.executed_tokens,
+            )
             rows = [None] * world
             dist.all_gather_object(rows, row)
             if rank == 0:
@@ -82,10 +100,16 @@ def _rank_main(rank, world, port, groups, queue):
 
 
 def summarise(rows: list[dict]) -> dict:
-    return dict(group=rows[0]["group"], plan=rows[0]["plan"], seconds=max(r["seconds"] for r in rows),
-                fwd_total=sum(r["fwd"] for r in rows), bwd_total=sum(r["bwd"] for r in rows),
-                max_rank=max(r["fwd"] + r["bwd"] for r in rows), logp_total=sum(r["logp"] for r in rows),
-                executed_tokens=sum(r["executed_tokens"] for r in rows))
+    return dict(
+        group=rows[0]["group"],
+        plan=rows[0]["plan"],
+        seconds=max(r["seconds"] for r in rows),
+        fwd_total=sum(r["fwd"] for r in rows),
+        bwd_total=sum(r["bwd"] for r in rows),
+        max_rank=max(r["fwd"] + r["bwd"] for r in rows),
+        logp_total=sum(r["logp"] for r in rows),
+        executed_tokens=sum(r["executed_tokens"] for r in rows),
+    )
 
 
 def main() -> None:
@@ -110,18 +134,22 @@ def main() -> None:
         if proc.exitcode:
             raise SystemExit(f"a rank failed with exit code {proc.exitcode}")
 
-    mib = 2 ** 20
+    mib = 2**20
     print(f"d={args.degree} gloo, one layer: 8 q / 2 kv heads x 64, float32; bytes measured == analytic on every rank")
-    print(f"{'group':15}{'plan':17}{'fwd MiB':>10}{'bwd MiB':>10}{'total MiB':>11}{'vs ring':>9}"
-          f"{'busiest MiB':>13}{'time s':>8}{'tokens':>9}")
+    print(
+        f"{'group':15}{'plan':17}{'fwd MiB':>10}{'bwd MiB':>10}{'total MiB':>11}{'vs ring':>9}"
+        f"{'busiest MiB':>13}{'time s':>8}{'tokens':>9}"
+    )
     # tokens: tokens run through the model, summed over ranks (prompt once per lane / group, or per response)
     for res in results:
         ring = next(x for x in results if x["group"] == res["group"] and x["plan"] == "ring")
         total = res["fwd_total"] + res["bwd_total"]
         ratio = f"{(ring['fwd_total'] + ring['bwd_total']) / total:.1f}x" if total else "no comm"
-        print(f"{res['group']:15}{res['plan']:17}{res['fwd_total'] / mib:10.1f}{res['bwd_total'] / mib:10.1f}"
-              f"{total / mib:11.1f}{ratio:>9}{res['max_rank'] / mib:13.1f}{res['seconds']:8.1f}"
-              f"{res['executed_tokens']:9d}")
+        print(
+            f"{res['group']:15}{res['plan']:17}{res['fwd_total'] / mib:10.1f}{res['bwd_total'] / mib:10.1f}"
+            f"{total / mib:11.1f}{ratio:>9}{res['max_rank'] / mib:13.1f}{res['seconds']:8.1f}"
+            f"{res['executed_tokens']:9d}"
+        )
     print(f"\nanalytic bytes, Qwen2.5-7B-shaped (28 layers, 28 q / 4 kv heads x 128, bf16), d={args.degree}:")
     print(f"{'group':15}{'plan':17}{'total GiB':>11}{'vs ring':>9}")
     for name, (p, r, g) in groups.items():
@@ -131,7 +159,7 @@ def main() -> None:
             totals[label] = sum(x["fwd"] + x["bwd"] for x in b)
         for label, total in totals.items():
             ratio = f"{totals['ring'] / total:.1f}x" if total else "no comm"
-            print(f"{name:15}{label:17}{total / 2 ** 30:11.2f}{ratio:>9}")
+            print(f"{name:15}{label:17}{total / 2**30:11.2f}{ratio:>9}")
             results.append(dict(group=name, plan=label, qwen25_7b_bf16_total_bytes=total))
     if args.out:
         with open(args.out, "w") as f:

@@ -55,25 +55,36 @@ def _batches(name: str, rank: int, primitive: str, min_prompt: int, profile) -> 
     groups = [(p, [RESPONSE_LEN] * GROUP_SIZE) for p in BATCHES[name]]
     rows = H.group_rows(groups, seed=0)
     trees = find_trees([r["uid"] for r in rows], [len(r["prompt"]) for r in rows], [len(r["response"]) for r in rows])
-    forced = {t.tree_id: plan_tree(t.prompt_len, t.response_lens, degrees=(2,), force_primitive=primitive)
-              if t.prompt_len >= min_prompt else plan_tree(t.prompt_len, t.response_lens, degrees=(1,))
-              for t in trees}
+    forced = {
+        t.tree_id: plan_tree(t.prompt_len, t.response_lens, degrees=(2,), force_primitive=primitive)
+        if t.prompt_len >= min_prompt
+        else plan_tree(t.prompt_len, t.response_lens, degrees=(1,))
+        for t in trees
+    }
     planned = {t.tree_id: plan_tree(t.prompt_len, t.response_lens, degrees=(1, 2), profile=profile) for t in trees}
     mine = rows[rank::WORLD]
     group = [r for r in rows if r["uid"] == f"group-{rank}"]  # group 0 is the heavier one
-    out = {"stock": H.rows_to_batch(mine, micro_batch_size=len(mine)),
-           "augtree dp": H.rows_to_batch(group, micro_batch_size=len(group))}
+    out = {
+        "stock": H.rows_to_batch(mine, micro_batch_size=len(mine)),
+        "augtree dp": H.rows_to_batch(group, micro_batch_size=len(group)),
+    }
     for run, plans in (("augtree cp", forced), ("augtree planned", planned)):
-        out[run] = H.rows_to_batch(rows, micro_batch_size=len(rows),
-                                   extra={PLAN_FIELD: plan_entries(trees, plans, len(rows))})
+        out[run] = H.rows_to_batch(
+            rows, micro_batch_size=len(rows), extra={PLAN_FIELD: plan_entries(trees, plans, len(rows))}
+        )
     if rank == 0:
-        print(f"{name}: planner's per-group plans "
-              + ", ".join(f"prompt {t.prompt_len}: {planned[t.tree_id].primitive} d={planned[t.tree_id].degree}"
-                          for t in trees), flush=True)
+        print(
+            f"{name}: planner's per-group plans "
+            + ", ".join(
+                f"prompt {t.prompt_len}: {planned[t.tree_id].primitive} d={planned[t.tree_id].degree}" for t in trees
+            ),
+            flush=True,
+        )
     for batch in out.values():
         tu.assign_non_tensor(batch, global_batch_size=len(rows))
         batch["old_log_probs"] = torch.nested.as_nested_tensor(
-            [torch.full((RESPONSE_LEN,), -4.0) for _ in range(len(batch))], layout=torch.jagged)
+            [torch.full((RESPONSE_LEN,), -4.0) for _ in range(len(batch))], layout=torch.jagged
+        )
     return out
 
 
@@ -88,13 +99,19 @@ def _rank_main(rank: int, port: int, model_path: str, args) -> None:
 
     H.init_process_group(rank=rank, world_size=WORLD, port=port)
     model = load_model(args.model)
-    profile = calibrate(dataclasses.replace(ClusterProfile.default().with_model(model.config),
-                                            activation_checkpointing=False, dtype_bytes=4), device="cpu", model=model)
+    profile = calibrate(
+        dataclasses.replace(
+            ClusterProfile.default().with_model(model.config), activation_checkpointing=False, dtype_bytes=4
+        ),
+        device="cpu",
+        model=model,
+    )
     del model
     engines = {"stock": H.build_engine("fsdp2", model_path)} if args.stock else {}
     engines["augtree dp"] = H.build_engine("augtree", model_path, engine_knobs={"cp_degrees": [1]})
-    engines["augtree cp"] = engines["augtree planned"] = H.build_engine("augtree", model_path,
-                                                                        engine_knobs={"cp_degrees": [1, 2]})
+    engines["augtree cp"] = engines["augtree planned"] = H.build_engine(
+        "augtree", model_path, engine_knobs={"cp_degrees": [1, 2]}
+    )
     names = list(engines)
     ratios = [(a, b) for a in names for b in names if names.index(a) < names.index(b)]
 
@@ -109,10 +126,16 @@ def _rank_main(rank: int, port: int, model_path: str, args) -> None:
             return engine[0].infer_batch(batch, loss_function=None)
 
     if rank == 0:
-        print(f"model {args.model}, {WORLD} ranks x 1 thread, CP plans: {args.primitive} at degree 2 for prompts "
-              f">= {args.cp_min_prompt}")
-        print(f"{'batch':10}{'pass':7}" + "".join(f"{e + ' s':>19}" for e in names)
-              + "".join(f"{a.split()[-1] + '/' + b.split()[-1]:>12}" for a, b in ratios), flush=True)
+        print(
+            f"model {args.model}, {WORLD} ranks x 1 thread, CP plans: {args.primitive} at degree 2 for prompts "
+            f">= {args.cp_min_prompt}"
+        )
+        print(
+            f"{'batch':10}{'pass':7}"
+            + "".join(f"{e + ' s':>19}" for e in names)
+            + "".join(f"{a.split()[-1] + '/' + b.split()[-1]:>12}" for a, b in ratios),
+            flush=True,
+        )
     for name in BATCHES:
         if args.batch and name not in args.batch:
             continue
@@ -131,11 +154,16 @@ def _rank_main(rank: int, port: int, model_path: str, args) -> None:
             med = {e: statistics.median(times[e]) for e in names}
             if rank == 0 and pass_name == "train":
                 degree = last["augtree planned"]["metrics"]["augtree/cp_degree_max"].aggregate()
-                print(f"{name}: the engine's schedule ran the planned batch at CP degree up to {degree:.0f}",
-                      flush=True)
+                print(
+                    f"{name}: the engine's schedule ran the planned batch at CP degree up to {degree:.0f}", flush=True
+                )
             if rank == 0:
-                print(f"{name:10}{pass_name:7}" + "".join(f"{med[e]:>19.3f}" for e in names)
-                      + "".join(f"{med[a] / med[b]:>11.2f}x" for a, b in ratios), flush=True)
+                print(
+                    f"{name:10}{pass_name:7}"
+                    + "".join(f"{med[e]:>19.3f}" for e in names)
+                    + "".join(f"{med[a] / med[b]:>11.2f}x" for a, b in ratios),
+                    flush=True,
+                )
     dist.destroy_process_group()
 
 
@@ -155,8 +183,9 @@ def main() -> None:
         raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
     model_path = tempfile.mkdtemp(prefix="augtree-cp-step-time-")
     load_model(args.model).save_pretrained(model_path)
-    mp.start_processes(_rank_main, args=(H.free_port(), model_path, args), nprocs=WORLD, join=True,
-                       start_method="spawn")
+    mp.start_processes(
+        _rank_main, args=(H.free_port(), model_path, args), nprocs=WORLD, join=True, start_method="spawn"
+    )
 
 
 if __name__ == "__main__":

@@ -40,8 +40,14 @@ import torch.multiprocessing as mp
 from augtree_verl.testing import harness as H
 
 WORLD = 2
-MODEL = {**H.MODEL_SHAPE, "hidden_size": 112, "num_attention_heads": 7, "num_key_value_heads": 1,
-         "intermediate_size": 592, "max_position_embeddings": 4096}
+MODEL = {
+    **H.MODEL_SHAPE,
+    "hidden_size": 112,
+    "num_attention_heads": 7,
+    "num_key_value_heads": 1,
+    "intermediate_size": 592,
+    "max_position_embeddings": 4096,
+}
 # name: (prompt length, response length, responses per group, groups per rank)
 BATCHES = {"prompt-heavy": (2048, 16, 4, 2), "response-heavy": (16, 512, 4, 2)}
 # the deep-trie batch: (system prompt, turns, user message, answer) tokens
@@ -60,10 +66,15 @@ def _rank_main(rank: int, port: int, model_path: str, out_path: str, repeats: in
 
     torch.set_num_threads(1)
     H.init_process_group(rank=rank, world_size=WORLD, port=port)
-    engines = {name: H.build_engine(strategy, model_path, gradient_checkpointing=True,
-                                    engine_knobs={"offload_prompt_activations": offload} if strategy == "augtree"
-                                    else None)
-               for name, (strategy, offload) in ENGINES.items()}
+    engines = {
+        name: H.build_engine(
+            strategy,
+            model_path,
+            gradient_checkpointing=True,
+            engine_knobs={"offload_prompt_activations": offload} if strategy == "augtree" else None,
+        )
+        for name, (strategy, offload) in ENGINES.items()
+    }
     rows_out = []
     for batch_name in batches:
         rows, mine = _rows(batch_name, rank)
@@ -80,9 +91,17 @@ def _rank_main(rank: int, port: int, model_path: str, out_path: str, repeats: in
                 s = seen[name]
                 s[0], s[1], s[2] = max(s[0], meter.max), max(s[1], meter.peak_bytes), max(s[2], meter.peak_host_bytes)
         for name, (groups_max, peak, host, times) in seen.items():
-            rows_out.append({"engine": ENGINES[name][0].replace("fsdp2", "stock"), "batch": batch_name,
-                             "offload": ENGINES[name][1], "max_unsharded_groups": groups_max, "peak_bytes": peak,
-                             "peak_host_bytes": host, "step_s": statistics.median(times)})
+            rows_out.append(
+                {
+                    "engine": ENGINES[name][0].replace("fsdp2", "stock"),
+                    "batch": batch_name,
+                    "offload": ENGINES[name][1],
+                    "max_unsharded_groups": groups_max,
+                    "peak_bytes": peak,
+                    "peak_host_bytes": host,
+                    "step_s": statistics.median(times),
+                }
+            )
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(rows_out, f)
@@ -105,18 +124,29 @@ def _rows(batch_name: str, rank: int) -> tuple[list[dict], list[dict]]:
         context = ids(system)
         for turn in range(turns):
             prompt, response = torch.cat([context, ids(user)]), ids(answer)
-            rows.append(dict(uid=f"conversation-{conversation}-turn-{turn}", prompt=prompt, response=response,
-                             advantage=float(torch.randn(1, generator=gen))))
+            rows.append(
+                dict(
+                    uid=f"conversation-{conversation}-turn-{turn}",
+                    prompt=prompt,
+                    response=response,
+                    advantage=float(torch.randn(1, generator=gen)),
+                )
+            )
             context = torch.cat([prompt, response])
-    return rows, rows[rank * turns: (rank + 1) * turns]
+    return rows, rows[rank * turns : (rank + 1) * turns]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=6, help="decoder layers of the tiny model (>= 6)")
     parser.add_argument("--repeats", type=int, default=1, help="training steps per engine and batch")
-    parser.add_argument("--batches", nargs="+", default=[*BATCHES, "deep-trie"],
-                        choices=[*BATCHES, "deep-trie"], help="the batches to run (default: all)")
+    parser.add_argument(
+        "--batches",
+        nargs="+",
+        default=[*BATCHES, "deep-trie"],
+        choices=[*BATCHES, "deep-trie"],
+        help="the batches to run (default: all)",
+    )
     parser.add_argument("--json", help="write the rows to this path")
     args = parser.parse_args()
     if args.layers < 1 or args.repeats < 1:
@@ -126,20 +156,33 @@ def main() -> None:
     model_path = tempfile.mkdtemp(prefix="augtree-memory-")
     Qwen2ForCausalLM(Qwen2Config(**{**MODEL, "num_hidden_layers": args.layers})).save_pretrained(model_path)
     out_path = os.path.join(model_path, "rows.json")
-    mp.start_processes(_rank_main, args=(H.free_port(), model_path, out_path, args.repeats, args.batches), nprocs=WORLD,
-                       join=True, start_method="spawn")
+    mp.start_processes(
+        _rank_main,
+        args=(H.free_port(), model_path, out_path, args.repeats, args.batches),
+        nprocs=WORLD,
+        join=True,
+        start_method="spawn",
+    )
     with open(out_path) as f:
         rows = json.load(f)
-    print(f"{'engine':9}{'batch':16}{'offload':9}{'max unsharded groups':>22}{'peak MiB':>10}{'host MiB':>10}"
-          f"{'step s':>8}")
+    print(
+        f"{'engine':9}{'batch':16}{'offload':9}{'max unsharded groups':>22}{'peak MiB':>10}{'host MiB':>10}"
+        f"{'step s':>8}"
+    )
     for row in rows:
-        print(f"{row['engine']:9}{row['batch']:16}{str(row['offload']):9}{row['max_unsharded_groups']:>22}"
-              f"{row['peak_bytes'] / 2**20:>10.2f}{row['peak_host_bytes'] / 2**20:>10.2f}{row['step_s']:>8.2f}")
+        print(
+            f"{row['engine']:9}{row['batch']:16}{str(row['offload']):9}{row['max_unsharded_groups']:>22}"
+            f"{row['peak_bytes'] / 2**20:>10.2f}{row['peak_host_bytes'] / 2**20:>10.2f}{row['step_s']:>8.2f}"
+        )
     for batch in args.batches:
-        off, on = (next(r for r in rows if r["engine"] == "augtree" and r["batch"] == batch and r["offload"] is o)
-                   for o in (False, True))
-        print(f"{batch}: offload peak {1 - on['peak_bytes'] / off['peak_bytes']:.0%} lower than without, step time "
-              f"{on['step_s'] / off['step_s']:.2f}x")
+        off, on = (
+            next(r for r in rows if r["engine"] == "augtree" and r["batch"] == batch and r["offload"] is o)
+            for o in (False, True)
+        )
+        print(
+            f"{batch}: offload peak {1 - on['peak_bytes'] / off['peak_bytes']:.0%} lower than without, step time "
+            f"{on['step_s'] / off['step_s']:.2f}x"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

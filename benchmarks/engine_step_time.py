@@ -89,6 +89,7 @@ def main() -> None:
     load_model(args.model).save_pretrained(model_path)
     engines = {strategy: H.build_engine(strategy, model_path) for strategy in ("fsdp2", "augtree")}
     import augtree_verl.integration.engine as ours
+
     print(f"model {args.model}, {args.threads} torch thread(s), augtree engine from {ours.__file__}")
     print(f"{'batch':16}{'setting':9}{'pass':7}{'stock s':>9}{'augtree s':>11}{'stock/augtree':>15}")
     ratios, train_s = {}, {}
@@ -111,15 +112,20 @@ def main() -> None:
                 ratios[(name, setting, pass_name)] = stock / augtree
                 if pass_name == "train":
                     train_s[(name, setting)] = (stock, augtree)
-                print(f"{name:16}{setting:9}{pass_name:7}{stock:>9.3f}{augtree:>11.3f}{stock / augtree:>14.2f}x",
-                      flush=True)
+                print(
+                    f"{name:16}{setting:9}{pass_name:7}{stock:>9.3f}{augtree:>11.3f}{stock / augtree:>14.2f}x",
+                    flush=True,
+                )
         if ("rows-1" in (args.setting or SETTINGS)) and ("rows-2" in (args.setting or SETTINGS)):
             best = min(stock for (batch_name, _), (stock, _) in train_s.items() if batch_name == name)
             at_best = {s: best / train_s[(name, s)][1] for s in ("rows-1", "rows-2")}
-            print(f"{name}: train ratio at 1 row / at 2 rows = "
-                  f"{ratios[(name, 'rows-1', 'train')] / ratios[(name, 'rows-2', 'train')]:.2f} (stock at the same "
-                  f"setting); {at_best['rows-1']:.2f}x / {at_best['rows-2']:.2f}x = "
-                  f"{at_best['rows-1'] / at_best['rows-2']:.2f} (stock at its best, {best:.3f} s)")
+            print(
+                f"{name}: train ratio at 1 row / at 2 rows = "
+                f"{ratios[(name, 'rows-1', 'train')] / ratios[(name, 'rows-2', 'train')]:.2f} (stock at the same "
+                f"setting); {at_best['rows-1']:.2f}x / {at_best['rows-2']:.2f}x = "
+                f"{at_best['rows-1'] / at_best['rows-2']:.2f} (stock at its best, {best:.3f} s)"
+            )
+
 
 if __name__ == "__main__":
     main()

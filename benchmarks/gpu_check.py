@@ -74,48 +74,98 @@ OPS_RTOL = 2e-2
 SLACK = 2.0
 ERR_FLOOR = 1e-4
 
-QWEN25_7B = dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_attention_heads=28,
-                 num_key_value_heads=4, max_position_embeddings=32768, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
-                 tie_word_embeddings=False)
+QWEN25_7B = dict(
+    vocab_size=152064,
+    hidden_size=3584,
+    intermediate_size=18944,
+    num_attention_heads=28,
+    num_key_value_heads=4,
+    max_position_embeddings=32768,
+    rope_theta=1_000_000.0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+)
 # Qwen3.5-9B-like layer shapes (hidden 4096, Gated DeltaNet 16 key / 32 value heads of 128, attention 16 / 4
 # heads of 256), vocabulary cut to Qwen2.5's
-QWEN35_SHAPE = dict(vocab_size=152064, hidden_size=4096, intermediate_size=12288, num_attention_heads=16,
-                    num_key_value_heads=4, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32,
-                    linear_key_head_dim=128, linear_value_head_dim=128, max_position_embeddings=32768,
-                    tie_word_embeddings=False)
-TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-            max_position_embeddings=4096, tie_word_embeddings=False)
+QWEN35_SHAPE = dict(
+    vocab_size=152064,
+    hidden_size=4096,
+    intermediate_size=12288,
+    num_attention_heads=16,
+    num_key_value_heads=4,
+    head_dim=256,
+    linear_num_key_heads=16,
+    linear_num_value_heads=32,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+    max_position_embeddings=32768,
+    tie_word_embeddings=False,
+)
+TINY = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=4096,
+    tie_word_embeddings=False,
+)
 
 
 @dataclass(frozen=True)
 class Sizes:
-    heads: tuple                 # (q heads, kv heads) layouts
-    dims: tuple                  # head dims
-    blocks: tuple                # (Sq, Sk, causal) per op case
-    big_block: tuple             # (Sq, Sk) of the long block, first layout, largest dim
-    merge: tuple                 # (Sq, Sk) split into 3 key blocks
-    prefix: tuple                # (P, ragged response lengths)
+    heads: tuple  # (q heads, kv heads) layouts
+    dims: tuple  # head dims
+    blocks: tuple  # (Sq, Sk, causal) per op case
+    big_block: tuple  # (Sq, Sk) of the long block, first layout, largest dim
+    merge: tuple  # (Sq, Sk) split into 3 key blocks
+    prefix: tuple  # (P, ragged response lengths)
     model: dict
     layers: int
-    trees: tuple                 # (P, response lengths) per tree for the replay checks
-    prefill: int                 # prompt tokens of the memory check
-    speed: dict                  # name -> (P, R, G)
+    trees: tuple  # (P, response lengths) per tree for the replay checks
+    prefill: int  # prompt tokens of the memory check
+    speed: dict  # name -> (P, R, G)
     repeats: int
-    hybrid: dict                 # the hybrid check's model shape (check 9)
+    hybrid: dict  # the hybrid check's model shape (check 9)
 
 
-GPU = Sizes(heads=((28, 4), (40, 8), (32, 32)), dims=(64, 128),
-            blocks=((777, 777, True), (513, 2049, False), (1, 3001, False)), big_block=(4096, 16384),
-            merge=(1024, 3000), prefix=(1500, (257, 100, 31, 2)), model=QWEN25_7B, layers=2,
-            trees=((1024, (200, 64, 129, 17)), (333, (50, 300))), prefill=32000,
-            speed={"prompt-heavy": (16384, 256, 8), "response-heavy": (512, 4096, 8)}, repeats=3,
-            hybrid=QWEN35_SHAPE)
-SMOKE = Sizes(heads=((4, 2), (4, 4)), dims=(16,), blocks=((37, 37, True), (21, 70, False), (1, 45, False)),
-              big_block=(64, 256), merge=(24, 60), prefix=(40, (9, 4, 1, 2)), model=TINY, layers=2,
-              trees=((24, (7, 3, 5, 1)), (9, (4, 6))), prefill=512,
-              speed={"prompt-heavy": (128, 8, 2), "response-heavy": (8, 48, 2)}, repeats=1,
-              hybrid=dict(TINY, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
-                          linear_value_head_dim=16))
+GPU = Sizes(
+    heads=((28, 4), (40, 8), (32, 32)),
+    dims=(64, 128),
+    blocks=((777, 777, True), (513, 2049, False), (1, 3001, False)),
+    big_block=(4096, 16384),
+    merge=(1024, 3000),
+    prefix=(1500, (257, 100, 31, 2)),
+    model=QWEN25_7B,
+    layers=2,
+    trees=((1024, (200, 64, 129, 17)), (333, (50, 300))),
+    prefill=32000,
+    speed={"prompt-heavy": (16384, 256, 8), "response-heavy": (512, 4096, 8)},
+    repeats=3,
+    hybrid=QWEN35_SHAPE,
+)
+SMOKE = Sizes(
+    heads=((4, 2), (4, 4)),
+    dims=(16,),
+    blocks=((37, 37, True), (21, 70, False), (1, 45, False)),
+    big_block=(64, 256),
+    merge=(24, 60),
+    prefix=(40, (9, 4, 1, 2)),
+    model=TINY,
+    layers=2,
+    trees=((24, (7, 3, 5, 1)), (9, (4, 6))),
+    prefill=512,
+    speed={"prompt-heavy": (128, 8, 2), "response-heavy": (8, 48, 2)},
+    repeats=1,
+    hybrid=dict(
+        TINY,
+        head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+    ),
+)
 
 
 class Report:
@@ -148,6 +198,7 @@ def fmt(errs: dict) -> str:
 
 # ---- 1. ops ---------------------------------------------------------------------------------------------
 
+
 def reference_attention(q, k, v, scale, visible):
     """float32 softmax attention with GQA heads repeated: q [H, n, D], k/v [H_kv, m, D], visible [n, m]."""
     rep = q.shape[0] // k.shape[0]
@@ -158,8 +209,9 @@ def reference_attention(q, k, v, scale, visible):
 
 def random_block(h, hk, sq, sk, d, device, g):
     """bf16-rounded q, k, v, dout on ``device``: (bf16 tensors, float32 copies of the same values)."""
-    xs = [torch.randn(n, s, d, generator=g) * c
-          for n, s, c in ((h, sq, 0.5), (hk, sk, 0.5), (hk, sk, 1.0), (h, sq, 1.0))]
+    xs = [
+        torch.randn(n, s, d, generator=g) * c for n, s, c in ((h, sq, 0.5), (hk, sk, 0.5), (hk, sk, 1.0), (h, sq, 1.0))
+    ]
     low = [x.to(device, torch.bfloat16) for x in xs]
     return low, [x.float() for x in low]
 
@@ -172,7 +224,7 @@ def reference_block(q, k, v, dout, scale, visible):
 
 def check_op_block(report, name, h, hk, sq, sk, d, causal, device, g):
     (q, k, v, dout), ref_in = random_block(h, hk, sq, sk, d, device, g)
-    scale = d ** -0.5
+    scale = d**-0.5
     visible = torch.ones(sq, sk, dtype=torch.bool, device=device)
     if causal:
         visible = visible.tril()
@@ -186,7 +238,7 @@ def check_op_block(report, name, h, hk, sq, sk, d, causal, device, g):
 def check_op_merge(report, sizes, device, g):
     (h, hk), d, (sq, sk) = sizes.heads[0], max(sizes.dims), sizes.merge
     (q, k, v, dout), ref_in = random_block(h, hk, sq, sk, d, device, g)
-    scale = d ** -0.5
+    scale = d**-0.5
     want = reference_block(*ref_in, scale, torch.ones(sq, sk, dtype=torch.bool, device=device))
     cols = [slice(c[0].item(), c[-1].item() + 1) for c in torch.tensor_split(torch.arange(sk), 3)]
     out, lse = empty_state(h, sq, d, q)
@@ -200,8 +252,9 @@ def check_op_merge(report, sizes, device, g):
         dk[:, c] += bk
         dv[:, c] += bv
     errs = dict(zip(("out", "lse", "dq", "dk", "dv"), (rel(a, b) for a, b in zip((out, lse, dq, dk, dv), want))))
-    report.check(max(errs.values()) <= OPS_RTOL, f"ops merge of 3 h{h}/kv{hk} d{d} {sq}x{sk}",
-                 fmt(errs) + f" (tol {OPS_RTOL})")
+    report.check(
+        max(errs.values()) <= OPS_RTOL, f"ops merge of 3 h{h}/kv{hk} d{d} {sq}x{sk}", fmt(errs) + f" (tol {OPS_RTOL})"
+    )
 
 
 def check_ops(report, sizes, device):
@@ -218,6 +271,7 @@ def check_ops(report, sizes, device):
 
 # ---- 2. prefix attention --------------------------------------------------------------------------------
 
+
 def check_prefix_attention(report, sizes, device):
     g = torch.Generator().manual_seed(1)
     (h, hk), d = sizes.heads[0], max(sizes.dims)
@@ -228,7 +282,7 @@ def check_prefix_attention(report, sizes, device):
     dout = torch.randn(b, h, rq, d, generator=g).to(device, torch.bfloat16)
     for row, n in enumerate(lengths):
         dout[row, :, n:] = 0  # padded queries carry no gradient
-    scale = d ** -0.5
+    scale = d**-0.5
     # ours, bf16
     ins = {n: x.clone().requires_grad_() for n, x in low.items()}
     out = prefix_causal_attention(ins["q"], ins["k"], ins["v"], ins["pk"], ins["pv"], scale)
@@ -249,11 +303,13 @@ def check_prefix_attention(report, sizes, device):
     for name in ("q", "k", "v"):
         errs["d" + name] = max(rel(ins[name].grad[r, :, :n], ref[name].grad[r, :, :n]) for r, n in enumerate(lengths))
     errs.update(dpk=rel(ins["pk"].grad, ref["pk"].grad), dpv=rel(ins["pv"].grad, ref["pv"].grad))
-    report.check(max(errs.values()) <= OPS_RTOL, f"prefix attention P={p} rows {list(lengths)}",
-                 fmt(errs) + f" (tol {OPS_RTOL})")
+    report.check(
+        max(errs.values()) <= OPS_RTOL, f"prefix attention P={p} rows {list(lengths)}", fmt(errs) + f" (tol {OPS_RTOL})"
+    )
 
 
 # ---- 3-4. replay vs the float32 flattened baseline -------------------------------------------
+
 
 def build_model(sizes, device, layers=None):
     config = Qwen2Config(**sizes.model, num_hidden_layers=layers or sizes.layers, attn_implementation="sdpa")
@@ -296,8 +352,12 @@ def errors(got, want) -> dict:
 
 def judge(report, name, ours: dict, baseline: dict) -> None:
     ok = all(ours[k] <= max(SLACK * baseline[k], ERR_FLOOR) for k in ours)
-    report.check(ok, name, f"logp abs {ours['logp']:.1e} (flattened bf16 {baseline['logp']:.1e}), grad rel "
-                           f"{ours['grad']:.1e} (flattened bf16 {baseline['grad']:.1e}); slack {SLACK}x")
+    report.check(
+        ok,
+        name,
+        f"logp abs {ours['logp']:.1e} (flattened bf16 {baseline['logp']:.1e}), grad rel "
+        f"{ours['grad']:.1e} (flattened bf16 {baseline['grad']:.1e}); slack {SLACK}x",
+    )
 
 
 def check_replay(report, sizes, device):
@@ -308,15 +368,23 @@ def check_replay(report, sizes, device):
     low = copy.deepcopy(model).to(torch.bfloat16)
     del model
     baseline = errors(run_step(low, flattened_replay, trees, adv), reference)
-    judge(report, f"replay bf16 vs fp32 ({sizes.layers} layers)", errors(run_step(low, grouped_replay, trees, adv),
-                                                                        reference), baseline)
+    judge(
+        report,
+        f"replay bf16 vs fp32 ({sizes.layers} layers)",
+        errors(run_step(low, grouped_replay, trees, adv), reference),
+        baseline,
+    )
     init_one_rank_group(device)
     try:
         for primitive in ("ring", "tree_move_kv", "move_q"):
             plans = [one_rank_plan(primitive, len(t.responses)) for t in trees]
             planned = lambda m, ts, loss_fn, plans=plans: cp_tree_replay(m, ts, loss_fn, plans)
-            judge(report, f"cp tree run world 1 {primitive} bf16 vs fp32",
-                  errors(run_step(low, planned, trees, adv), reference), baseline)
+            judge(
+                report,
+                f"cp tree run world 1 {primitive} bf16 vs fp32",
+                errors(run_step(low, planned, trees, adv), reference),
+                baseline,
+            )
     finally:
         dist.destroy_process_group()
     return low
@@ -333,8 +401,9 @@ def cp_tree_replay(model, trees, loss_fn, plans):
     from augtree_verl.replay.lockstep import Slot
 
     use_augtree_attention(model)
-    calls = ModelCalls(model, temperature=1.0, stats=ReplayStats(), entropy_fn=None,
-                       micro_batch_loss=per_response(loss_fn))
+    calls = ModelCalls(
+        model, temperature=1.0, stats=ReplayStats(), entropy_fn=None, micro_batch_loss=per_response(loss_fn)
+    )
     run, out = CPTreeRun(calls, dist.group.WORLD), []
     for t, (tree, plan) in enumerate(zip(trees, plans)):
         schedule = cp_tree_schedule(plan, tree.prompt_len, tree.response_lens, 0)
@@ -345,19 +414,26 @@ def cp_tree_replay(model, trees, loss_fn, plans):
 def one_rank_plan(primitive: str, responses: int) -> Plan:
     if primitive == "ring":
         return Plan(degree=1, primitive="ring")
-    return Plan(degree=1, primitive=primitive, rounds=responses, lanes=1,
-                placement=tuple((i, 0) for i in range(responses)))
+    return Plan(
+        degree=1, primitive=primitive, rounds=responses, lanes=1, placement=tuple((i, 0) for i in range(responses))
+    )
 
 
 def init_one_rank_group(device) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
-                            rank=0, world_size=1, timeout=datetime.timedelta(minutes=5))
+    dist.init_process_group(
+        "nccl" if device.type == "cuda" else "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=0,
+        world_size=1,
+        timeout=datetime.timedelta(minutes=5),
+    )
 
 
 # ---- 5. prefill memory ----------------------------------------------------------------------------------
+
 
 def check_prefill_memory(report, sizes, model, device):
     p = sizes.prefill
@@ -373,12 +449,16 @@ def check_prefill_memory(report, sizes, model, device):
     replay(model, StepPlan.build(tree))
     torch.cuda.synchronize()
     extra = torch.cuda.max_memory_allocated() - before
-    report.check(extra < quadratic / 4, f"prefill peak memory {p} tokens bf16",
-                 f"{extra / 2**30:.2f} GiB above the weights (one layer's score matrix: {quadratic / 2**30:.1f} GiB;"
-                 f" limit a quarter of it)")
+    report.check(
+        extra < quadratic / 4,
+        f"prefill peak memory {p} tokens bf16",
+        f"{extra / 2**30:.2f} GiB above the weights (one layer's score matrix: {quadratic / 2**30:.1f} GiB;"
+        f" limit a quarter of it)",
+    )
 
 
 # ---- 6. host syncs --------------------------------------------------------------------------------------
+
 
 def count_syncs(fn) -> int:
     torch.cuda.synchronize()
@@ -405,12 +485,16 @@ def check_host_syncs(report, sizes, model, device):
     flattened = count_syncs(lambda: flattened_replay(model, trees, loss))
     model.zero_grad(set_to_none=True)
     n = len(trees)
-    report.check(forward <= n and train <= flattened + n, "host syncs",
-                 f"replay forward {forward} (expected <= {n}, one id check per tree), replay train {train}, "
-                 f"flattened train {flattened} (replay train must be <= flattened + {n})")
+    report.check(
+        forward <= n and train <= flattened + n,
+        "host syncs",
+        f"replay forward {forward} (expected <= {n}, one id check per tree), replay train {train}, "
+        f"flattened train {flattened} (replay train must be <= flattened + {n})",
+    )
 
 
 # ---- 7. speed -------------------------------------------------------------------------------------------
+
 
 def check_speed(report, sizes, model, device):
     vocab = sizes.model["vocab_size"]
@@ -429,16 +513,19 @@ def check_speed(report, sizes, model, device):
         trees = make_trees(((p, (r,) * g),), vocab, device, seed=4)
         adv = advantages(trees)
         timed(flattened_replay, trees, adv), timed(grouped_replay, trees, adv)  # warm-up
-        pairs = [(timed(flattened_replay, trees, adv), timed(grouped_replay, trees, adv))
-                 for _ in range(sizes.repeats)]
+        pairs = [(timed(flattened_replay, trees, adv), timed(grouped_replay, trees, adv)) for _ in range(sizes.repeats)]
         ratio = statistics.median(f / o for f, o in pairs)
         flat, ours = (statistics.median(x) for x in zip(*pairs))
         model.zero_grad(set_to_none=True)
-        report.add("INFO", f"speed {name} P={p} R={r} G={g}",
-                   f"flattened {flat:.3f} s, replay {ours:.3f} s: {ratio:.2f}x (median of {len(pairs)} paired ratios)")
+        report.add(
+            "INFO",
+            f"speed {name} P={p} R={r} G={g}",
+            f"flattened {flat:.3f} s, replay {ours:.3f} s: {ratio:.2f}x (median of {len(pairs)} paired ratios)",
+        )
 
 
 # ---- 8. prompt-activation offload ----------------------------------------------------------------------
+
 
 def check_offload(report, sizes, model, device):
     cuda = device.type == "cuda"
@@ -479,20 +566,31 @@ def check_offload(report, sizes, model, device):
     if cuda:  # the copies add no host sync: a training step syncs as often with offload as without
         syncs = [count_syncs(lambda o=o: step(o)) for o in (None, new())]
         ok = ok and peak_on < peak_off and syncs[1] <= syncs[0]
-    peaks = (f"peak above the weights {peak_off / 2**30:.2f} -> {peak_on / 2**30:.2f} GiB "
-             f"({1 - peak_on / peak_off:.0%} lower), host syncs {syncs[0]} -> {syncs[1]}" if cuda
-             else "peak and syncs: CUDA only")
-    report.check(ok, f"offload long prompt P={p} G={g}",
-                 f"{peaks}, step time {cost:.2f}x, {moved / 2**20:.1f} MiB offloaded, "
-                 f"{stats.prefetched_bytes / max(moved, 1):.0%} prefetched; {fmt(errs)} vs no offload "
-                 f"(tol {OPS_RTOL})")
+    peaks = (
+        f"peak above the weights {peak_off / 2**30:.2f} -> {peak_on / 2**30:.2f} GiB "
+        f"({1 - peak_on / peak_off:.0%} lower), host syncs {syncs[0]} -> {syncs[1]}"
+        if cuda
+        else "peak and syncs: CUDA only"
+    )
+    report.check(
+        ok,
+        f"offload long prompt P={p} G={g}",
+        f"{peaks}, step time {cost:.2f}x, {moved / 2**20:.1f} MiB offloaded, "
+        f"{stats.prefetched_bytes / max(moved, 1):.0%} prefetched; {fmt(errs)} vs no offload "
+        f"(tol {OPS_RTOL})",
+    )
 
 
 # ---- 9. hybrid Gated DeltaNet -------------------------------------------------------------------------------
 
+
 def check_hybrid(report, sizes, device):
-    config = Qwen3_5TextConfig(**sizes.hybrid, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
-                               attn_implementation="sdpa")
+    config = Qwen3_5TextConfig(
+        **sizes.hybrid,
+        num_hidden_layers=2,
+        layer_types=["linear_attention", "full_attention"],
+        attn_implementation="sdpa",
+    )
     torch.manual_seed(0)
     with torch.device(device):
         model = Qwen3_5ForCausalLM(config).float().train()
@@ -507,8 +605,12 @@ def check_hybrid(report, sizes, device):
     linear.chunk_gated_delta_rule = kernel
     low = model.to(torch.bfloat16)
     baseline = errors(run_step(low, flattened_replay, trees, adv), reference)
-    judge(report, f"hybrid replay bf16 vs fp32 ({kernel.__module__.split('.')[0]} delta rule)",
-          errors(run_step(low, grouped_replay, trees, adv), reference), baseline)
+    judge(
+        report,
+        f"hybrid replay bf16 vs fp32 ({kernel.__module__.split('.')[0]} delta rule)",
+        errors(run_step(low, grouped_replay, trees, adv), reference),
+        baseline,
+    )
 
 
 def main(argv=None) -> int:
@@ -527,8 +629,11 @@ def main(argv=None) -> int:
         torch.backends.cudnn.allow_tf32 = False
     started = time.perf_counter()
     backend = "cpu" if device.type == "cpu" else cuda_backend_name()
-    print(f"gpu_check on {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}, torch "
-          f"{torch.__version__}, attention backend {backend}", flush=True)
+    print(
+        f"gpu_check on {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}, torch "
+        f"{torch.__version__}, attention backend {backend}",
+        flush=True,
+    )
     report = Report()
     check_ops(report, sizes, device)
     check_prefix_attention(report, sizes, device)
@@ -543,8 +648,10 @@ def main(argv=None) -> int:
         with open(args.json, "w") as f:
             json.dump(dict(device=str(device), backend=backend, rows=report.rows), f, indent=1)
     failed = report.failed
-    print(f"gpu_check: {'FAIL' if failed else 'PASS'} ({len(report.rows)} checks, {len(failed)} failed"
-          f"{': ' + ', '.join(failed) if failed else ''}; {time.perf_counter() - started:.0f} s)")
+    print(
+        f"gpu_check: {'FAIL' if failed else 'PASS'} ({len(report.rows)} checks, {len(failed)} failed"
+        f"{': ' + ', '.join(failed) if failed else ''}; {time.perf_counter() - started:.0f} s)"
+    )
     return 1 if failed else 0
 
 

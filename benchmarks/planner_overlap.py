@@ -55,19 +55,25 @@ from augtree_verl.planner.service import start_planner_service
 
 WORKLOADS = ("longdoc", "rag", "chat", "reasoning")
 DEGREES = (1, 2, 4, 8)
-PREFILL_TOKENS_PER_DECODE_TOKEN = 50      # a prompt token costs ~1/50 of a decoded token (batched prefill)
-SPEED_JITTER = 0.1                        # decode speed factor drawn uniformly in [1 - 0.1, 1 + 0.1]
+PREFILL_TOKENS_PER_DECODE_TOKEN = 50  # a prompt token costs ~1/50 of a decoded token (batched prefill)
+SPEED_JITTER = 0.1  # decode speed factor drawn uniformly in [1 - 0.1, 1 + 0.1]
 GOAL_MS = 5.0
 REPO = Path(__file__).resolve().parents[1]
 # What --separate-async reports per step (verl's metric names).
-LEAD_METRICS = {"groups": "augtree/balance/groups", "from_rollout": "augtree/planner/plans_from_rollout",
-                "lead_min_s": "augtree/planner/plan_lead_s_min", "lead_mean_s": "augtree/planner/plan_lead_s_mean",
-                "plan_wait_s": "augtree/planner/plan_wait_s", "gen_s": "timing_s/gen",
-                "staleness_max": "training/off_policy/trajectory_staleness/max"}
+LEAD_METRICS = {
+    "groups": "augtree/balance/groups",
+    "from_rollout": "augtree/planner/plans_from_rollout",
+    "lead_min_s": "augtree/planner/plan_lead_s_min",
+    "lead_mean_s": "augtree/planner/plan_lead_s_mean",
+    "plan_wait_s": "augtree/planner/plan_wait_s",
+    "gen_s": "timing_s/gen",
+    "staleness_max": "training/off_policy/trajectory_staleness/max",
+}
 
 
-def rollout_stream(num_groups: int, group_size: int, rollout_s: float,
-                   seed: int) -> list[tuple[float, str, int, list[int]]]:
+def rollout_stream(
+    num_groups: int, group_size: int, rollout_s: float, seed: int
+) -> list[tuple[float, str, int, list[int]]]:
     """(finish time s, uid, prompt_len, response_lens) per group, in finish order."""
     rng = random.Random(seed)
     tables = [load_table(name) for name in WORKLOADS]
@@ -76,8 +82,10 @@ def rollout_stream(num_groups: int, group_size: int, rollout_s: float,
         table = tables[i % len(tables)]
         shape = fit_group_size(table[(i // len(tables)) % len(table)], group_size)
         groups.append((uuid.uuid4().hex, shape.prompt_len, list(shape.response_lens)))
-    cost = [(p / PREFILL_TOKENS_PER_DECODE_TOKEN + max(rs)) * rng.uniform(1 - SPEED_JITTER, 1 + SPEED_JITTER)
-            for _, p, rs in groups]
+    cost = [
+        (p / PREFILL_TOKENS_PER_DECODE_TOKEN + max(rs)) * rng.uniform(1 - SPEED_JITTER, 1 + SPEED_JITTER)
+        for _, p, rs in groups
+    ]
     scale = rollout_s / max(cost)
     return sorted((c * scale, uid, p, rs) for c, (uid, p, rs) in zip(cost, groups))
 
@@ -103,28 +111,43 @@ def run_stream(actor, feed: PlannerFeed, client: PlannerClient, stream) -> dict[
     from_rollout = client.metrics(reset=True)["planner/plans_from_rollout"]
 
     at_balance_start = time.perf_counter()
-    client.plans(request, from_rollout=())                 # every group planned here, at balance time
+    client.plans(request, from_rollout=())  # every group planned here, at balance time
     at_balance_ms = (time.perf_counter() - at_balance_start) * 1e3
     client.metrics(reset=True)
-    return {"ready_after_last_finish_ms": ready_ms, "trainer_fetch_ms": fetch_ms, "at_balance_ms": at_balance_ms,
-            "from_rollout": from_rollout}
+    return {
+        "ready_after_last_finish_ms": ready_ms,
+        "trainer_fetch_ms": fetch_ms,
+        "at_balance_ms": at_balance_ms,
+        "from_rollout": from_rollout,
+    }
 
 
 def separate_async_leads(steps: int) -> list[dict[str, float]]:
     """Per step of an ``augtree_separate_async`` main_ppo run on CPU: ``LEAD_METRICS`` (nan where absent)."""
     with tempfile.TemporaryDirectory(prefix="planner-overlap-") as out:
         log = Path(out) / "metrics.jsonl"
-        env = dict(os.environ, STEPS=str(steps), VERL_FILE_LOGGER_PATH=str(log), PYTHON=sys.executable,
-                   TORCHINDUCTOR_CACHE_DIR=str(Path(out) / "inductor"))
+        env = dict(
+            os.environ,
+            STEPS=str(steps),
+            VERL_FILE_LOGGER_PATH=str(log),
+            PYTHON=sys.executable,
+            TORCHINDUCTOR_CACHE_DIR=str(Path(out) / "inductor"),
+        )
         env.pop("RAY_ADDRESS", None)
-        run = subprocess.run(["bash", str(REPO / "examples/run_cpu.sh"),
-                              "trainer.v1.trainer_mode=augtree_separate_async"],
-                             cwd=out, env=env, capture_output=True, text=True)
+        run = subprocess.run(
+            ["bash", str(REPO / "examples/run_cpu.sh"), "trainer.v1.trainer_mode=augtree_separate_async"],
+            cwd=out,
+            env=env,
+            capture_output=True,
+            text=True,
+        )
         if run.returncode != 0:
             raise SystemExit(f"run_cpu.sh failed:\n{(run.stdout + run.stderr)[-4000:]}")
         rows = [json.loads(line)["data"] for line in log.read_text().splitlines()]
-    return [{"step": row["training/global_step"], **{k: float(row.get(m, "nan")) for k, m in LEAD_METRICS.items()}}
-            for row in rows]
+    return [
+        {"step": row["training/global_step"], **{k: float(row.get(m, "nan")) for k, m in LEAD_METRICS.items()}}
+        for row in rows
+    ]
 
 
 def main() -> None:
@@ -134,18 +157,25 @@ def main() -> None:
     parser.add_argument("--rollout-s", type=float, default=2.0, help="when the last group finishes")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", help="write the result to this file")
-    parser.add_argument("--separate-async", type=int, metavar="STEPS",
-                        help="instead: an augtree_separate_async main_ppo run of STEPS steps on CPU")
+    parser.add_argument(
+        "--separate-async",
+        type=int,
+        metavar="STEPS",
+        help="instead: an augtree_separate_async main_ppo run of STEPS steps on CPU",
+    )
     args = parser.parse_args()
     if args.separate_async is not None:
         if args.separate_async < 1:
             parser.error("--separate-async must be >= 1")
         rows = separate_async_leads(args.separate_async)
-        print("step  groups  from rollout  plans ready before dispatch: least / mean s  trainer's wait gen s  "
-              "staleness")
+        print(
+            "step  groups  from rollout  plans ready before dispatch: least / mean s  trainer's wait gen s  staleness"
+        )
         for r in rows:
-            print(f"{r['step']:4d}  {r['groups']:6.0f}  {r['from_rollout']:12.0f}  {r['lead_min_s']:27.3f} / "
-                  f"{r['lead_mean_s']:.3f}  {r['gen_s']:20.3f}  {r['staleness_max']:9.0f}")
+            print(
+                f"{r['step']:4d}  {r['groups']:6.0f}  {r['from_rollout']:12.0f}  {r['lead_min_s']:27.3f} / "
+                f"{r['lead_mean_s']:.3f}  {r['gen_s']:20.3f}  {r['staleness_max']:9.0f}"
+            )
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"separate_async": rows}, f, indent=2)
@@ -161,27 +191,42 @@ def main() -> None:
         name = f"planner-overlap-{uuid.uuid4().hex[:8]}"
         actor = start_planner_service(name, degrees=DEGREES, profile=ClusterProfile.default())
         ray.get(actor.config.remote(), timeout=300)
-        feed, client = PlannerFeed(name), PlannerClient(name, degrees=DEGREES, profile=ClusterProfile.default(),
-                                                          timeout_s=60.0)
-        runs = [run_stream(actor, feed, client, rollout_stream(args.groups, args.group_size, args.rollout_s, seed))
-                for seed in range(args.repeats)]
+        feed, client = (
+            PlannerFeed(name),
+            PlannerClient(name, degrees=DEGREES, profile=ClusterProfile.default(), timeout_s=60.0),
+        )
+        runs = [
+            run_stream(actor, feed, client, rollout_stream(args.groups, args.group_size, args.rollout_s, seed))
+            for seed in range(args.repeats)
+        ]
     finally:
         ray.shutdown()
 
-    result = {"groups": args.groups, "group_size": args.group_size, "rollout_s": args.rollout_s,
-              "repeats": args.repeats,
-              "ready_after_last_finish_ms": statistics.median(r["ready_after_last_finish_ms"] for r in runs),
-              "trainer_fetch_ms": statistics.median(r["trainer_fetch_ms"] for r in runs),
-              "at_balance_ms": statistics.median(r["at_balance_ms"] for r in runs),
-              "plans_from_rollout_min": min(r["from_rollout"] for r in runs)}
-    print(f"{args.groups} groups of {args.group_size}, last finish at {args.rollout_s:.1f} s, median of "
-          f"{args.repeats}:")
-    print(f"  every plan ready {result['ready_after_last_finish_ms']:.2f} ms after the last group finished "
-          f"(goal < {GOAL_MS:.0f} ms)")
-    print(f"  the trainer fetches them in {result['trainer_fetch_ms']:.1f} ms "
-          f"({result['plans_from_rollout_min']:.0f}/{args.groups} plans from the rollout)")
-    print(f"  planning at balance time instead: {result['at_balance_ms']:.1f} ms "
-          f"({result['at_balance_ms'] / max(result['trainer_fetch_ms'], 1e-9):.1f}x the fetch)")
+    result = {
+        "groups": args.groups,
+        "group_size": args.group_size,
+        "rollout_s": args.rollout_s,
+        "repeats": args.repeats,
+        "ready_after_last_finish_ms": statistics.median(r["ready_after_last_finish_ms"] for r in runs),
+        "trainer_fetch_ms": statistics.median(r["trainer_fetch_ms"] for r in runs),
+        "at_balance_ms": statistics.median(r["at_balance_ms"] for r in runs),
+        "plans_from_rollout_min": min(r["from_rollout"] for r in runs),
+    }
+    print(
+        f"{args.groups} groups of {args.group_size}, last finish at {args.rollout_s:.1f} s, median of {args.repeats}:"
+    )
+    print(
+        f"  every plan ready {result['ready_after_last_finish_ms']:.2f} ms after the last group finished "
+        f"(goal < {GOAL_MS:.0f} ms)"
+    )
+    print(
+        f"  the trainer fetches them in {result['trainer_fetch_ms']:.1f} ms "
+        f"({result['plans_from_rollout_min']:.0f}/{args.groups} plans from the rollout)"
+    )
+    print(
+        f"  planning at balance time instead: {result['at_balance_ms']:.1f} ms "
+        f"({result['at_balance_ms'] / max(result['trainer_fetch_ms'], 1e-9):.1f}x the fetch)"
+    )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)

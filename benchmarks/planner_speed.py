@@ -24,8 +24,8 @@ from augtree_verl.planner import ClusterProfile, plan_tree
 
 BLOCK_TOKENS = 512
 GROUP_SIZE = 8
-DEGREES = tuple(2 ** k for k in range(8))             # 1 .. 128
-SIZES = tuple(2 ** k for k in range(4, 14))          # 16 .. 8192 blocks
+DEGREES = tuple(2**k for k in range(8))  # 1 .. 128
+SIZES = tuple(2**k for k in range(4, 14))  # 16 .. 8192 blocks
 GOAL_MS = 1.0
 
 
@@ -45,7 +45,7 @@ def main() -> None:
     args = parser.parse_args()
     profile = ClusterProfile.default()
     rng = np.random.default_rng(0)
-    plan_tree(4096, [512] * GROUP_SIZE, degrees=DEGREES, profile=profile)   # warm the caches once
+    plan_tree(4096, [512] * GROUP_SIZE, degrees=DEGREES, profile=profile)  # warm the caches once
     rows = []
     print(f"{'blocks':>7} {'median ms':>10} {'p90 ms':>8} {'cpu ms':>8}  chosen (primitive@degree x trees)")
     for blocks in SIZES:
@@ -59,10 +59,13 @@ def main() -> None:
                 times.append((time.perf_counter() - start) * 1e3)
             chosen[f"{plan.primitive}@d{plan.degree}"] += 1
         median, p90, cpu = statistics.median(times), float(np.percentile(times, 90)), statistics.median(cpu_times)
-        rows.append({"blocks": blocks, "median_ms": median, "p90_ms": p90, "cpu_median_ms": cpu,
-                     "chosen": dict(chosen)})
-        print(f"{blocks:>7} {median:>10.3f} {p90:>8.3f} {cpu:>8.3f}  "
-              + ", ".join(f"{k} x{v}" for k, v in chosen.most_common(4)))
+        rows.append(
+            {"blocks": blocks, "median_ms": median, "p90_ms": p90, "cpu_median_ms": cpu, "chosen": dict(chosen)}
+        )
+        print(
+            f"{blocks:>7} {median:>10.3f} {p90:>8.3f} {cpu:>8.3f}  "
+            + ", ".join(f"{k} x{v}" for k, v in chosen.most_common(4))
+        )
     worst = max(r["median_ms"] for r in rows)
     print(f"largest median {worst:.3f} ms: goal < {GOAL_MS} ms {'met' if worst < GOAL_MS else 'NOT met'}")
     if args.json:

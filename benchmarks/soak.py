@@ -57,9 +57,16 @@ def run(recipe: str, engine: str, steps: int, out: Path) -> dict:
     name = f"{recipe}_{engine}"
     metrics, log = out / f"{name}.jsonl", out / f"{name}.log"
     metrics.unlink(missing_ok=True)
-    env = {**os.environ, "RECIPE": RECIPES[recipe], "STRATEGY": engine, "STEPS": str(steps),
-           "VERL_FILE_LOGGER_PATH": str(metrics), "PYTHONWARNINGS": "always", "RAY_DEDUP_LOGS": "0",
-           "PYTHON": sys.executable}
+    env = {
+        **os.environ,
+        "RECIPE": RECIPES[recipe],
+        "STRATEGY": engine,
+        "STEPS": str(steps),
+        "VERL_FILE_LOGGER_PATH": str(metrics),
+        "PYTHONWARNINGS": "always",
+        "RAY_DEDUP_LOGS": "0",
+        "PYTHON": sys.executable,
+    }
     start = time.monotonic()
     # Enough epochs for the steps (the generated task's 64 rows make 32 steps an epoch).
     command = ["bash", str(REPO / "examples/run_cpu.sh"), f"trainer.total_epochs={steps}"]
@@ -69,17 +76,22 @@ def run(recipe: str, engine: str, steps: int, out: Path) -> dict:
         logged = 0
         while proc.poll() is None:
             lines = _lines(metrics)
-            for _ in range(lines - logged):   # a step ended: one sample per logged step
+            for _ in range(lines - logged):  # a step ended: one sample per logged step
                 sampler.sample()
             logged = max(logged, lines)
             time.sleep(POLL_S)
     if proc.returncode != 0:
         raise SystemExit(f"{name}: examples/run_cpu.sh exited {proc.returncode}; see {log}")
-    rows = read_steps(metrics)[:len(sampler.samples)]
+    rows = read_steps(metrics)[: len(sampler.samples)]
     warnings = warnings_per_step(log.read_text())
-    return {"wall_s": time.monotonic() - start, "expected_steps": steps, "steps": rows, "rss": sampler.series(),
-            "warnings_per_step": [len(warnings.get(step, [])) for step in range(1, len(rows) + 1)],
-            "warnings": Counter(message(line) for lines in warnings.values() for line in lines).most_common(30)}
+    return {
+        "wall_s": time.monotonic() - start,
+        "expected_steps": steps,
+        "steps": rows,
+        "rss": sampler.series(),
+        "warnings_per_step": [len(warnings.get(step, [])) for step in range(1, len(rows) + 1)],
+        "warnings": Counter(message(line) for lines in warnings.values() for line in lines).most_common(30),
+    }
 
 
 def _lines(path: Path) -> int:
@@ -92,16 +104,21 @@ def _lines(path: Path) -> int:
 def summary(runs: dict[str, dict], found: list[dict], warmup: int) -> str:
     """A markdown table per run (processes, the largest RSS growth, planner entries, warnings per step after
     the warm-up) and the curves' largest differences between the engines."""
-    lines = [f"| run | steps | processes | largest RSS growth after step {warmup} | planner entries | "
-             f"warnings per step after step {warmup} |", "| --- | ---: | ---: | --- | ---: | ---: |"]
+    lines = [
+        f"| run | steps | processes | largest RSS growth after step {warmup} | planner entries | "
+        f"warnings per step after step {warmup} |",
+        "| --- | ---: | ---: | --- | ---: | ---: |",
+    ]
     for name, result in runs.items():
         rss = [c for c in found if c["check"] == "rss_growth_mib" and c["run"].startswith(name + " ")]
         worst = max(rss, key=lambda c: c["value"])
         depth = [s.get("augtree/planner/queue_depth") for s in result["steps"][warmup:]]
         counts = result["warnings_per_step"][warmup:]
-        lines.append(f"| {name} | {len(result['steps'])} | {len(result['rss'])} | {worst['value']:.1f} MiB "
-                     f"({worst['run'].split()[1]}) | {'-' if depth[0] is None else f'max {max(depth):g}'} | "
-                     f"{min(counts)}-{max(counts)} |")
+        lines.append(
+            f"| {name} | {len(result['steps'])} | {len(result['rss'])} | {worst['value']:.1f} MiB "
+            f"({worst['run'].split()[1]}) | {'-' if depth[0] is None else f'max {max(depth):g}'} | "
+            f"{min(counts)}-{max(counts)} |"
+        )
     curves = [f"{c['run']} {c['check'].split()[1]} {c['value']:.2g}" for c in found if c["check"].startswith("curve")]
     if curves:
         lines.append("\nlargest difference between the engines per step: " + ", ".join(curves))
@@ -116,8 +133,7 @@ def plot(runs: dict[str, dict], warmup: int, out: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = (f"RSS - RSS at step {warmup} (MiB)", "planner entries", "warnings", "critic/score/mean",
-              "actor/pg_loss")
+    panels = (f"RSS - RSS at step {warmup} (MiB)", "planner entries", "warnings", "critic/score/mean", "actor/pg_loss")
     fig, axes = plt.subplots(len(runs), len(panels), figsize=(4 * len(panels), 2.8 * len(runs)), squeeze=False)
     for row, (name, result) in zip(axes, runs.items()):
         steps = range(1, len(result["steps"]) + 1)
@@ -126,8 +142,13 @@ def plot(runs: dict[str, dict], warmup: int, out: Path) -> Path:
                 continue
             role = process.split()[0]
             named = role in MAIN_ROLES
-            row[0].plot(steps, [(value - rss[warmup - 1]) / MIB for value in rss], lw=1.2 if named else 0.6,
-                        color=None if named else "0.75", label=role if named else None)
+            row[0].plot(
+                steps,
+                [(value - rss[warmup - 1]) / MIB for value in rss],
+                lw=1.2 if named else 0.6,
+                color=None if named else "0.75",
+                label=role if named else None,
+            )
         for bound in (-RSS_GROWTH_BOUND_MIB, RSS_GROWTH_BOUND_MIB):
             row[0].axhline(bound, ls="--", color="red", lw=0.8)
         row[0].legend(fontsize=6, ncol=2)
@@ -164,11 +185,14 @@ def main(argv: list[str] | None = None) -> int:
             runs[f"{recipe}_{engine}"] = run(recipe, engine, args.steps, args.out.resolve())
             print(f"{recipe}_{engine}: {args.steps} steps in {runs[f'{recipe}_{engine}']['wall_s']:.0f} s", flush=True)
     found = checks(runs, args.warmup, args.groups_per_step)
-    (args.out / "soak.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
-                                                    "checks": found, "runs": runs}, indent=1))
+    (args.out / "soak.json").write_text(
+        json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "checks": found, "runs": runs}, indent=1)
+    )
     for check in found:
-        print(f"{'ok  ' if check['ok'] else 'FAIL'} {check['check']:<28} {check['run']:<40} "
-              f"{check['value']:>12.6g} <= {check['bound']:g}")
+        print(
+            f"{'ok  ' if check['ok'] else 'FAIL'} {check['check']:<28} {check['run']:<40} "
+            f"{check['value']:>12.6g} <= {check['bound']:g}"
+        )
     print(summary(runs, found, args.warmup))
     print(f"plot: {plot(runs, args.warmup, args.out)}")
     return 0 if all(check["ok"] for check in found) else 1

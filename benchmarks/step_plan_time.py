@@ -71,8 +71,10 @@ def main() -> None:
                 StepPlan.from_batch(trees, entries, mesh=mesh, model_config=config)
                 cpu.append((time.process_time() - cpu_start) * 1e3)
                 times.append((time.perf_counter() - start) * 1e3)
-            print(f"{'system' if system else 'groups':>8} {name:>6} {tokens:>11} {statistics.median(times):>10.1f} "
-                  f"{statistics.median(cpu):>8.1f}")
+            print(
+                f"{'system' if system else 'groups':>8} {name:>6} {tokens:>11} {statistics.median(times):>10.1f} "
+                f"{statistics.median(cpu):>8.1f}"
+            )
 
 
 if __name__ == "__main__":

@@ -18,8 +18,10 @@ def pytest_terminal_summary(terminalreporter, config):
     bucket, seed = str(getattr(opt, "random_order_bucket", "")), str(getattr(opt, "random_order_seed", ""))
     given = lambda value: value and not value.startswith("default:")  # the plugin marks values not given so
     if getattr(opt, "random_order", False) or given(bucket) or given(seed):
-        terminalreporter.write_line(f"test order: --random-order-bucket={bucket.removeprefix('default:')} "
-                                    f"--random-order-seed={seed.removeprefix('default:')}")
+        terminalreporter.write_line(
+            f"test order: --random-order-bucket={bucket.removeprefix('default:')} "
+            f"--random-order-seed={seed.removeprefix('default:')}"
+        )
 
 
 @pytest.fixture(scope="session", autouse=True)

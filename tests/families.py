@@ -18,13 +18,29 @@ import torch
 import transformers as tf
 
 VOCAB = 128
-_SHAPE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False,
-              pad_token_id=0, bos_token_id=1, eos_token_id=2)
+_SHAPE = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    tie_word_embeddings=False,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
 _FULL = dict(layer_types=["full_attention"] * 2)
 _MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
-_LINEAR = dict(head_dim=8, linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=8,
-               linear_value_head_dim=8, layer_types=["linear_attention", "full_attention"])
+_LINEAR = dict(
+    head_dim=8,
+    linear_num_key_heads=2,
+    linear_num_value_heads=2,
+    linear_key_head_dim=8,
+    linear_value_head_dim=8,
+    layer_types=["linear_attention", "full_attention"],
+)
 # Gated DeltaNet's per-token decay is exp(-A softplus(a + dt_bias)); transformers initialises A in (0, 16), a
 # decay near exp(-10) that forgets a prompt within a token or two and leaves the decay parameters' gradients
 # at ~1e-9. A in (0.02, 0.2) keeps ~90% of the state per token, so the prompt's state reaches the responses.
@@ -42,10 +58,16 @@ PARITY = {
     "cohere": (tf.CohereConfig, tf.CohereForCausalLM, dict(logit_scale=4.0, tie_word_embeddings=True)),
     # Gemma2/3 with every layer full attention and no attention soft-capping: their final soft-capping,
     # embedding scale and (Gemma3) query scalar are all in the replay's path.
-    "gemma2": (tf.Gemma2Config, tf.Gemma2ForCausalLM, dict(head_dim=8, final_logit_softcapping=0.1,
-                                                           attn_logit_softcapping=None, **_FULL)),
-    "gemma3": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM, dict(head_dim=8, final_logit_softcapping=0.1,
-                                                               query_pre_attn_scalar=8, **_FULL)),
+    "gemma2": (
+        tf.Gemma2Config,
+        tf.Gemma2ForCausalLM,
+        dict(head_dim=8, final_logit_softcapping=0.1, attn_logit_softcapping=None, **_FULL),
+    ),
+    "gemma3": (
+        tf.Gemma3TextConfig,
+        tf.Gemma3ForCausalLM,
+        dict(head_dim=8, final_logit_softcapping=0.1, query_pre_attn_scalar=8, **_FULL),
+    ),
     "mistral-no-window": (tf.MistralConfig, tf.MistralForCausalLM, dict(sliding_window=None)),
     # Hybrid Gated DeltaNet + attention: the prompt's per-layer state is K/V or (conv window, recurrent state)
     "qwen3.5": (tf.Qwen3_5TextConfig, tf.Qwen3_5ForCausalLM, dict(_LINEAR)),
@@ -53,20 +75,42 @@ PARITY = {
     "qwen3-next": (tf.Qwen3NextConfig, tf.Qwen3NextForCausalLM, dict(**_LINEAR, **_MOE)),
 }
 REFUSED = {
-    "gemma2-default": (tf.Gemma2Config, tf.Gemma2ForCausalLM, dict(head_dim=8, sliding_window=4),
-                       r"'gemma2'.*layer 0.*(logit soft-capping|sliding-window)"),
-    "gemma3-sliding": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM, dict(head_dim=8, sliding_window=4),
-                       r"'gemma3_text'.*sliding-window attention"),
-    "mistral-window": (tf.MistralConfig, tf.MistralForCausalLM, dict(sliding_window=4),
-                       r"'mistral'.*sliding-window attention"),
-    "qwen2-window": (tf.Qwen2Config, tf.Qwen2ForCausalLM, dict(use_sliding_window=True, sliding_window=4,
-                                                              max_window_layers=0),
-                     r"'qwen2'.*sliding-window attention"),
-    "gpt-oss": (tf.GptOssConfig, tf.GptOssForCausalLM, dict(head_dim=8, num_local_experts=2, num_experts_per_tok=1,
-                                                           sliding_window=4, attn_implementation="eager"),
-                r"'gpt_oss'.*attention sinks"),
-    "olmo-hybrid": (tf.OlmoHybridConfig, tf.OlmoHybridForCausalLM, dict(_LINEAR),
-                    r"'olmo_hybrid'.*layer 0: linear attention outside Qwen3NextGatedDeltaNet.*'linear_attention'"),
+    "gemma2-default": (
+        tf.Gemma2Config,
+        tf.Gemma2ForCausalLM,
+        dict(head_dim=8, sliding_window=4),
+        r"'gemma2'.*layer 0.*(logit soft-capping|sliding-window)",
+    ),
+    "gemma3-sliding": (
+        tf.Gemma3TextConfig,
+        tf.Gemma3ForCausalLM,
+        dict(head_dim=8, sliding_window=4),
+        r"'gemma3_text'.*sliding-window attention",
+    ),
+    "mistral-window": (
+        tf.MistralConfig,
+        tf.MistralForCausalLM,
+        dict(sliding_window=4),
+        r"'mistral'.*sliding-window attention",
+    ),
+    "qwen2-window": (
+        tf.Qwen2Config,
+        tf.Qwen2ForCausalLM,
+        dict(use_sliding_window=True, sliding_window=4, max_window_layers=0),
+        r"'qwen2'.*sliding-window attention",
+    ),
+    "gpt-oss": (
+        tf.GptOssConfig,
+        tf.GptOssForCausalLM,
+        dict(head_dim=8, num_local_experts=2, num_experts_per_tok=1, sliding_window=4, attn_implementation="eager"),
+        r"'gpt_oss'.*attention sinks",
+    ),
+    "olmo-hybrid": (
+        tf.OlmoHybridConfig,
+        tf.OlmoHybridForCausalLM,
+        dict(_LINEAR),
+        r"'olmo_hybrid'.*layer 0: linear attention outside Qwen3NextGatedDeltaNet.*'linear_attention'",
+    ),
 }
 
 

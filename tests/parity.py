@@ -13,8 +13,14 @@ from augtree_verl import Tree
 RTOL = 1e-5
 
 VOCAB = 256
-_SHAPE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-              max_position_embeddings=4096, tie_word_embeddings=False)
+_SHAPE = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    max_position_embeddings=4096,
+    tie_word_embeddings=False,
+)
 MODELS = {
     "qwen2-gqa": (Qwen2Config, Qwen2ForCausalLM, dict(num_attention_heads=4, num_key_value_heads=2)),
     "llama-mha": (LlamaConfig, LlamaForCausalLM, dict(num_attention_heads=4, num_key_value_heads=4)),

@@ -23,7 +23,7 @@ def test_gpu_extra_is_verls_vllm_extra_without_flash_attn_and_a_flash_attn_extra
 
 def test_readme_and_dockerfile_install_the_same_gpu_line():
     readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("## The GPU path"):]
+    section = readme[readme.index("## The GPU path") :]
     first_command = re.search(r"```bash\n(.*)\n", section).group(1)
     assert GPU_LINE in first_command and "constraints-gpu.txt pip" in first_command, first_command
     docker = (ROOT / "docker" / "Dockerfile").read_text()
@@ -34,8 +34,11 @@ def test_readme_and_dockerfile_install_the_same_gpu_line():
 
 def test_the_image_stack_agrees_with_the_gpu_lock():
     pins = _pins("constraints-gpu.txt")
-    stack = [line for line in (ROOT / "docker" / "verl-gpu-stack.txt").read_text().splitlines()
-             if "==" in line and not line.startswith("#")]
+    stack = [
+        line
+        for line in (ROOT / "docker" / "verl-gpu-stack.txt").read_text().splitlines()
+        if "==" in line and not line.startswith("#")
+    ]
     for line in stack:
         name, pinned = line.split("==")
         name = canonicalize_name(name)

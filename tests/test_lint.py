@@ -1,6 +1,7 @@
-"""The package, tests and benchmarks pass ruff (lint only; the rules are in pyproject.toml's [tool.ruff]) and
-the package passes mypy ([tool.mypy]). Each check is skipped, saying why, only when its tool is not installed
-(``pip install -e '.[test]'`` installs both)."""
+"""The package, tests and benchmarks pass ruff (lint, with the rules in pyproject.toml's [tool.ruff], and format:
+``ruff format augtree_verl tests benchmarks`` leaves them unchanged) and the package passes mypy ([tool.mypy]).
+Each check is skipped, saying why, only when its tool is not installed (``pip install -e '.[test]'`` installs
+them)."""
 
 from __future__ import annotations
 
@@ -29,6 +30,10 @@ def _ruff(*paths: str) -> subprocess.CompletedProcess:
     return _run([*_tool("ruff"), "check", "--config", CONFIG, "--no-cache", *paths], timeout=120)
 
 
+def _ruff_format_check(*paths: str) -> subprocess.CompletedProcess:
+    return _run([*_tool("ruff"), "format", "--check", "--config", CONFIG, "--no-cache", *paths], timeout=120)
+
+
 def _mypy(*paths: str) -> subprocess.CompletedProcess:
     return _run([*_tool("mypy"), "--config-file", CONFIG, *paths], timeout=600)
 
@@ -39,6 +44,12 @@ def test_ruff_finds_nothing():
     assert done.returncode == 0, f"ruff check augtree_verl tests benchmarks:\n{report}"
 
 
+def test_ruff_format_changes_nothing():
+    done = _ruff_format_check("augtree_verl", "tests", "benchmarks")
+    report = done.stdout[-6000:] + done.stderr[-2000:]
+    assert done.returncode == 0, f"ruff format --check augtree_verl tests benchmarks (run without --check):\n{report}"
+
+
 @pytest.mark.timeout(600)
 def test_mypy_finds_nothing():
     done = _mypy("augtree_verl")
@@ -47,11 +58,19 @@ def test_mypy_finds_nothing():
 
 # The checks above fail on a finding: the same commands, with the same configuration, on planted ones.
 
+
 def test_ruff_reports_a_planted_finding(tmp_path):
     bad = tmp_path / "bad.py"
-    bad.write_text("import os\n\n\ndef f(x=[]):\n    return x\n")      # F401 unused import, B006 mutable default
+    bad.write_text("import os\n\n\ndef f(x=[]):\n    return x\n")  # F401 unused import, B006 mutable default
     done = _ruff(str(bad))
     assert done.returncode != 0 and "F401" in done.stdout and "B006" in done.stdout, done.stdout
+
+
+def test_ruff_format_reports_a_planted_finding(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("x = {  'a':1 }\n")
+    done = _ruff_format_check(str(bad))
+    assert done.returncode != 0 and "bad.py" in done.stdout + done.stderr, done.stdout + done.stderr
 
 
 @pytest.mark.timeout(600)

@@ -10,10 +10,16 @@ from packaging.utils import canonicalize_name
 
 REPO = Path(__file__).resolve().parents[1]
 # docker/ names container paths
-SOURCES = [p for folder in ("augtree_verl", "tests", "benchmarks", "examples", "recipes", ".ci")
-           for p in (REPO / folder).rglob("*") if p.is_file() and p.suffix in {".py", ".sh", ".yaml", ".toml", ""}
-           and "data" not in p.relative_to(REPO).parts and "__pycache__" not in p.parts
-           and p != Path(__file__).resolve()]
+SOURCES = [
+    p
+    for folder in ("augtree_verl", "tests", "benchmarks", "examples", "recipes", ".ci")
+    for p in (REPO / folder).rglob("*")
+    if p.is_file()
+    and p.suffix in {".py", ".sh", ".yaml", ".toml", ""}
+    and "data" not in p.relative_to(REPO).parts
+    and "__pycache__" not in p.parts
+    and p != Path(__file__).resolve()
+]
 
 
 # lock -> the extras it installs beside the dependencies (.ci/locks.py says how each lock is made)
@@ -42,8 +48,9 @@ def test_every_requirement_is_pinned_in_both_locks():
         for req in _requirements(extras):
             name = canonicalize_name(req.name)
             assert name in pins, f"{req.name} (pyproject.toml) has no pin in {lock}: run bash .ci/lock"
-            assert req.specifier.contains(pins[name], prereleases=True), f"{req.name}: {lock} pins {pins[name]}, " \
-                f"violating {req}"
+            assert req.specifier.contains(pins[name], prereleases=True), (
+                f"{req.name}: {lock} pins {pins[name]}, violating {req}"
+            )
 
 
 def test_the_gpu_lock_is_verls_gpu_stack():

@@ -20,7 +20,7 @@ DEVICES = ("cpu", "cuda")
 @dataclass(frozen=True)
 class BenchConfig:
     workloads: tuple[str, ...] = WORKLOADS
-    budget_tokens: int = DEFAULT_BUDGET     # logical tokens per group (G·P + ΣR_i), see workloads.py
+    budget_tokens: int = DEFAULT_BUDGET  # logical tokens per group (G·P + ΣR_i), see workloads.py
     group_size: int = DEFAULT_GROUP_SIZE
     num_groups: int | None = None  # groups (trees) per step; None: the workload's (workloads.DEFAULT_GROUPS)
     cp: int = DEFAULT_CP

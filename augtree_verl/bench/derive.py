@@ -35,11 +35,13 @@ from pathlib import Path
 
 TABLES_DIR = Path(__file__).parent / "tables"
 SKY_T1_TEMPLATE_TOKENS = 250  # summary_stats.json: "Sky-T1 ... reasoning system prompt ... 250 tokens"
-END_OF_TURN_TOKENS = 1        # each RL response ends with <|im_end|>
+END_OF_TURN_TOKENS = 1  # each RL response ends with <|im_end|>
 REASONING_FAMILY = re.compile(r"^Sky-T1-math-(correct-5K-32B-ckpts/|corrupt-|reflection-)")
 REASONING_SHIPPED = {  # shipped trace file -> (bench, model id in the length table)
-    "aime24__Sky-T1-math-correct-5K-32B__checkpoint-140.jsonl":
-        ("aime24", "Sky-T1-math-correct-5K-32B-ckpts/checkpoint-140"),
+    "aime24__Sky-T1-math-correct-5K-32B__checkpoint-140.jsonl": (
+        "aime24",
+        "Sky-T1-math-correct-5K-32B-ckpts/checkpoint-140",
+    ),
     "amc23__Sky-T1-math-reflection-1.0-32B.jsonl": ("amc23", "Sky-T1-math-reflection-1.0-32B"),
 }
 
@@ -56,16 +58,22 @@ class Counter:
         return len(self.tok(s, add_special_tokens=False)["input_ids"])
 
     def chat_prompt(self, user: str) -> int:
-        return len(self._ids(self.tok.apply_chat_template([{"role": "user", "content": user}],
-                                                          add_generation_prompt=True, tokenize=True)))
+        return len(
+            self._ids(
+                self.tok.apply_chat_template(
+                    [{"role": "user", "content": user}], add_generation_prompt=True, tokenize=True
+                )
+            )
+        )
 
     def response(self, s: str) -> int:
         return self.text(s) + END_OF_TURN_TOKENS
 
     def system_turns(self, system: str, tools: list[dict]) -> tuple[int, int]:
         """(tokens of the system turn ``system`` with ``tools``, tokens of the template's default system turn)."""
-        ids = self._ids(self.tok.apply_chat_template([{"role": "system", "content": system}], tools=tools,
-                                                     tokenize=True))
+        ids = self._ids(
+            self.tok.apply_chat_template([{"role": "system", "content": system}], tools=tools, tokenize=True)
+        )
         user_only = self._ids(self.tok.apply_chat_template([{"role": "user", "content": "x"}], tokenize=True))
         start = self.tok.convert_tokens_to_ids("<|im_start|>")
         return len(ids), [i for i, t in enumerate(user_only) if t == start][1]
@@ -82,11 +90,13 @@ def _jsonl(path: Path) -> list[dict]:
 def derive_longdoc(data: Path, count: Counter) -> list[dict]:
     sft = _jsonl(data / "longreward_example/sft.jsonl")[0]
     sampled = _jsonl(data / "longreward_example/sampled_responses.jsonl")
-    sampled = sorted((r for r in sampled if r["idx"].startswith(f"{sft['idx']}-")),
-                     key=lambda r: int(r["idx"].split("-")[1]))
+    sampled = sorted(
+        (r for r in sampled if r["idx"].startswith(f"{sft['idx']}-")), key=lambda r: int(r["idx"].split("-")[1])
+    )
     prompt = count.chat_prompt(sft["context"] + "\n\n" + sft["query"])
-    return [{"id": str(sft["idx"]), "prompt_len": prompt,
-             "response_lens": [count.response(r["answer"]) for r in sampled]}]
+    return [
+        {"id": str(sft["idx"]), "prompt_len": prompt, "response_lens": [count.response(r["answer"]) for r in sampled]}
+    ]
 
 
 def derive_rag(data: Path, count: Counter) -> list[dict]:
@@ -112,14 +122,20 @@ def derive_chat(data: Path, count: Counter) -> list[dict]:
 
 def derive_reasoning(data: Path, count: Counter) -> list[dict]:
     rows = list(csv.DictReader((data / "length_tables/qwen2_5_token_lengths.csv").open()))
-    rows = [r for r in rows if r["source"] == "skythought" and REASONING_FAMILY.match(r["sample_id"])
-            and r["group_id"].split(":")[0] in ("aime24", "amc23")]
+    rows = [
+        r
+        for r in rows
+        if r["source"] == "skythought"
+        and REASONING_FAMILY.match(r["sample_id"])
+        and r["group_id"].split(":")[0] in ("aime24", "amc23")
+    ]
     _check_shipped_traces(data, count, rows)
     groups: dict[str, dict] = {}
     for r in rows:
-        g = groups.setdefault(r["group_id"], {"id": r["group_id"],
-                                              "prompt_len": int(r["prompt_tokens"]) + SKY_T1_TEMPLATE_TOKENS,
-                                              "response_lens": []})
+        g = groups.setdefault(
+            r["group_id"],
+            {"id": r["group_id"], "prompt_len": int(r["prompt_tokens"]) + SKY_T1_TEMPLATE_TOKENS, "response_lens": []},
+        )
         g["response_lens"].append(int(r["response_tokens"]) + END_OF_TURN_TOKENS)
     return list(groups.values())
 
@@ -143,8 +159,10 @@ def derive_agent(count: Counter) -> dict:
     return {"system_prompt_tokens": system, "default_system_tokens": default}
 
 
-AGENT_SOURCE = ("tiny-agents default system prompt + exit-loop tools (huggingface_hub 1.33.0) as the Qwen2.5 "
-                "system turn; user turns from chat")
+AGENT_SOURCE = (
+    "tiny-agents default system prompt + exit-loop tools (huggingface_hub 1.33.0) as the Qwen2.5 "
+    "system turn; user turns from chat"
+)
 
 REGIMES = {
     "longdoc": (derive_longdoc, "LongReward example (THUDM/LongReward), long-document QA, one real G=10 group"),

@@ -45,8 +45,13 @@ def _rank_main(rank: int, cfg: BenchConfig, port: int, out: str) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // cfg.cp))
     else:
         torch.cuda.set_device(device)
-    dist.init_process_group("gloo" if device == "cpu" else "nccl", init_method=f"tcp://127.0.0.1:{port}",
-                            rank=rank, world_size=cfg.cp, timeout=INIT_TIMEOUT)
+    dist.init_process_group(
+        "gloo" if device == "cpu" else "nccl",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=cfg.cp,
+        timeout=INIT_TIMEOUT,
+    )
     try:
         results = run_benchmark(cfg, rank=rank, world=cfg.cp, device=device)
         if rank == 0:

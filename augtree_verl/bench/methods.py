@@ -40,10 +40,10 @@ DEPTH1_SHARED_TOKENS = 2**62
 @dataclass(frozen=True)
 class Method:
     name: str
-    flattened: bool = False         # run the flattened baseline instead of ``replay``
-    fixed: str | None = None        # "ring" or "megar": a plan built here, not by the planner
-    force: str | None = None        # planner restricted to this primitive
-    verl: bool = False              # verl's stock fsdp2 engine (verl_fsdp2.py) instead of ``replay``
+    flattened: bool = False  # run the flattened baseline instead of ``replay``
+    fixed: str | None = None  # "ring" or "megar": a plan built here, not by the planner
+    force: str | None = None  # planner restricted to this primitive
+    verl: bool = False  # verl's stock fsdp2 engine (verl_fsdp2.py) instead of ``replay``
     min_shared_tokens: int = MIN_SHARED_TOKENS  # the trie's threshold (``StepPlan.build``)
 
     def plans(self, trees: Sequence[Tree], degree: int, profile=None) -> list[Plan] | None:
@@ -53,10 +53,20 @@ class Method:
         if self.fixed == "ring":
             return [Plan(degree=degree, primitive="ring") for _ in trees]
         if self.fixed == "megar":
-            return [Plan(degree=degree, primitive="tree_move_kv", rounds=len(t.responses), lanes=1,
-                         placement=tuple((i, 0) for i in range(len(t.responses)))) for t in trees]
-        plans = [plan_tree(t.prompt_len, t.response_lens, degrees=[degree], profile=profile,
-                           force_primitive=self.force) for t in trees]
+            return [
+                Plan(
+                    degree=degree,
+                    primitive="tree_move_kv",
+                    rounds=len(t.responses),
+                    lanes=1,
+                    placement=tuple((i, 0) for i in range(len(t.responses))),
+                )
+                for t in trees
+            ]
+        plans = [
+            plan_tree(t.prompt_len, t.response_lens, degrees=[degree], profile=profile, force_primitive=self.force)
+            for t in trees
+        ]
         return demote_shared_plans(trees, plans, trie=StepTrie(trees, min_shared_tokens=self.min_shared_tokens))[0]
 
     @property
@@ -84,8 +94,12 @@ def methods_for(cp: int, device: str = "cpu", depth1: bool = False) -> list[Meth
     augtree = [Method("AugTree")] + ([DEPTH1] if depth1 else [])
     if cp == 1:
         return [Method("MegaN", flattened=True)] + augtree + verl
-    return ([Method("MegaN", fixed="ring"), Method("MegaR", fixed="megar")] + augtree
-            + [Method(f"AugTree[{p}]", force=p) for p in SPLIT_PRIMITIVES] + verl)
+    return (
+        [Method("MegaN", fixed="ring"), Method("MegaR", fixed="megar")]
+        + augtree
+        + [Method(f"AugTree[{p}]", force=p) for p in SPLIT_PRIMITIVES]
+        + verl
+    )
 
 
 def describe_plans(plans: Sequence[Plan] | None, flattened: bool, verl_world: int | None = None) -> str:
@@ -99,8 +113,13 @@ def describe_plans(plans: Sequence[Plan] | None, flattened: bool, verl_world: in
         return "single"
     seen: list[str] = []
     for p in plans:
-        text = "single" if p.degree == 1 else f"{p.primitive}(d={p.degree})" if p.primitive == "ring" else \
-            f"{p.primitive}(d={p.degree},b={p.rounds},s={p.lanes})"
+        text = (
+            "single"
+            if p.degree == 1
+            else f"{p.primitive}(d={p.degree})"
+            if p.primitive == "ring"
+            else f"{p.primitive}(d={p.degree},b={p.rounds},s={p.lanes})"
+        )
         if text not in seen:
             seen.append(text)
     return "+".join(seen)

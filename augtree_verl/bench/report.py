@@ -10,19 +10,46 @@ from pathlib import Path
 from augtree_verl.bench.methods import DEPTH1, SPLIT_PRIMITIVES, VERL_FSDP2
 from augtree_verl.bench.runner import MethodResult, paired_ratio
 
-JSON_KEYS = ("workload", "method", "step_time_s", "predicted_s", "executed_tokens", "logical_tokens", "comm_bytes",
-             "max_grad_rel_err", "plan")
+JSON_KEYS = (
+    "workload",
+    "method",
+    "step_time_s",
+    "predicted_s",
+    "executed_tokens",
+    "logical_tokens",
+    "comm_bytes",
+    "max_grad_rel_err",
+    "plan",
+)
 
 
 def format_table(results: Sequence[MethodResult]) -> str:
-    header = ("workload", "method", "step s", "vs MegaN", "executed/logical tok", "bytes moved", "plan",
-              "max grad err", "")
+    header = (
+        "workload",
+        "method",
+        "step s",
+        "vs MegaN",
+        "executed/logical tok",
+        "bytes moved",
+        "plan",
+        "max grad err",
+        "",
+    )
     rows = [header]
     for r in results:
-        rows.append((r.workload, r.method, f"{r.step_time_s:.3f}", f"{r.speedup_vs_megan:.2f}x",
-                     f"{r.executed_tokens:,}/{r.logical_tokens:,}",
-                     _bytes(r.comm_bytes) if r.comm_counted else "not counted", r.plan, _errors(r),
-                     "WRONG" if r.wrong else "ok"))
+        rows.append(
+            (
+                r.workload,
+                r.method,
+                f"{r.step_time_s:.3f}",
+                f"{r.speedup_vs_megan:.2f}x",
+                f"{r.executed_tokens:,}/{r.logical_tokens:,}",
+                _bytes(r.comm_bytes) if r.comm_counted else "not counted",
+                r.plan,
+                _errors(r),
+                "WRONG" if r.wrong else "ok",
+            )
+        )
     widths = [max(len(row[c]) for row in rows) for c in range(len(header))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths).rstrip())
@@ -49,8 +76,10 @@ def format_ideal(results: Sequence[MethodResult]) -> str:
         if aug and forced:
             best = max(forced, key=lambda f: paired_ratio(aug, f))
             same = " (the same plan)" if best.plan == aug.plan else ""
-            reached += (f"; planner's choice takes {paired_ratio(aug, best):.2f}x the time of the best forced "
-                        f"primitive, {best.method}{same}")
+            reached += (
+                f"; planner's choice takes {paired_ratio(aug, best):.2f}x the time of the best forced "
+                f"primitive, {best.method}{same}"
+            )
         lines.append(f"{workload}: ideal FLOP-count speedup of prompt reuse over flattened {ideal:.2f}x{reached}")
     return "\n".join(lines)
 
@@ -66,12 +95,17 @@ def format_shared(results: Sequence[MethodResult]) -> str:
         parts = []
         for name in ("AugTree", DEPTH1.name):
             if name in rows:
-                over = [f"{paired_ratio(rows[base], rows[name]):.2f}x over {base}"
-                        for base in (VERL_FSDP2.name, DEPTH1.name) if base in rows and base != name]
+                over = [
+                    f"{paired_ratio(rows[base], rows[name]):.2f}x over {base}"
+                    for base in (VERL_FSDP2.name, DEPTH1.name)
+                    if base in rows and base != name
+                ]
                 parts.append(f"{name} " + ", ".join(over))
-        lines.append(f"{workload}: ideal FLOP ratio over flattened: trie {first.ideal_trie:.2f}x, depth-1 "
-                     f"{first.ideal_depth1:.2f}x, prompt once per group {first.ideal_speedup:.2f}x; measured: "
-                     + "; ".join(parts))
+        lines.append(
+            f"{workload}: ideal FLOP ratio over flattened: trie {first.ideal_trie:.2f}x, depth-1 "
+            f"{first.ideal_depth1:.2f}x, prompt once per group {first.ideal_speedup:.2f}x; measured: "
+            + "; ".join(parts)
+        )
     return "\n".join(lines)
 
 
@@ -81,8 +115,10 @@ def format_prediction(results: Sequence[MethodResult]) -> str:
     for workload in dict.fromkeys(r.workload for r in results):
         errors = [r.prediction_error for r in results if r.workload == workload and r.prediction_error is not None]
         if errors:
-            lines.append(f"{workload}: planner's predicted step time off by {statistics.median(errors):.0%} "
-                         f"(median over {len(errors)} AugTree method(s) of |predicted - measured| / measured)")
+            lines.append(
+                f"{workload}: planner's predicted step time off by {statistics.median(errors):.0%} "
+                f"(median over {len(errors)} AugTree method(s) of |predicted - measured| / measured)"
+            )
     return "\n".join(lines)
 
 
@@ -90,8 +126,7 @@ def write_json(results: Sequence[MethodResult], path: str | Path, config: dict) 
     rows = []
     for r in results:
         full = r.to_dict()
-        rows.append({**{k: full[k] for k in JSON_KEYS},
-                     **{k: v for k, v in full.items() if k not in JSON_KEYS}})
+        rows.append({**{k: full[k] for k in JSON_KEYS}, **{k: v for k, v in full.items() if k not in JSON_KEYS}})
     Path(path).write_text(json.dumps({"config": config, "results": rows}, indent=1) + "\n")
 
 
@@ -113,8 +148,14 @@ def write_plot(results: Sequence[MethodResult], path: str | Path, title: str) ->
         bars = ax_t.bar(xs, [r.step_time_s for r in rows], color=[colors[r.method] for r in rows])
         for bar, r in zip(bars, rows):
             label = "WRONG" if r.wrong else f"{r.speedup_vs_megan:.2f}x"
-            ax_t.annotate(label, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center",
-                          va="bottom", fontsize=7, color="red" if r.wrong else "black")
+            ax_t.annotate(
+                label,
+                (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                ha="center",
+                va="bottom",
+                fontsize=7,
+                color="red" if r.wrong else "black",
+            )
         ax_t.set_title(f"{workload} (ideal {rows[0].ideal_speedup:.2f}x)", fontsize=9)
         ax_b.bar(xs, [r.comm_bytes / 2**20 for r in rows], color=[colors[r.method] for r in rows])
         if not any(r.comm_bytes for r in rows):

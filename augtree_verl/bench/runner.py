@@ -86,8 +86,12 @@ class MethodResult:
         return not (self.max_grad_rel_err <= self.tolerance and logp_ok)  # NaN is wrong too
 
     def to_dict(self) -> dict:
-        return {**asdict(self), "step_time_s": self.step_time_s, "prediction_error": self.prediction_error,
-                "status": "WRONG" if self.wrong else "ok"}
+        return {
+            **asdict(self),
+            "step_time_s": self.step_time_s,
+            "prediction_error": self.prediction_error,
+            "status": "WRONG" if self.wrong else "ok",
+        }
 
     @classmethod
     def from_dict(cls, row: dict) -> MethodResult:
@@ -103,20 +107,44 @@ def run_benchmark(cfg: BenchConfig, rank: int = 0, world: int = 1, device: str =
     every = max(methods.values(), key=len)
     # The planner's cost model, measured on this machine and process group (collective: every rank calls it);
     # on one device it only predicts the AugTree step times (``predicted_s``).
-    profile = calibrate(replace(ClusterProfile.default().with_model(model.config), activation_checkpointing=False,
-                                dtype_bytes=dtype.itemsize), device=device, model=model)
+    profile = calibrate(
+        replace(
+            ClusterProfile.default().with_model(model.config),
+            activation_checkpointing=False,
+            dtype_bytes=dtype.itemsize,
+        ),
+        device=device,
+        model=model,
+    )
     if rank == 0:
         print(RunProfile(profile, f"calibrated now on {world} {device} rank(s)").describe([world]), flush=True)
-    bar = tqdm(total=sum(cfg.repeats * len(m) + (world > 1) for m in methods.values()), disable=rank != 0,
-               desc="augtree bench", unit="step", dynamic_ncols=True)
+    bar = tqdm(
+        total=sum(cfg.repeats * len(m) + (world > 1) for m in methods.values()),
+        disable=rank != 0,
+        desc="augtree bench",
+        unit="step",
+        dynamic_ncols=True,
+    )
     verl = _build_verl(model, every)
     _warm_up(model, every, rank, world, profile, device, verl)
     results = []
     for name in cfg.workloads:
-        workload = build_workload(name, cfg.budget_tokens, cfg.group_size, cfg.num_groups,
-                                  vocab_size=vocab_size(model), seed=cfg.seed)
-        results += _run_workload(model, workload, methods[name], cfg.repeats, cfg.seed, rank, world, profile, bar,
-                                 FLOAT32_GRAD_RTOL if dtype == torch.float32 else BF16_GRAD_RTOL, verl)
+        workload = build_workload(
+            name, cfg.budget_tokens, cfg.group_size, cfg.num_groups, vocab_size=vocab_size(model), seed=cfg.seed
+        )
+        results += _run_workload(
+            model,
+            workload,
+            methods[name],
+            cfg.repeats,
+            cfg.seed,
+            rank,
+            world,
+            profile,
+            bar,
+            FLOAT32_GRAD_RTOL if dtype == torch.float32 else BF16_GRAD_RTOL,
+            verl,
+        )
     bar.close()
     if verl is not None:
         verl.close()
@@ -132,8 +160,19 @@ def _build_verl(model, methods: list[Method]):
     return VerlFsdp2.build(model)
 
 
-def _run_workload(model, workload: Workload, methods: list[Method], repeats: int, seed: int, rank: int,
-                  world: int, profile, bar, tolerance: float, verl=None) -> list[MethodResult]:
+def _run_workload(
+    model,
+    workload: Workload,
+    methods: list[Method],
+    repeats: int,
+    seed: int,
+    rank: int,
+    world: int,
+    profile,
+    bar,
+    tolerance: float,
+    verl=None,
+) -> list[MethodResult]:
     device = model.get_input_embeddings().weight.device
     trees = [Tree.of_tokens(t.prompt.to(device), [r.to(device) for r in t.responses]) for t in workload.trees]
     loss_fn = grpo_loss(trees, seed)
@@ -146,16 +185,28 @@ def _run_workload(model, workload: Workload, methods: list[Method], repeats: int
     shared = workload.name in SHARED_WORKLOADS
     ideal_trie = ideal_trie_speedup(model.config, trees) if shared else None
     ideal_depth1 = ideal_trie_speedup(model.config, trees, DEPTH1_SHARED_TOKENS) if shared else None
-    results = {m.name: MethodResult(
-        workload=workload.name, method=m.name, step_times_s=[], executed_tokens=0,
-        logical_tokens=workload.logical_tokens, comm_bytes=0, max_grad_rel_err=0.0,
-        plan=describe_plans(plans[m.name], m.flattened, world if m.verl else None),
-        ideal_speedup=ideal_speedup(model.config, workload.groups),
-        tolerance=tolerance, predicted_s=m.predicted_s(trees, plans[m.name], profile, world),
-        groups=[{"id": g.id, "prompt_len": g.prompt_len, "response_lens": list(g.response_lens)}
-                for g in workload.groups],
-        ideal_trie=ideal_trie, ideal_depth1=ideal_depth1,
-    ) for m in methods}
+    results = {
+        m.name: MethodResult(
+            workload=workload.name,
+            method=m.name,
+            step_times_s=[],
+            executed_tokens=0,
+            logical_tokens=workload.logical_tokens,
+            comm_bytes=0,
+            max_grad_rel_err=0.0,
+            plan=describe_plans(plans[m.name], m.flattened, world if m.verl else None),
+            ideal_speedup=ideal_speedup(model.config, workload.groups),
+            tolerance=tolerance,
+            predicted_s=m.predicted_s(trees, plans[m.name], profile, world),
+            groups=[
+                {"id": g.id, "prompt_len": g.prompt_len, "response_lens": list(g.response_lens)}
+                for g in workload.groups
+            ],
+            ideal_trie=ideal_trie,
+            ideal_depth1=ideal_depth1,
+        )
+        for m in methods
+    }
     verl_step = verl.prepare(model, trees, seed, rank, world) if verl is not None else None
     if verl_step is not None:
         results[VERL_NAME].max_logp_rel_err = verl_step.max_logp_rel_err
@@ -170,8 +221,9 @@ def _run_workload(model, workload: Workload, methods: list[Method], repeats: int
                 reference = grads
             res.step_times_s.append(seconds)
             res.max_grad_rel_err = _worse(res.max_grad_rel_err, max_rel_err(grads, reference))
-            res.executed_tokens, res.comm_bytes = (verl_step.executed_tokens, 0) if m.verl else \
-                _totals(stats, workload.logical_tokens, world, device)
+            res.executed_tokens, res.comm_bytes = (
+                (verl_step.executed_tokens, 0) if m.verl else _totals(stats, workload.logical_tokens, world, device)
+            )
             bar.update()
     megan = results[methods[0].name]
     for res in results.values():
@@ -196,8 +248,9 @@ def _warm_up(model, methods: list[Method], rank: int, world: int, profile, devic
     model.zero_grad(set_to_none=True)
 
 
-def _timed_step(model, trees, loss_fn, method: Method, plans, world: int, verl=None,
-                verl_step=None) -> tuple[float, ReplayStats | None]:
+def _timed_step(
+    model, trees, loss_fn, method: Method, plans, world: int, verl=None, verl_step=None
+) -> tuple[float, ReplayStats | None]:
     model.zero_grad(set_to_none=True)
     _sync(model, world)
     start = time.perf_counter()
@@ -210,8 +263,11 @@ def _timed_step(model, trees, loss_fn, method: Method, plans, world: int, verl=N
         stats = ReplayStats()
         # The CP group even where every plan is one-device (trees demoted for sharing): each tree on one rank.
         mesh = CPMesh.whole_world() if world > 1 else None
-        replay(model, StepPlan.build(trees, plans=plans, mesh=mesh, stats=stats,
-                                     min_shared_tokens=method.min_shared_tokens), per_response(loss_fn))
+        replay(
+            model,
+            StepPlan.build(trees, plans=plans, mesh=mesh, stats=stats, min_shared_tokens=method.min_shared_tokens),
+            per_response(loss_fn),
+        )
     _sync(model, world)
     return time.perf_counter() - start, stats
 

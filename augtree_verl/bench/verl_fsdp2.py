@@ -47,11 +47,20 @@ def rank_rows(trees: Sequence[Tree], seed: int, rank: int, world: int) -> tuple[
     advantages = group_advantages(trees, seed)
     flat = [(t, i) for t, tree in enumerate(trees) for i in range(len(tree.responses))]
     per_rank = -(-len(flat) // world)
-    rows = [dict(uid=f"tree-{t}", prompt=trees[t].prompt.cpu(), response=trees[t].responses[i].cpu(),
-                 advantage=float(advantages[t][i]), masked=False) for t, i in flat[rank::world]]
+    rows = [
+        dict(
+            uid=f"tree-{t}",
+            prompt=trees[t].prompt.cpu(),
+            response=trees[t].responses[i].cpu(),
+            advantage=float(advantages[t][i]),
+            masked=False,
+        )
+        for t, i in flat[rank::world]
+    ]
     real = len(rows)
-    rows += [{**(rows[0] if rows else _first_row(trees)), "advantage": 0.0, "masked": True}
-             for _ in range(per_rank - real)]
+    rows += [
+        {**(rows[0] if rows else _first_row(trees)), "advantage": 0.0, "masked": True} for _ in range(per_rank - real)
+    ]
     return rows, real
 
 
@@ -62,6 +71,7 @@ def _first_row(trees: Sequence[Tree]) -> dict:
 @dataclass
 class VerlStep:
     """One workload's verl batch on this rank, ready to time; the other fields are over all ranks."""
+
     batch: Any
     max_logp_rel_err: float
     executed_tokens: int  # [prompt ‖ response] tokens run, padding rows included
@@ -105,7 +115,8 @@ class VerlFsdp2:
         for key in ("loss_mask", "response_mask"):  # verl counts tokens by the first, aggregates by the second
             batch[key] = torch.nested.as_nested_tensor(
                 [torch.full((len(r["response"]),), 0 if r["masked"] else 1, dtype=torch.int64) for r in rows],
-                layout=torch.jagged)
+                layout=torch.jagged,
+            )
         probe = batch.clone()
         tu.assign_non_tensor(probe, calculate_entropy=False)
         with self.engine.eval_mode():

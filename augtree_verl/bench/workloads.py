@@ -87,14 +87,18 @@ def load_table(name: str) -> tuple[GroupShape, ...]:
         system, default = agent_system_turns()
         for g in chat:
             if g.prompt_len <= default:
-                raise ValueError(f"workload {name!r}: chat group {g.id} has a {g.prompt_len}-token prompt, not "
-                                 f"longer than the {default}-token default system turn it starts with")
+                raise ValueError(
+                    f"workload {name!r}: chat group {g.id} has a {g.prompt_len}-token prompt, not "
+                    f"longer than the {default}-token default system turn it starts with"
+                )
         if name == "multiturn":
             return chat
         return tuple(GroupShape(g.id, system + g.prompt_len - default, g.response_lens) for g in chat)
     table = json.loads((TABLES_DIR / f"{name}.json").read_text())
-    return tuple(GroupShape(id=g["id"], prompt_len=g["prompt_len"], response_lens=tuple(g["response_lens"]))
-                 for g in table["groups"])
+    return tuple(
+        GroupShape(id=g["id"], prompt_len=g["prompt_len"], response_lens=tuple(g["response_lens"]))
+        for g in table["groups"]
+    )
 
 
 @cache
@@ -110,8 +114,9 @@ def fit_group_size(group: GroupShape, group_size: int) -> GroupShape:
     return GroupShape(group.id, group.prompt_len, tuple(lens[i % len(lens)] for i in range(group_size)))
 
 
-def rank_groups(groups: tuple[GroupShape, ...] | list[GroupShape], budget_tokens: int,
-                group_size: int) -> list[GroupShape]:
+def rank_groups(
+    groups: tuple[GroupShape, ...] | list[GroupShape], budget_tokens: int, group_size: int
+) -> list[GroupShape]:
     """Groups sized to ``group_size``, closest to ``budget_tokens`` logical tokens first (log ratio; stable)."""
     _check_sizes(budget_tokens, group_size)
     sized = [fit_group_size(g, group_size) for g in groups]
@@ -124,13 +129,22 @@ def select_groups(name: str, budget_tokens: int, group_size: int, num_groups: in
     table = load_table(name)
     num_groups = DEFAULT_GROUPS.get(name, 1) if num_groups is None else num_groups
     if not isinstance(num_groups, int) or not 1 <= num_groups <= len(table):
-        raise ValueError(f"num_groups must be an int in [1, {len(table)}] for workload {name!r} "
-                         f"(it has {len(table)} groups), got {num_groups!r}")
+        raise ValueError(
+            f"num_groups must be an int in [1, {len(table)}] for workload {name!r} "
+            f"(it has {len(table)} groups), got {num_groups!r}"
+        )
     return rank_groups(table, budget_tokens, group_size)[:num_groups]
 
 
-def build_workload(name: str, budget_tokens: int, group_size: int, num_groups: int | None = None, *,
-                   vocab_size: int = QWEN2_5_VOCAB_SIZE, seed: int = 0) -> Workload:
+def build_workload(
+    name: str,
+    budget_tokens: int,
+    group_size: int,
+    num_groups: int | None = None,
+    *,
+    vocab_size: int = QWEN2_5_VOCAB_SIZE,
+    seed: int = 0,
+) -> Workload:
     """Replay trees for workload ``name``: selected groups' lengths, token ids uniform in [0, vocab_size),
     equal where the module docstring shares them."""
     groups = select_groups(name, budget_tokens, group_size, num_groups)
@@ -160,8 +174,11 @@ def _conversation(groups: list[GroupShape], ids) -> tuple[list[GroupShape], list
     shapes: list[GroupShape] = []
     trees: list[Tree] = []
     for g in groups:
-        prompt = torch.cat([trees[-1].prompt, trees[-1].responses[0],
-                            ids(TURN_SEPARATOR_TOKENS + g.prompt_len - default)]) if trees else ids(g.prompt_len)
+        prompt = (
+            torch.cat([trees[-1].prompt, trees[-1].responses[0], ids(TURN_SEPARATOR_TOKENS + g.prompt_len - default)])
+            if trees
+            else ids(g.prompt_len)
+        )
         trees.append(Tree.of_tokens(prompt=prompt, responses=[ids(r) for r in g.response_lens]))
         shapes.append(GroupShape(g.id, len(prompt), g.response_lens))
     return shapes, trees
@@ -177,5 +194,7 @@ def _check_sizes(budget_tokens: int, group_size: int) -> None:
         raise ValueError(f"group_size must be a positive int, got {group_size!r}")
     # The shortest possible branch is a 1-token prompt plus a 1-token response.
     if isinstance(budget_tokens, bool) or not isinstance(budget_tokens, int) or budget_tokens < 2 * group_size:
-        raise ValueError(f"budget_tokens must be an int of at least 2 * group_size = {2 * group_size} "
-                         f"(one prompt and one response token per branch), got {budget_tokens!r}")
+        raise ValueError(
+            f"budget_tokens must be an int of at least 2 * group_size = {2 * group_size} "
+            f"(one prompt and one response token per branch), got {budget_tokens!r}"
+        )

@@ -91,8 +91,9 @@ def warm_up(group) -> None:
     dist.all_reduce(torch.zeros(1, device=device), group=group)
 
 
-def all_to_all_rows(rows: torch.Tensor, send_counts: list[int], recv_counts: list[int], group,
-                    meter: Meter, direction: str) -> torch.Tensor:
+def all_to_all_rows(
+    rows: torch.Tensor, send_counts: list[int], recv_counts: list[int], group, meter: Meter, direction: str
+) -> torch.Tensor:
     """``rows`` [sum(send_counts), ...] sent in consecutive slices to group ranks 0..n-1; returns the
     received rows [sum(recv_counts), ...] in sender order. The slice a rank keeps for itself is not counted."""
     group = resolve(group)

@@ -59,8 +59,7 @@ class LaneReplayContext:
     prefix. Forward, backward (the prompt shards' dK/dV travel home with the ring into the prompt leaves)
     and the byte count (``ring.ring_bytes``) are that ring's; lanes never talk to each other."""
 
-    def __init__(self, ring: Ring, layout: ZigzagLayout, prompt: ZigzagLayout | None, prompt_kv: list,
-                 meter: Meter):
+    def __init__(self, ring: Ring, layout: ZigzagLayout, prompt: ZigzagLayout | None, prompt_kv: list, meter: Meter):
         self.ring, self.layout, self.prompt, self.prompt_kv, self.meter = ring, layout, prompt, prompt_kv, meter
 
     def attend(self, layer, q, k, v, scaling):
@@ -76,8 +75,17 @@ class MoveQReplayContext:
     """MoveQ replay step: queries of this rank's response shard go to every prompt owner; the lane ring
     covers the response's own part. ``query_counts[j]``: real queries of CP rank j in this step."""
 
-    def __init__(self, group, rank: int, prompt: ZigzagLayout, query_counts: tuple[int, ...], ring: Ring,
-                 layout: ZigzagLayout, prompt_kv: list, meter: Meter):
+    def __init__(
+        self,
+        group,
+        rank: int,
+        prompt: ZigzagLayout,
+        query_counts: tuple[int, ...],
+        ring: Ring,
+        layout: ZigzagLayout,
+        prompt_kv: list,
+        meter: Meter,
+    ):
         self.group, self.rank, self.prompt, self.query_counts = group, rank, prompt, query_counts
         self.ring, self.layout, self.prompt_kv, self.meter = ring, layout, prompt_kv, meter
 
@@ -85,6 +93,12 @@ class MoveQReplayContext:
         n = self.layout.size(self.ring.index)
         rows = q.shape[2]
         q, k, v = _real(q, n), _real(k, n), _real(v, n)
-        spec = MoveQSpec(self.group, self.rank, self.prompt, self.query_counts,
-                         RingSpec(self.ring, self.layout, None, scaling), scaling)
+        spec = MoveQSpec(
+            self.group,
+            self.rank,
+            self.prompt,
+            self.query_counts,
+            RingSpec(self.ring, self.layout, None, scaling),
+            scaling,
+        )
         return _padded(move_q_attention(q, k, v, self.prompt_kv[layer], spec, self.meter), rows)

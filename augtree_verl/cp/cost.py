@@ -23,18 +23,20 @@ class AttentionShape:
     heads: int
     kv_heads: int
     head_dim: int
-    element_size: int       # bytes of a q/K/V element (4 for float32, 2 for bf16)
+    element_size: int  # bytes of a q/K/V element (4 for float32, 2 for bf16)
     lse_element_size: int = 4
 
     @staticmethod
     def of(config, element_size: int) -> AttentionShape:
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        return AttentionShape(config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads,
-                              head_dim, element_size)
+        return AttentionShape(
+            config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads, head_dim, element_size
+        )
 
 
-def analytic_bytes(plan: Plan, prompt_len: int, response_lens: list[int], rank: int, shape: AttentionShape,
-                   train: bool = True) -> dict[str, int]:
+def analytic_bytes(
+    plan: Plan, prompt_len: int, response_lens: list[int], rank: int, shape: AttentionShape, train: bool = True
+) -> dict[str, int]:
     """Bytes subgroup rank ``rank`` sends for one tree: the per-primitive formulas summed over the steps of
     ``schedule.cp_tree_schedule`` (the prefill ring, then each step's ring or MoveQ exchange)."""
     schedule, total = cp_tree_schedule(plan, prompt_len, response_lens, rank), {"fwd": 0, "bwd": 0}
@@ -53,10 +55,14 @@ def analytic_bytes(plan: Plan, prompt_len: int, response_lens: list[int], rank: 
         if step.layout is None:  # nothing fed by my ring: a local dummy call
             continue
         if step.kind == "move_q":
-            spec = MoveQSpec(None, rank, schedule.prefill.layout, step.query_counts, ring(step.members, step.layout),
-                             1.0)
-            add(move_q_bytes(spec, shape.heads, shape.kv_heads, shape.head_dim, shape.element_size,
-                             shape.lse_element_size))
+            spec = MoveQSpec(
+                None, rank, schedule.prefill.layout, step.query_counts, ring(step.members, step.layout), 1.0
+            )
+            add(
+                move_q_bytes(
+                    spec, shape.heads, shape.kv_heads, shape.head_dim, shape.element_size, shape.lse_element_size
+                )
+            )
         else:
             add(ring_bytes(ring(step.members, step.layout, step.prefix), *kv))
     return total

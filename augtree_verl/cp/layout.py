@@ -20,8 +20,8 @@ import torch
 
 @dataclass(frozen=True)
 class Chunk:
-    index: int        # chunk id in sequence order (the causal order)
-    start: int        # first global position
+    index: int  # chunk id in sequence order (the causal order)
+    start: int  # first global position
     local_start: int  # offset of its first token in the member's local tensor
     length: int
 
@@ -33,7 +33,7 @@ class Chunk:
 @dataclass(frozen=True)
 class ZigzagLayout:
     length: int  # L, tokens in the sequence
-    parts: int   # m, ring members
+    parts: int  # m, ring members
 
     def __post_init__(self):
         if self.length < 0:

@@ -34,19 +34,22 @@ class CPMesh:
         self.cp_size = size = self.degrees[-1]
         world, rank = dist.get_world_size(), dist.get_rank()
         if world % size:
-            raise ValueError(f"cp_degrees {list(self.degrees)}: the largest degree {size} must divide the "
-                             f"world size {world}")
+            raise ValueError(
+                f"cp_degrees {list(self.degrees)}: the largest degree {size} must divide the world size {world}"
+            )
         self.dp_size, self.dp_rank, self.cp_rank = world // size, rank // size, rank % size
         self.dp_group = dist.group.WORLD
         if size > 1:
             self.dp_group, _ = dist.new_subgroups_by_enumeration(
-                [[c + k * size for k in range(self.dp_size)] for c in range(size)])
+                [[c + k * size for k in range(self.dp_size)] for c in range(size)]
+            )
             warm_up(self.dp_group)
         self.subgroups = {}
         for d in self.degrees:
             if d > 1:
                 self.subgroups[d], _ = dist.new_subgroups_by_enumeration(
-                    [[first + j for j in range(d)] for first in range(0, world, d)])
+                    [[first + j for j in range(d)] for first in range(0, world, d)]
+                )
                 warm_up(self.subgroups[d])
 
     @classmethod

@@ -54,8 +54,9 @@ class MoveQSpec:
 
     def __post_init__(self):
         if len(self.query_counts) != self.prompt.parts:
-            raise ValueError(f"MoveQSpec.query_counts has {len(self.query_counts)} entries for "
-                             f"{self.prompt.parts} prompt owners")
+            raise ValueError(
+                f"MoveQSpec.query_counts has {len(self.query_counts)} entries for {self.prompt.parts} prompt owners"
+            )
         if self.query_counts[self.rank] != self.lane.layout.size(self.lane.ring.index):
             raise ValueError("MoveQSpec.query_counts disagrees with the lane layout for this rank")
 
@@ -70,16 +71,19 @@ class MoveQSpec:
         return [j for j in range(self.prompt.parts) if self.prompt.size(j)]
 
 
-def move_q_bytes(spec: MoveQSpec, heads: int, kv_heads: int, head_dim: int, element_size: int,
-                 lse_element_size: int) -> dict[str, int]:
+def move_q_bytes(
+    spec: MoveQSpec, heads: int, kv_heads: int, head_dim: int, element_size: int, lse_element_size: int
+) -> dict[str, int]:
     """Analytic bytes this rank sends per layer (see module docstring)."""
     n = spec.query_counts[spec.rank]
     other_owners = sum(1 for j in spec.owners() if j != spec.rank)
     served = sum(c for j, c in enumerate(spec.recv_counts()) if j != spec.rank)
     ring = ring_bytes(spec.lane, kv_heads, head_dim, element_size)
     e, f, h, d = element_size, lse_element_size, heads, head_dim
-    return {"fwd": e * n * h * d * other_owners + served * h * (e * d + f) + ring["fwd"],
-            "bwd": n * h * (2 * e * d + f) * other_owners + served * h * d * e + ring["bwd"]}
+    return {
+        "fwd": e * n * h * d * other_owners + served * h * (e * d + f) + ring["fwd"],
+        "bwd": n * h * (2 * e * d + f) * other_owners + served * h * d * e + ring["bwd"],
+    }
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -93,7 +97,7 @@ def _heads(rows: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 def _split_owners(rows: torch.Tensor, owners: int, n: int) -> list[torch.Tensor]:
-    return [rows[i * n:(i + 1) * n] for i in range(owners)]
+    return [rows[i * n : (i + 1) * n] for i in range(owners)]
 
 
 def _prompt_partials(q, pk, pv, spec: MoveQSpec, meter: Meter):
@@ -108,8 +112,10 @@ def _prompt_partials(q, pk, pv, spec: MoveQSpec, meter: Meter):
         o, lse = served.clone(), served.new_empty(heads, 0, dtype=accum_dtype(q.dtype))
     o_back = all_to_all_rows(_rows(o), recv, send, spec.group, meter, "fwd")
     lse_back = all_to_all_rows(lse.t().contiguous(), recv, send, spec.group, meter, "fwd")
-    parts = [(_heads(o_i, heads), l_i.t())
-             for o_i, l_i in zip(_split_owners(o_back, len(owners), n), _split_owners(lse_back, len(owners), n))]
+    parts = [
+        (_heads(o_i, heads), l_i.t())
+        for o_i, l_i in zip(_split_owners(o_back, len(owners), n), _split_owners(lse_back, len(owners), n))
+    ]
     return served, parts
 
 
@@ -138,12 +144,12 @@ class MoveQAttention(torch.autograd.Function):
         dout = dout.contiguous()
         payload = torch.cat([_rows(dout), _rows(out)], dim=1)
         got = all_to_all_rows(torch.cat([payload] * len(owners)), send, recv, spec.group, meter, "bwd")
-        got_lse = all_to_all_rows(torch.cat([lse.t()] * len(owners)), send, recv, spec.group,
-                                  meter, "bwd")
+        got_lse = all_to_all_rows(torch.cat([lse.t()] * len(owners)), send, recv, spec.group, meter, "bwd")
         if served.shape[1]:
             s_dout, s_out = (_heads(x, heads) for x in got.chunk(2, dim=1))
-            dq_served, dpk, dpv = attention_backward(s_dout, served, pk, pv, s_out, got_lse.t().contiguous(),
-                                                     causal=False, scale=spec.scale)
+            dq_served, dpk, dpv = attention_backward(
+                s_dout, served, pk, pv, s_out, got_lse.t().contiguous(), causal=False, scale=spec.scale
+            )
         else:
             dq_served, dpk, dpv = served.clone(), torch.zeros_like(pk), torch.zeros_like(pv)
         dq_back = all_to_all_rows(_rows(dq_served), recv, send, spec.group, meter, "bwd")
@@ -152,13 +158,18 @@ class MoveQAttention(torch.autograd.Function):
         for part in _split_owners(dq_back, len(owners), n):
             dq += _heads(part, heads)
         grads = (dq, dk, dv, dpk, dpv)
-        return (*(g.to(x.dtype) if need else None
-                  for g, x, need in zip(grads, (q, k, v, pk, pv), ctx.needs_input_grad)), None, None)
+        return (
+            *(g.to(x.dtype) if need else None for g, x, need in zip(grads, (q, k, v, pk, pv), ctx.needs_input_grad)),
+            None,
+            None,
+        )
 
 
 def move_q_attention(q, k, v, prompt_kv, spec: MoveQSpec, meter: Meter) -> torch.Tensor:
     """MoveQ attention of one layer on this rank (shapes in ``MoveQAttention``); ``prompt_kv`` = (pk, pv)."""
     if dist.get_world_size(spec.group) != spec.prompt.parts:
-        raise ValueError(f"MoveQ prompt layout has {spec.prompt.parts} owners but the CP group has "
-                         f"{dist.get_world_size(spec.group)} ranks")
+        raise ValueError(
+            f"MoveQ prompt layout has {spec.prompt.parts} owners but the CP group has "
+            f"{dist.get_world_size(spec.group)} ranks"
+        )
     return MoveQAttention.apply(q, k, v, prompt_kv[0], prompt_kv[1], spec, meter)

@@ -146,8 +146,16 @@ def ring_backward(dout, q, k, v, pk, pv, out, lse, spec: RingSpec, meter: Meter)
         gk, gv, gpk, gpv = blocks.unpack(grad, j)
         for rows, cols, causal, is_prefix in _block_pairs(spec, me, j):
             kk, vv, dkk, dvv = (bpk, bpv, gpk, gpv) if is_prefix else (bk, bv, gk, gv)
-            bq, bkk, bvv = attention_backward(dout[:, rows], q[:, rows], kk[:, cols], vv[:, cols],
-                                              out[:, rows], lse[:, rows], causal=causal, scale=spec.scale)
+            bq, bkk, bvv = attention_backward(
+                dout[:, rows],
+                q[:, rows],
+                kk[:, cols],
+                vv[:, cols],
+                out[:, rows],
+                lse[:, rows],
+                causal=causal,
+                scale=spec.scale,
+            )
             dq[:, rows] += bq
             dkk[:, cols] += bkk
             dvv[:, cols] += bvv
@@ -185,8 +193,11 @@ class RingAttention(torch.autograd.Function):
         q, k, v, pk, pv, out, lse = ctx.saved_tensors
         grads = ring_backward(dout.contiguous(), q, k, v, pk, pv, out, lse, ctx.spec, ctx.meter)
         inputs = (q, k, v, pk, pv)
-        return (*(g.to(x.dtype) if need else None
-                  for g, x, need in zip(grads, inputs, ctx.needs_input_grad)), None, None)
+        return (
+            *(g.to(x.dtype) if need else None for g, x, need in zip(grads, inputs, ctx.needs_input_grad)),
+            None,
+            None,
+        )
 
 
 def ring_attention(q, k, v, spec: RingSpec, meter: Meter, prefix_kv=None) -> torch.Tensor:

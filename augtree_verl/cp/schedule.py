@@ -84,8 +84,10 @@ def cp_tree_schedule(plan: Plan, prompt_len: int, response_lens: list[int], rank
     plan.check_responses(len(response_lens))
     everyone = tuple(range(d))
     if plan.primitive == "ring":
-        steps = tuple(CPStep("ring", (i,), i, everyone, ZigzagLayout(prompt_len + r - 1, d), 0, None, None,
-                             everyone) for i, r in enumerate(response_lens))
+        steps = tuple(
+            CPStep("ring", (i,), i, everyone, ZigzagLayout(prompt_len + r - 1, d), 0, None, None, everyone)
+            for i, r in enumerate(response_lens)
+        )
         return CPTreeSchedule(rank, d, None, steps, False)
     lanes = [lane_members(d, plan.lanes, lane) for lane in range(plan.lanes)]
     my_lane = next(lane for lane, m in enumerate(lanes) if rank in m)
@@ -93,9 +95,20 @@ def cp_tree_schedule(plan: Plan, prompt_len: int, response_lens: list[int], rank
     if plan.primitive == "tree_move_kv":
         prefix = ZigzagLayout(prompt_len, len(members))
         mine = sorted((r, i) for i, (r, lane) in enumerate(plan.placement) if lane == my_lane)
-        steps = tuple(CPStep("lane", (i,), i, members,
-                             ZigzagLayout(response_lens[i] - 1, len(members)) if response_lens[i] > 1 else None,
-                             prompt_len, prefix, None, members) for _, i in mine)
+        steps = tuple(
+            CPStep(
+                "lane",
+                (i,),
+                i,
+                members,
+                ZigzagLayout(response_lens[i] - 1, len(members)) if response_lens[i] > 1 else None,
+                prompt_len,
+                prefix,
+                None,
+                members,
+            )
+            for _, i in mine
+        )
         return CPTreeSchedule(rank, d, CPPrefill(members, prefix), steps, True)
     move_q_steps: list[CPStep] = []
     for rnd in range(plan.rounds):
@@ -105,7 +118,17 @@ def cp_tree_schedule(plan: Plan, prompt_len: int, response_lens: list[int], rank
             fed = [response_lens[i] - 1 if i is not None else 0 for i in per_lane]
             layouts = [ZigzagLayout(n, len(m)) for n, m in zip(fed, lanes)]
             counts = tuple(layouts[lane].size(j) for lane, m in enumerate(lanes) for j in range(len(m)))
-            move_q_steps.append(CPStep("move_q", tuple(i for i in per_lane if i is not None), per_lane[my_lane],
-                                       members, layouts[my_lane] if any(fed) else None, prompt_len, None,
-                                       counts if any(fed) else None, everyone))
+            move_q_steps.append(
+                CPStep(
+                    "move_q",
+                    tuple(i for i in per_lane if i is not None),
+                    per_lane[my_lane],
+                    members,
+                    layouts[my_lane] if any(fed) else None,
+                    prompt_len,
+                    None,
+                    counts if any(fed) else None,
+                    everyone,
+                )
+            )
     return CPTreeSchedule(rank, d, CPPrefill(everyone, ZigzagLayout(prompt_len, d)), tuple(move_q_steps), False)

@@ -35,11 +35,17 @@ def summary(runs: dict[str, list[dict]]) -> str:
     """A text table: each timing's median per run and its ratio to the first run's."""
     names = list(runs)
     table = {name: medians(steps) for name, steps in runs.items()}
-    lines = [f"{'median s (steps 2+)':<24}" + "".join(f"{name:>12}" for name in names)
-             + "".join(f"{names[0] + '/' + name:>18}" for name in names[1:])]
+    lines = [
+        f"{'median s (steps 2+)':<24}"
+        + "".join(f"{name:>12}" for name in names)
+        + "".join(f"{names[0] + '/' + name:>18}" for name in names[1:])
+    ]
     for key in TIMINGS:
-        lines.append(f"{key:<24}" + "".join(f"{table[name][key]:>12.3f}" for name in names)
-                     + "".join(f"{table[names[0]][key] / table[name][key]:>17.2f}x" for name in names[1:]))
+        lines.append(
+            f"{key:<24}"
+            + "".join(f"{table[name][key]:>12.3f}" for name in names)
+            + "".join(f"{table[names[0]][key] / table[name][key]:>17.2f}x" for name in names[1:])
+        )
     return "\n".join(lines)
 
 
@@ -48,8 +54,10 @@ def shown(runs: dict[str, list[dict]], keys: list[str]) -> str:
     lines = [f"{'step':<6}{'run':<10}" + "".join(f"{key.rsplit('/', 1)[-1]:>18}" for key in keys)]
     for name, steps in runs.items():
         for step, metrics in enumerate(steps, 1):
-            lines.append(f"{step:<6}{name:<10}" + "".join(
-                f"{metrics[key]:>18.6g}" if key in metrics else f"{'-':>18}" for key in keys))
+            lines.append(
+                f"{step:<6}{name:<10}"
+                + "".join(f"{metrics[key]:>18.6g}" if key in metrics else f"{'-':>18}" for key in keys)
+            )
     return "\n".join(lines)
 
 

@@ -41,8 +41,11 @@ CURVES = {"critic/score/mean": REWARD_TOL, "actor/pg_loss": LOSS_TOL}
 STEP_LINE = re.compile(r"(?:^|\s)step:(\d+) - ")
 WARNING_LINE = re.compile(r"warn(?:ing)?\b", re.IGNORECASE)
 # What varies between repeats of one message: colours, pids, times.
-VARYING = [(re.compile(r"\x1b\[[0-9;]*m"), ""), (re.compile(r"pid=\d+"), "pid=N"),
-           (re.compile(r"\d{4}-\d\d-\d\d[ T][\d:,.]+"), "TIME")]
+VARYING = [
+    (re.compile(r"\x1b\[[0-9;]*m"), ""),
+    (re.compile(r"pid=\d+"), "pid=N"),
+    (re.compile(r"\d{4}-\d\d-\d\d[ T][\d:,.]+"), "TIME"),
+]
 # The processes every run has: verl's driver and task runner, the trainer workers, the rollout server; the
 # planner actor with the augtree engine.
 REQUIRED_ROLES = ("driver", "TaskRunnerV1", "WorkerDict", "HFRolloutServer")
@@ -54,8 +57,8 @@ def process_role(cmdline: Sequence[str], name: str) -> str:
     for a named actor, ``ray::name:Class.method``),
     ``idle`` for a Ray worker without an actor, else the executable's name."""
     title = " ".join(cmdline)
-    if title.startswith("ray::"):   # ray::[actor name:]Class[.method]
-        role = title[len("ray::"):].split()[0].split(".")[0].split(":")[-1]
+    if title.startswith("ray::"):  # ray::[actor name:]Class[.method]
+        role = title[len("ray::") :].split()[0].split(".")[0].split(":")[-1]
         return "idle" if role == "IDLE" else role
     return Path(cmdline[0]).name if cmdline else name
 
@@ -89,8 +92,10 @@ class ProcessSampler:
 
     def series(self) -> dict[str, list[int | None]]:
         """``"role pid" -> [rss per sample]`` (None where the process was not alive at that sample)."""
-        return {f"{self.roles[pid]} {pid}": [sample.get(pid) for sample in self.samples]
-                for pid in sorted({pid for sample in self.samples for pid in sample})}
+        return {
+            f"{self.roles[pid]} {pid}": [sample.get(pid) for sample in self.samples]
+            for pid in sorted({pid for sample in self.samples for pid in sample})
+        }
 
     def _children(self) -> list[psutil.Process]:
         try:
@@ -142,18 +147,20 @@ def checks(runs: dict[str, dict], warmup: int, groups_per_step: int) -> list[dic
     for name, result in runs.items():
         roles = {process.split()[0] for process in result["rss"]}
         required = REQUIRED_ROLES + ((PLANNER_ROLE,) if name.endswith("augtree") else ())
-        found.append(_check("processes_missing", f"{name} {sorted(set(required) - roles)}",
-                            len(set(required) - roles), 0))
+        found.append(
+            _check("processes_missing", f"{name} {sorted(set(required) - roles)}", len(set(required) - roles), 0)
+        )
         found.append(_check("steps_missing", name, result.get("expected_steps", 0) - len(result["steps"]), 0))
         for process, rss in result["rss"].items():
-            if None in rss[warmup:]:   # started or ended after the warm-up: a short-lived helper process
+            if None in rss[warmup:]:  # started or ended after the warm-up: a short-lived helper process
                 continue
             mib = growth([value / MIB for value in rss], warmup, WINDOW)
             found.append(_check("rss_growth_mib", f"{name} {process}", mib, RSS_GROWTH_BOUND_MIB))
         depth = [step.get("augtree/planner/queue_depth") for step in result["steps"]]
         if depth[0] is not None:
-            found.append(_check("planner_entries", name, max(depth[warmup:]),
-                                PLANNER_ENTRIES_BOUND_STEPS * groups_per_step))
+            found.append(
+                _check("planner_entries", name, max(depth[warmup:]), PLANNER_ENTRIES_BOUND_STEPS * groups_per_step)
+            )
         found.append(_check("warnings_growth", name, growth(result["warnings_per_step"], warmup, WINDOW), 0))
     for recipe in {name.split("_")[0] for name in runs}:
         if f"{recipe}_fsdp2" in runs and f"{recipe}_augtree" in runs:

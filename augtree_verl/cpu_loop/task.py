@@ -30,8 +30,10 @@ SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "[UNK]"]
 TASK_WORDS = ["system", "user", "assistant", "key", "text", "answer"]
 WORDS = [c + v for c in "bdfghjklmnprstvz" for v in "aeiou"]
 KEYS_PER_PROMPT = 8
-CHAT_TEMPLATE = ("{% for message in messages %}<|im_start|>{{ message['role'] }} {{ message['content'] }} "
-                 "<|im_end|> {% endfor %}{% if add_generation_prompt %}<|im_start|>assistant {% endif %}")
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }} {{ message['content'] }} "
+    "<|im_end|> {% endfor %}{% if add_generation_prompt %}<|im_start|>assistant {% endif %}"
+)
 
 
 @dataclass(frozen=True)
@@ -60,8 +62,10 @@ class TaskConfig:
             raise ValueError(f"hidden_size must be a multiple of 16 (4 heads of 16 x k), got {self.hidden_size}")
         # prompt = key words + text + a few task and chat tokens; the answer needs room too
         if self.max_positions < self.system_words + self.max_words + KEYS_PER_PROMPT + 64:
-            raise ValueError(f"max_positions ({self.max_positions}) leaves no room for prompts of "
-                             f"system_words={self.system_words} + max_words={self.max_words}")
+            raise ValueError(
+                f"max_positions ({self.max_positions}) leaves no room for prompts of "
+                f"system_words={self.system_words} + max_words={self.max_words}"
+            )
 
 
 def build_tokenizer():
@@ -73,8 +77,13 @@ def build_tokenizer():
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     backend.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                        unk_token="[UNK]", additional_special_tokens=["<|im_start|>"])
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token="[UNK]",
+        additional_special_tokens=["<|im_start|>"],
+    )
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
 
@@ -85,16 +94,23 @@ def save_model(directory: Path, config: TaskConfig) -> Path:
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
     tokenizer = build_tokenizer()
-    model_config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=config.hidden_size,
-                               intermediate_size=2 * config.hidden_size, num_hidden_layers=config.num_layers,
-                               num_attention_heads=4, num_key_value_heads=2,
-                               max_position_embeddings=config.max_positions, tie_word_embeddings=False,
-                               bos_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-                               pad_token_id=tokenizer.pad_token_id, architectures=["LlamaForCausalLM"])
+    model_config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=config.hidden_size,
+        intermediate_size=2 * config.hidden_size,
+        num_hidden_layers=config.num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=config.max_positions,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        architectures=["LlamaForCausalLM"],
+    )
     torch.manual_seed(config.seed)
     model = LlamaForCausalLM(model_config)
-    model.generation_config = GenerationConfig(eos_token_id=tokenizer.eos_token_id,
-                                               pad_token_id=tokenizer.pad_token_id)
+    model.generation_config = GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return directory
@@ -111,9 +127,15 @@ def task_rows(num_rows: int, config: TaskConfig, *, split: str, seed: int) -> li
         text = rng.choices(WORDS, k=rng.randint(config.min_words, config.max_words))
         content = f"key {' '.join(keys)} text {' '.join(text)} answer"
         messages = system + [{"role": "user", "content": content}]
-        rows.append({"data_source": DATA_SOURCE, "prompt": messages,
-                     "ability": "keywords", "reward_model": {"style": "rule", "ground_truth": " ".join(keys)},
-                     "extra_info": {"split": split, "index": index, "words": len(text)}})
+        rows.append(
+            {
+                "data_source": DATA_SOURCE,
+                "prompt": messages,
+                "ability": "keywords",
+                "reward_model": {"style": "rule", "ground_truth": " ".join(keys)},
+                "extra_info": {"split": split, "index": index, "words": len(text)},
+            }
+        )
     return rows
 
 

@@ -76,14 +76,16 @@ class AugTreeEngineConfig(FSDPEngineConfig):
         verl_compat.engine_config_post_init(self)
         if self.strategy not in ACCEPTED_STRATEGIES:
             raise ValueError(
-                f"AugTreeEngineConfig.strategy must be one of {ACCEPTED_STRATEGIES}, got {self.strategy!r}")
+                f"AugTreeEngineConfig.strategy must be one of {ACCEPTED_STRATEGIES}, got {self.strategy!r}"
+            )
         _check_int("micro_batch_tokens", self.micro_batch_tokens, minimum=1)
         _check_int("fallback_threshold_tokens", self.fallback_threshold_tokens, minimum=0)
         _check_int("planner_max_entries", self.planner_max_entries, minimum=1)
         degrees = list(self.cp_degrees) if not isinstance(self.cp_degrees, (str, bytes)) else None
         if not degrees:
             raise ValueError(
-                f"AugTreeEngineConfig.cp_degrees must be a non-empty list of ints, got {self.cp_degrees!r}")
+                f"AugTreeEngineConfig.cp_degrees must be a non-empty list of ints, got {self.cp_degrees!r}"
+            )
         if any(isinstance(d, bool) or not isinstance(d, int) or d < 1 for d in degrees):
             raise ValueError(f"AugTreeEngineConfig.cp_degrees must hold ints >= 1, got {degrees!r}")
         if any(max(degrees) % d for d in degrees):
@@ -91,23 +93,31 @@ class AugTreeEngineConfig(FSDPEngineConfig):
         verl_compat.set_frozen_field(self, "cp_degrees", sorted(set(degrees)))
         if self.force_primitive is not None and self.force_primitive not in PRIMITIVES:
             raise ValueError(
-                f"AugTreeEngineConfig.force_primitive must be None or one of {PRIMITIVES}, "
-                f"got {self.force_primitive!r}")
+                f"AugTreeEngineConfig.force_primitive must be None or one of {PRIMITIVES}, got {self.force_primitive!r}"
+            )
         for name in ("use_planner", "offload_prompt_activations"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"AugTreeEngineConfig.{name} must be a bool, got {getattr(self, name)!r}")
         if not isinstance(self.planner_name, str) or not self.planner_name:
             raise ValueError(f"AugTreeEngineConfig.planner_name must be a non-empty string, got {self.planner_name!r}")
-        if isinstance(self.planner_timeout_s, bool) or not isinstance(self.planner_timeout_s, (int, float)) \
-                or not self.planner_timeout_s > 0:
+        if (
+            isinstance(self.planner_timeout_s, bool)
+            or not isinstance(self.planner_timeout_s, (int, float))
+            or not self.planner_timeout_s > 0
+        ):
             raise ValueError(
-                f"AugTreeEngineConfig.planner_timeout_s must be a number > 0, got {self.planner_timeout_s!r}")
-        if isinstance(self.planner_ttl_s, bool) or not isinstance(self.planner_ttl_s, (int, float)) \
-                or not self.planner_ttl_s > 0:
+                f"AugTreeEngineConfig.planner_timeout_s must be a number > 0, got {self.planner_timeout_s!r}"
+            )
+        if (
+            isinstance(self.planner_ttl_s, bool)
+            or not isinstance(self.planner_ttl_s, (int, float))
+            or not self.planner_ttl_s > 0
+        ):
             raise ValueError(f"AugTreeEngineConfig.planner_ttl_s must be a number > 0, got {self.planner_ttl_s!r}")
         if self.planner_profile is not None and (not isinstance(self.planner_profile, str) or not self.planner_profile):
-            raise ValueError(f"AugTreeEngineConfig.planner_profile must be None or a file path, "
-                             f"got {self.planner_profile!r}")
+            raise ValueError(
+                f"AugTreeEngineConfig.planner_profile must be None or a file path, got {self.planner_profile!r}"
+            )
 
 
 def _check_int(name: str, value, *, minimum: int) -> None:

@@ -173,7 +173,8 @@ def _register_stock_fsdp_engine_for_cpu(engine_package) -> None:
     for backend in ("fsdp", "fsdp2"):
         if CPU_PLATFORM not in verl_compat.registered_engine_devices(registry, "language_model", backend):
             registry.register(model_type="language_model", backend=backend, device=CPU_PLATFORM)(
-                engine_package.FSDPEngineWithLMHead)
+                engine_package.FSDPEngineWithLMHead
+            )
 
 
 after_import("verl.workers.engine", _register_stock_fsdp_engine_for_cpu)

@@ -66,16 +66,19 @@ class AugTreeEngine(FSDPEngineWithLMHead):
         if not isinstance(engine_config, AugTreeEngineConfig):
             raise ValueError(
                 f"the augtree engine needs an AugTreeEngineConfig, got {type(engine_config).__name__}; set "
-                "actor_rollout_ref.actor.fsdp_config._target_=augtree_verl.integration.config.AugTreeEngineConfig")
+                "actor_rollout_ref.actor.fsdp_config._target_=augtree_verl.integration.config.AugTreeEngineConfig"
+            )
         if engine_config.ulysses_sequence_parallel_size != 1:
-            raise ValueError(f"the augtree engine does not combine with Ulysses sequence parallelism "
-                             f"(ulysses_sequence_parallel_size={engine_config.ulysses_sequence_parallel_size})")
+            raise ValueError(
+                f"the augtree engine does not combine with Ulysses sequence parallelism "
+                f"(ulysses_sequence_parallel_size={engine_config.ulysses_sequence_parallel_size})"
+            )
         super().__init__(model_config, engine_config, optimizer_config, checkpoint_config)
 
     def initialize(self):
         super().initialize()
         self._probe_exactness()
-        if not self.engine_config.forward_only:   # the planner's profile of this run (integration.run_profile)
+        if not self.engine_config.forward_only:  # the planner's profile of this run (integration.run_profile)
             self.run_profile = make_run_profile(self)
 
     def _probe_exactness(self) -> None:
@@ -85,11 +88,21 @@ class AugTreeEngine(FSDPEngineWithLMHead):
         train = not self.engine_config.forward_only
         world = torch.distributed.get_world_size()
         with self.train_mode() if train else self.eval_mode():
-            self.exactness_probe = probe_exactness(FSDPReplayModel(self.module), self.module, train=train,
-                                                   lockstep_group=torch.distributed.group.WORLD if world > 1 else None)
+            self.exactness_probe = probe_exactness(
+                FSDPReplayModel(self.module),
+                self.module,
+                train=train,
+                lockstep_group=torch.distributed.group.WORLD if world > 1 else None,
+            )
         probe = self.exactness_probe
-        logger.info("augtree exactness probe (%s): log-prob error %.2e, gradient error %.2e, %d tokens, %.3f s",
-                    probe.dtype, probe.logp_err, probe.grad_err, probe.tokens, probe.seconds)
+        logger.info(
+            "augtree exactness probe (%s): log-prob error %.2e, gradient error %.2e, %d tokens, %.3f s",
+            probe.dtype,
+            probe.logp_err,
+            probe.grad_err,
+            probe.tokens,
+            probe.seconds,
+        )
 
     def _build_fsdp_module(self, module):
         # Refuse, by name, what the replay does not implement, before any work.
@@ -142,13 +155,15 @@ class AugTreeEngine(FSDPEngineWithLMHead):
         stats = step.stats
         if self.cp_mesh.cp_size > 1:
             stats = group_totals(stats, self.cp_mesh.cp_group, batch_num_tokens.device)
-        output_lst[0]["metrics"] = {**output_lst[0]["metrics"],
-                                    **step_metrics(stats, step.plans,
-                                                   plan_fallbacks=step.plan_fallbacks, cp_demoted=step.cp_demoted)}
+        output_lst[0]["metrics"] = {
+            **output_lst[0]["metrics"],
+            **step_metrics(stats, step.plans, plan_fallbacks=step.plan_fallbacks, cp_demoted=step.cp_demoted),
+        }
         return postprocess_batch_func(output_lst=output_lst, indices=indices, data=data)
 
-    def _stream(self, step: _Step, micro_batches: list[TensorDict], loss_function, forward_only: bool,
-                return_model_output: bool) -> list[dict]:
+    def _stream(
+        self, step: _Step, micro_batches: list[TensorDict], loss_function, forward_only: bool, return_model_output: bool
+    ) -> list[dict]:
         """One step (a ``StepPlan`` run by ``replay``, see the module docstring), then verl's reported losses
         and metrics per verl micro-batch on the detached outputs."""
         train = not forward_only
@@ -156,15 +171,20 @@ class AugTreeEngine(FSDPEngineWithLMHead):
         trees = build_trees(micro_batches)
         world = torch.distributed.get_world_size()
         # The trainer's plans (``use_planner`` says only where the trainer got them); none without them.
-        entries = [e for mb in micro_batches for e in mb[PLAN_FIELD]] if PLAN_FIELD in micro_batches[0].keys() \
-            else None
+        entries = [e for mb in micro_batches for e in mb[PLAN_FIELD]] if PLAN_FIELD in micro_batches[0].keys() else None
         step_plan = StepPlan.from_batch(
-            trees, entries, mesh=self.cp_mesh, min_cp_tokens=self.engine_config.fallback_threshold_tokens,
+            trees,
+            entries,
+            mesh=self.cp_mesh,
+            min_cp_tokens=self.engine_config.fallback_threshold_tokens,
             micro_batch_tokens=min(self.engine_config.micro_batch_tokens, _largest_micro_batch(micro_batches)),
-            temperature=step.temperature, entropy_fn=self._entropy if step.want_entropy else None,
-            offload=Offload(step.stats) if self.engine_config.offload_prompt_activations else None, stats=step.stats,
+            temperature=step.temperature,
+            entropy_fn=self._entropy if step.want_entropy else None,
+            offload=Offload(step.stats) if self.engine_config.offload_prompt_activations else None,
+            stats=step.stats,
             lockstep_group=torch.distributed.group.WORLD if world > 1 else None,
-            model_config=self.module.config)
+            model_config=self.module.config,
+        )
         step.plans += step_plan.plans
         step.plan_fallbacks += step_plan.fallbacks
         step.cp_demoted += step_plan.cp_demoted
@@ -172,8 +192,11 @@ class AugTreeEngine(FSDPEngineWithLMHead):
 
         def micro_batch_loss(t, rows, scores):
             rows_data = tu.index_select_tensor_dict(flat, [trees[t].samples[i] for i in rows])
-            loss, _ = loss_function(model_output=_model_output(rows_data, *_split(scores, step.want_entropy)),
-                                    data=rows_data, dp_group=dp_group)
+            loss, _ = loss_function(
+                model_output=_model_output(rows_data, *_split(scores, step.want_entropy)),
+                data=rows_data,
+                dp_group=dp_group,
+            )
             loss = loss * self.cp_mesh.cp_size
             return self.scaler.scale(loss) if self.scaler is not None else loss
 
@@ -229,8 +252,10 @@ def _check_supported(data: TensorDict) -> None:
     for row, inputs in enumerate(tu.get(data, "multi_modal_inputs", default=None) or []):
         if inputs:
             uid = tu.get(data, "uid", default=None)
-            raise ValueError(f"the augtree engine replays text-only batches; row {row} (uid "
-                             f"{uid[row] if uid is not None else '?'!r}) has multi_modal_inputs {sorted(inputs)}")
+            raise ValueError(
+                f"the augtree engine replays text-only batches; row {row} (uid "
+                f"{uid[row] if uid is not None else '?'!r}) has multi_modal_inputs {sorted(inputs)}"
+            )
 
 
 def _temperature(data: TensorDict) -> float:

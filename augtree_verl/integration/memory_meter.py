@@ -34,8 +34,13 @@ class UnshardedGroups:
     def __init__(self, root: torch.nn.Module):
         from torch.distributed.fsdp import FSDPModule
 
-        self._groups = [g for m in root.modules() if isinstance(m, FSDPModule)
-                        for g in [m._get_fsdp_state()._fsdp_param_group] if g is not None]
+        self._groups = [
+            g
+            for m in root.modules()
+            if isinstance(m, FSDPModule)
+            for g in [m._get_fsdp_state()._fsdp_param_group]
+            if g is not None
+        ]
         self._leaves = [m for m in root.modules() if not list(m.children())]
         self._handles: list = []
         self._saved = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
@@ -54,8 +59,9 @@ class UnshardedGroups:
                 for buffer in (grad, fp.unsharded_accumulated_grad):
                     total += buffer.numel() * buffer.element_size() if buffer is not None else 0
         storages = {ptr: entry[0] for ptr, entry in self._live.items()}
-        for storage in [t.untyped_storage() for t in held_prompt_tensors()] + \
-                [s for offload in live_offloads() for s in offload.device_storages()]:
+        for storage in [t.untyped_storage() for t in held_prompt_tensors()] + [
+            s for offload in live_offloads() for s in offload.device_storages()
+        ]:
             storages[storage.data_ptr()] = storage.nbytes()
         return total + sum(storages.values())
 
@@ -67,8 +73,7 @@ class UnshardedGroups:
     def _pack(self, x: torch.Tensor) -> torch.Tensor:
         # plain tensors only: parameters (and views of them) are counted as such; nested (loss-side) tensors
         # are small
-        if type(x) is torch.Tensor and not isinstance(x._base, torch.nn.Parameter) \
-                and x.untyped_storage().nbytes() > 0:
+        if type(x) is torch.Tensor and not isinstance(x._base, torch.nn.Parameter) and x.untyped_storage().nbytes() > 0:
             key = x.untyped_storage().data_ptr()
             entry = self._live.setdefault(key, [x.untyped_storage().nbytes(), 0])
             entry[1] += 1

@@ -26,9 +26,12 @@ def group_totals(stats: ReplayStats, group, device) -> ReplayStats:
     """``stats`` combined over the CP ``group`` (see the module docstring), on every rank: every counter
     field of ``ReplayStats`` summed, the phase times the slowest rank's."""
     counters, keyed = ReplayStats.counters(), ReplayStats.keyed()
-    counts = torch.tensor([getattr(stats, f.name) for f in counters]
-                          + [getattr(stats, f.name).get(k, 0) for f in keyed for k in f.metadata["keys"]],
-                          dtype=torch.float64, device=device)
+    counts = torch.tensor(
+        [getattr(stats, f.name) for f in counters]
+        + [getattr(stats, f.name).get(k, 0) for f in keyed for k in f.metadata["keys"]],
+        dtype=torch.float64,
+        device=device,
+    )
     times = torch.tensor([getattr(stats, phase) for phase in PHASES], dtype=torch.float64, device=device)
     dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=group)
     dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
@@ -52,18 +55,23 @@ def step_metrics(stats: ReplayStats, plans: list[Plan | None], *, plan_fallbacks
     def total(value) -> Metric:
         return Metric(AggregationType.SUM, float(value))
 
-    out = {ReplayStats.metric_name(name): total(getattr(stats, name))
-           for name in PHASES + tuple(f.name for f in ReplayStats.counters())}
+    out = {
+        ReplayStats.metric_name(name): total(getattr(stats, name))
+        for name in PHASES + tuple(f.name for f in ReplayStats.counters())
+    }
     for f in ReplayStats.keyed():
         out.update({f"{f.name}/{k}": total(getattr(stats, f.name).get(k, 0)) for k in f.metadata["keys"]})
-    out.update({
-        "measured_replay_s": total(measured),
-        "predicted_replay_s": total(predicted),
-        "executed_per_logical_token": Metric(AggregationType.MEAN,
-                                             stats.executed_tokens / max(stats.logical_tokens, 1)),
-        "plan_fallbacks": total(plan_fallbacks),
-        "planner/cp_demoted_linear_attention": total(cp_demoted),
-        "cp_degree_mean": Metric(AggregationType.MEAN, sum(degrees) / len(degrees)),
-        "cp_degree_max": Metric(AggregationType.MAX, float(max(degrees))),
-    })
+    out.update(
+        {
+            "measured_replay_s": total(measured),
+            "predicted_replay_s": total(predicted),
+            "executed_per_logical_token": Metric(
+                AggregationType.MEAN, stats.executed_tokens / max(stats.logical_tokens, 1)
+            ),
+            "plan_fallbacks": total(plan_fallbacks),
+            "planner/cp_demoted_linear_attention": total(cp_demoted),
+            "cp_degree_mean": Metric(AggregationType.MEAN, sum(degrees) / len(degrees)),
+            "cp_degree_max": Metric(AggregationType.MAX, float(max(degrees))),
+        }
+    )
     return {PREFIX + k: v for k, v in out.items()}

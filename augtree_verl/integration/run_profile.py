@@ -31,15 +31,21 @@ def make_run_profile(engine) -> RunProfile:
         ClusterProfile.default().with_model(engine.module.config),
         dtype_bytes=engine.exactness_probe.dtype.itemsize,
         activation_checkpointing=bool(engine.model_config.enable_gradient_checkpointing),
-        ranks_per_node=verl_compat.ranks_per_node(world))
+        ranks_per_node=verl_compat.ranks_per_node(world),
+    )
     group = torch.distributed.group.WORLD if world > 1 else None
     params = list(engine.module.parameters())
-    saved = [p.grad for p in params]           # the calibration's replays accumulate into them
+    saved = [p.grad for p in params]  # the calibration's replays accumulate into them
     try:
         with engine.train_mode():
-            run = startup_profile(base, user_file=engine.engine_config.planner_profile,
-                                  device=model.get_input_embeddings().weight.device, group=group,
-                                  model=model, lockstep_group=group)
+            run = startup_profile(
+                base,
+                user_file=engine.engine_config.planner_profile,
+                device=model.get_input_embeddings().weight.device,
+                group=group,
+                model=model,
+                lockstep_group=group,
+            )
     finally:
         for p, g in zip(params, saved):
             p.grad = g

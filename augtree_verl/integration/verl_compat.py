@@ -29,21 +29,21 @@ logger = logging.getLogger(__name__)
 # Private methods of verl classes that our subclasses override, because verl calls them (name: what and why).
 PRIVATE_OVERRIDES = {
     "_build_fsdp_module": "verl/workers/engine/fsdp/transformer_impl.py FSDPEngine._build_fsdp_module branches "
-                          "on engine_config.strategy, which it knows as fsdp/fsdp2 only: AugTreeEngine builds as "
-                          "fsdp2",
+    "on engine_config.strategy, which it knows as fsdp/fsdp2 only: AugTreeEngine builds as "
+    "fsdp2",
     "_init_device_mesh": "verl/workers/engine/fsdp/transformer_impl.py FSDPEngine._init_device_mesh, run by "
-                         "initialize() before verl asks the data-parallel layout: AugTreeEngine builds its CP mesh",
+    "initialize() before verl asks the data-parallel layout: AugTreeEngine builds its CP mesh",
     "_balance_batch": "verl/trainer/ppo/v1/trainer_base.py PPOTrainer._balance_batch, called each step to order "
-                      "the batch over data-parallel ranks: AugTreeTrainerMixin balances whole groups",
+    "the batch over data-parallel ranks: AugTreeTrainerMixin balances whole groups",
     "_run_prompt": "verl/trainer/ppo/v1/agent_loop_tq.py AgentLoopWorkerTQ._run_prompt runs one uid's n sessions "
-                   "and marks the group finished: PlannerFeedWorker opens the group's length record around it",
+    "and marks the group finished: PlannerFeedWorker opens the group's length record around it",
     "_agent_loop_postprocess": "verl/trainer/ppo/v1/agent_loop_tq.py AgentLoopWorkerTQ._agent_loop_postprocess "
-                               "puts one session's samples into the TransferQueue: PlannerFeedWorker records their "
-                               "lengths and reports the group to the planner once its n sessions are in; it "
-                               "stores a branching loop's leaves as sessions of their own",
+    "puts one session's samples into the TransferQueue: PlannerFeedWorker records their "
+    "lengths and reports the group to the planner once its n sessions are in; it "
+    "stores a branching loop's leaves as sessions of their own",
     "_handle_generating_state": "verl/experimental/agent_loop/tool_agent_loop.py ToolAgentLoop."
-                                "_handle_generating_state runs one assistant turn: BranchingAgentLoop lets its "
-                                "environment reply where verl would end the trajectory",
+    "_handle_generating_state runs one assistant turn: BranchingAgentLoop lets its "
+    "environment reply where verl would end the trajectory",
 }
 
 # The public verl names every other module of the package uses (imports, and attributes of verl modules it
@@ -55,15 +55,9 @@ VERL_NAMES = {
         "verl.utils.tensordict_utils",
         "verl.utils.tensordict_utils.assign_non_tensor",
     ),
-    "cpu_loop/reward.py": (
-        "verl.utils.reward_score.default_compute_score",
-    ),
-    "groups.py": (
-        "verl.utils.seqlen_balancing.calculate_workload",
-    ),
-    "integration/config.py": (
-        "verl.workers.config.FSDPEngineConfig",
-    ),
+    "cpu_loop/reward.py": ("verl.utils.reward_score.default_compute_score",),
+    "groups.py": ("verl.utils.seqlen_balancing.calculate_workload",),
+    "integration/config.py": ("verl.workers.config.FSDPEngineConfig",),
     "integration/cpu_platform.py": (
         "verl.plugin.platform.PlatformBase",
         "verl.plugin.platform.PlatformRegistry",
@@ -111,9 +105,7 @@ VERL_NAMES = {
         "verl.workers.config.HFModelConfig",
         "verl.workers.rollout.replica.TokenOutput",
     ),
-    "rollout/planner_config.py": (
-        "verl.utils.config.omega_conf_to_dataclass",
-    ),
+    "rollout/planner_config.py": ("verl.utils.config.omega_conf_to_dataclass",),
     "testing/harness.py": (
         "verl",
         "verl.trainer.config.CheckpointConfig",
@@ -149,9 +141,7 @@ VERL_NAMES = {
         "verl.utils.tensordict_utils",
         "verl.utils.tensordict_utils.get_tensordict",
     ),
-    "trainer/group_balance.py": (
-        "verl.utils.seqlen_balancing.get_seqlen_balanced_partitions",
-    ),
+    "trainer/group_balance.py": ("verl.utils.seqlen_balancing.get_seqlen_balanced_partitions",),
 }
 
 
@@ -168,8 +158,10 @@ def check_verl_version() -> None:
     if installed == TESTED_VERL:
         return
     found = f"verl {installed} is installed" if installed else "verl is not installed"
-    message = (f"augtree-verl is tested with verl {TESTED_VERL}, but {found}. Install verl=={TESTED_VERL}, or set "
-               f"{ALLOW_VERSION_ENV}=1 to run anyway (the verl internals in {__name__} may have changed).")
+    message = (
+        f"augtree-verl is tested with verl {TESTED_VERL}, but {found}. Install verl=={TESTED_VERL}, or set "
+        f"{ALLOW_VERSION_ENV}=1 to run anyway (the verl internals in {__name__} may have changed)."
+    )
     if os.environ.get(ALLOW_VERSION_ENV) == "1":
         warnings.warn(message, RuntimeWarning, stacklevel=2)
         return
@@ -284,7 +276,6 @@ def set_replica_server(replica, server, address: str) -> None:
     replica._server_address = address
 
 
-
 def rollout_sessions(prompt: dict, default: int) -> int:
     """verl/trainer/ppo/v1/agent_loop_tq.py AgentLoopWorkerTQ._run_prompt runs ``prompt["__rollout_n__"]``
     sessions of a uid (and pops the key), else ``rollout.n``: how many sessions the group has."""
@@ -301,7 +292,7 @@ def active_tool_schemas(agent_data) -> list[dict]:
 def tq_session_and_index(key: str, uid: str) -> tuple[int, int] | None:
     """verl/trainer/ppo/v1/agent_loop_tq.py names a sample's TransferQueue key ``{uid}_{session}_{index}``
     (session of the uid, index of the output within the session): (session, index), or None for another form."""
-    session, _, index = key[len(uid) + 1:].partition("_")
+    session, _, index = key[len(uid) + 1 :].partition("_")
     if not key.startswith(uid + "_") or not (session.isdigit() and index.isdigit()):
         return None
     return int(session), int(index)
@@ -321,7 +312,7 @@ def wrap_module_function(module, name: str, wrap) -> None:
 def replace_module_name(module, name: str, replacement) -> None:
     """Rebind ``module.<name>`` (a name a verl module imported) to ``replacement``, for verl's code in that module.
     Used by the CPU platform on verl/workers/engine/fsdp/transformer_impl.py CPUOffloadPolicy (pinned memory)."""
-    getattr(module, name)          # AttributeError if verl no longer has it
+    getattr(module, name)  # AttributeError if verl no longer has it
     setattr(module, name, replacement)
 
 

@@ -30,9 +30,11 @@ class AtenCall:
             packet = getattr(torch.ops.aten, self.name, None)
             overload = getattr(packet, self.overload, None) if packet is not None else None
             if overload is None:
-                raise ValueError(f"torch {torch.__version__} has no ATen op aten::{self.name}.{self.overload}, "
-                                 f"which augtree_verl's attention calls: install a torch release in the range "
-                                 f"pyproject.toml admits")
+                raise ValueError(
+                    f"torch {torch.__version__} has no ATen op aten::{self.name}.{self.overload}, "
+                    f"which augtree_verl's attention calls: install a torch release in the range "
+                    f"pyproject.toml admits"
+                )
             self._op = overload
         return self._op
 
@@ -42,15 +44,19 @@ class AtenCall:
         given = set(names)
         unknown = given - {a.name for a in schema.arguments}
         if unknown:
-            raise ValueError(f"aten::{self.name} of torch {torch.__version__} has no argument "
-                             f"{', '.join(sorted(unknown))} (its schema: {schema}); augtree_verl cannot call it")
+            raise ValueError(
+                f"aten::{self.name} of torch {torch.__version__} has no argument "
+                f"{', '.join(sorted(unknown))} (its schema: {schema}); augtree_verl cannot call it"
+            )
         positional, keyword, gap = [], [], False
         for arg in schema.arguments:
             if arg.name not in given:
                 if not arg.has_default_value():
-                    raise ValueError(f"aten::{self.name} of torch {torch.__version__} requires argument "
-                                     f"{arg.name!r} ({arg.type}), which augtree_verl's call does not give "
-                                     f"(its schema: {schema})")
+                    raise ValueError(
+                        f"aten::{self.name} of torch {torch.__version__} requires argument "
+                        f"{arg.name!r} ({arg.type}), which augtree_verl's call does not give "
+                        f"(its schema: {schema})"
+                    )
                 gap = True
             elif arg.kwarg_only or gap:
                 keyword.append(arg.name)
@@ -63,6 +69,8 @@ class AtenCall:
             self._bound, self._names = self.bind(arguments), frozenset(arguments)
         positional, keyword = self._bound
         if arguments.keys() != self._names:
-            raise ValueError(f"aten::{self.name} was first called with arguments {sorted(self._names)}, now with "
-                             f"{sorted(arguments)}: one AtenCall serves one call site")
+            raise ValueError(
+                f"aten::{self.name} was first called with arguments {sorted(self._names)}, now with "
+                f"{sorted(arguments)}: one AtenCall serves one call site"
+            )
         return self._op(*(arguments[n] for n in positional), **{n: arguments[n] for n in keyword})

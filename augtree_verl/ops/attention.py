@@ -51,8 +51,9 @@ def _backend(q: torch.Tensor):
     return torch_flash
 
 
-def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
-                      scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def attention_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     _check_block(q, k, causal)
     backend = _backend(q)
     if backend is cpu_flash:
@@ -60,9 +61,17 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, caus
     return backend.varlen_forward(q, k, v, Segments.uniform(1, q.shape[1], k.shape[1]), causal, scale)
 
 
-def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       out: torch.Tensor, lse: torch.Tensor, *, causal: bool,
-                       scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def attention_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (dq [H, Sq, D], dk/dv [H_kv, Sk, D], in the inputs' dtype) of one block.
 
     ``out`` and ``lse`` may be the *merged* state of a query over many blocks: then the result is this
@@ -73,21 +82,30 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     backend = _backend(q)
     if backend is cpu_flash:
         return cpu_flash.backward(dout, q, k, v, out, lse, causal, scale)
-    return backend.varlen_backward(dout, q, k, v, out, lse, Segments.uniform(1, q.shape[1], k.shape[1]),
-                                   causal, scale)
+    return backend.varlen_backward(dout, q, k, v, out, lse, Segments.uniform(1, q.shape[1], k.shape[1]), causal, scale)
 
 
-def varlen_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: Segments, *,
-                             causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def varlen_attention_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: Segments, *, causal: bool, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed q [H, Tq, D], k/v [H_kv, Tk, D] -> out [H, Tq, D], lse [H, Tq]: each segment of
     ``segments`` attends only to its own keys (``causal``: every segment a square diagonal block)."""
     _check_segments(q, k, segments, causal)
     return _backend(q).varlen_forward(q, k, v, segments, causal, scale)
 
 
-def varlen_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                              out: torch.Tensor, lse: torch.Tensor, segments: Segments, *, causal: bool,
-                              scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def varlen_attention_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    segments: Segments,
+    *,
+    causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq [H, Tq, D], dk/dv [H_kv, Tk, D] of ``varlen_attention_forward`` for the (merged) state (out, lse)."""
     _check_segments(q, k, segments, causal)
     return _backend(q).varlen_backward(dout, q, k, v, out, lse, segments, causal, scale)

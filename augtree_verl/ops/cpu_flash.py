@@ -24,8 +24,9 @@ def _forward(q, k, v, causal, scale):
 
 
 def _backward(dout, q, k, v, out, lse, causal, scale):
-    return BACKWARD(grad_out=dout, query=q, key=k, value=v, out=out, logsumexp=lse, dropout_p=0.0, is_causal=causal,
-                    scale=scale)
+    return BACKWARD(
+        grad_out=dout, query=q, key=k, value=v, out=out, logsumexp=lse, dropout_p=0.0, is_causal=causal, scale=scale
+    )
 
 
 def forward(q, k, v, causal: bool, scale: float):
@@ -63,13 +64,15 @@ def varlen_backward(dout, q, k, v, out, lse, segments: Segments, causal: bool, s
     if segments.is_uniform:
         b = segments.count
         lse_b = lse.view(lse.shape[0], b, -1).transpose(0, 1)
-        dq, dk, dv = _backward(_batched(dout, b), _batched(q, b), _batched(k, b), _batched(v, b), _batched(out, b),
-                               lse_b, causal, scale)
+        dq, dk, dv = _backward(
+            _batched(dout, b), _batched(q, b), _batched(k, b), _batched(v, b), _batched(out, b), lse_b, causal, scale
+        )
         return _packed(dq), _packed(dk), _packed(dv)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     for qs, ks in _slices(segments):
-        dq[:, qs], dk[:, ks], dv[:, ks] = backward(dout[:, qs], q[:, qs], k[:, ks], v[:, ks], out[:, qs],
-                                                   lse[:, qs], causal, scale)
+        dq[:, qs], dk[:, ks], dv[:, ks] = backward(
+            dout[:, qs], q[:, qs], k[:, ks], v[:, ks], out[:, qs], lse[:, qs], causal, scale
+        )
     return dq, dk, dv
 
 

@@ -42,11 +42,17 @@ class FlashAttn:
         version = str(flash_attn.__version__)
         minor = ".".join(version.split(".")[:2])
         if minor not in SUPPORTED:
-            raise ImportError(f"flash-attn {version} is not supported (calling conventions known for "
-                              f"{', '.join(SUPPORTED)}); {SETTING}")
+            raise ImportError(
+                f"flash-attn {version} is not supported (calling conventions known for "
+                f"{', '.join(SUPPORTED)}); {SETTING}"
+            )
         interface = flash_attn.flash_attn_interface
-        return cls(version, interface._flash_attn_varlen_forward, interface._flash_attn_varlen_backward,
-                   split_window=minor != "2.6")
+        return cls(
+            version,
+            interface._flash_attn_varlen_forward,
+            interface._flash_attn_varlen_backward,
+            split_window=minor != "2.6",
+        )
 
     def _window(self) -> tuple:
         return (-1, -1) if self.split_window else ((-1, -1),)
@@ -55,8 +61,22 @@ class FlashAttn:
         """q [H, Tq, D], k/v [H_kv, Tk, D] packed by ``segments`` -> out [H, Tq, D], lse [H, Tq] (float32)."""
         check_flash_dtype(q, f"flash-attn {self.version}", SETTING)
         cu_q, cu_k = segments.cu_seqlens(q.device)
-        outputs = self.fwd(tokens_major(q), tokens_major(k), tokens_major(v), cu_q, cu_k, segments.max_q,
-                           segments.max_k, 0.0, scale, causal, *self._window(), 0.0, None, False)
+        outputs = self.fwd(
+            tokens_major(q),
+            tokens_major(k),
+            tokens_major(v),
+            cu_q,
+            cu_k,
+            segments.max_q,
+            segments.max_k,
+            0.0,
+            scale,
+            causal,
+            *self._window(),
+            0.0,
+            None,
+            False,
+        )
         out, lse = (outputs[0], outputs[1]) if self.split_window else (outputs[0], outputs[5])
         return heads_major(out), lse
 
@@ -66,8 +86,29 @@ class FlashAttn:
         cu_q, cu_k = segments.cu_seqlens(q.device)
         q_, k_, v_ = tokens_major(q), tokens_major(k), tokens_major(v)
         dq, dk, dv = torch.empty_like(q_), torch.empty_like(k_), torch.empty_like(v_)
-        self.bwd(tokens_major(dout), q_, k_, v_, tokens_major(out), lse.contiguous(), dq, dk, dv, cu_q, cu_k,
-                 segments.max_q, segments.max_k, 0.0, scale, causal, *self._window(), 0.0, None, False, None)
+        self.bwd(
+            tokens_major(dout),
+            q_,
+            k_,
+            v_,
+            tokens_major(out),
+            lse.contiguous(),
+            dq,
+            dk,
+            dv,
+            cu_q,
+            cu_k,
+            segments.max_q,
+            segments.max_k,
+            0.0,
+            scale,
+            causal,
+            *self._window(),
+            0.0,
+            None,
+            False,
+            None,
+        )
         return heads_major(dq), heads_major(dk), heads_major(dv)
 
 
@@ -81,7 +122,9 @@ def load() -> FlashAttn:
             module = importlib.import_module("flash_attn")
             importlib.import_module("flash_attn.flash_attn_interface")
         except ImportError as e:
-            raise ImportError("AUGTREE_ATTENTION_BACKEND=flash_attn needs flash-attn "
-                              f"(pip install 'augtree-verl[flash-attn]'), {SETTING}") from e
+            raise ImportError(
+                "AUGTREE_ATTENTION_BACKEND=flash_attn needs flash-attn "
+                f"(pip install 'augtree-verl[flash-attn]'), {SETTING}"
+            ) from e
         _LOADED.append(FlashAttn.from_module(module))
     return _LOADED[0]

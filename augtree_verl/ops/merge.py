@@ -27,8 +27,9 @@ def accum_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def empty_state(num_heads: int, num_queries: int, head_dim: int,
-                like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def empty_state(
+    num_heads: int, num_queries: int, head_dim: int, like: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The state of queries that have seen no key yet: out 0 [H, n, D] and lse -inf [H, n], in the
     accumulation dtype of ``like`` (the query tensor) and on its device."""
     dtype = accum_dtype(like.dtype)

@@ -33,8 +33,10 @@ class Segments:
 
     def __post_init__(self):
         if len(self.q_lens) != len(self.k_lens) or not self.q_lens:
-            raise ValueError(f"Segments need one key length per query length and at least one segment, got "
-                             f"q_lens {self.q_lens}, k_lens {self.k_lens}")
+            raise ValueError(
+                f"Segments need one key length per query length and at least one segment, got "
+                f"q_lens {self.q_lens}, k_lens {self.k_lens}"
+            )
         if min(self.q_lens) < 1 or min(self.k_lens) < 1:
             raise ValueError(f"Segments with no queries or no keys: q_lens {self.q_lens}, k_lens {self.k_lens}")
 
@@ -76,8 +78,10 @@ class Segments:
 
     def check(self, q: torch.Tensor, k: torch.Tensor) -> None:
         if q.shape[1] != self.total_q or k.shape[1] != self.total_k:
-            raise ValueError(f"packed q has {q.shape[1]} rows and k {k.shape[1]}, but the Segments hold "
-                             f"{self.total_q} queries and {self.total_k} keys")
+            raise ValueError(
+                f"packed q has {q.shape[1]} rows and k {k.shape[1]}, but the Segments hold "
+                f"{self.total_q} queries and {self.total_k} keys"
+            )
 
 
 @lru_cache(maxsize=1024)
@@ -101,10 +105,12 @@ def _offsets(lengths: tuple[int, ...], device: torch.device) -> torch.Tensor:
 def check_flash_dtype(q: torch.Tensor, backend: str, setting: str) -> None:
     """The CUDA flash kernels take float16/bfloat16 only: a clear error naming the dtype and the setting."""
     if q.dtype not in FLASH_DTYPES:
-        raise ValueError(f"CUDA attention got {q.dtype} tensors, but the {backend} flash kernel takes only "
-                         f"float16/bfloat16 (its log-sum-exp is float32 either way): run the model in bfloat16 "
-                         f"(model.to(torch.bfloat16), or verl's fsdp_config.mixed_precision.param_dtype=bf16); "
-                         f"{setting}")
+        raise ValueError(
+            f"CUDA attention got {q.dtype} tensors, but the {backend} flash kernel takes only "
+            f"float16/bfloat16 (its log-sum-exp is float32 either way): run the model in bfloat16 "
+            f"(model.to(torch.bfloat16), or verl's fsdp_config.mixed_precision.param_dtype=bf16); "
+            f"{setting}"
+        )
 
 
 def tokens_major(x: torch.Tensor) -> torch.Tensor:

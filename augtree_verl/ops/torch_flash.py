@@ -25,9 +25,18 @@ def varlen_forward(q, k, v, segments: Segments, causal: bool, scale: float):
     check_flash_dtype(q, "torch", "the torch backend is the CUDA default")
     cu_q, cu_k = segments.cu_seqlens(q.device)
     out, lse, *_ = FORWARD(
-        query=tokens_major(q), key=tokens_major(k), value=tokens_major(v), cum_seq_q=cu_q, cum_seq_k=cu_k,
-        max_q=segments.max_q, max_k=segments.max_k, dropout_p=0.0, is_causal=causal, return_debug_mask=False,
-        scale=scale)
+        query=tokens_major(q),
+        key=tokens_major(k),
+        value=tokens_major(v),
+        cum_seq_q=cu_q,
+        cum_seq_k=cu_k,
+        max_q=segments.max_q,
+        max_k=segments.max_k,
+        dropout_p=0.0,
+        is_causal=causal,
+        return_debug_mask=False,
+        scale=scale,
+    )
     return heads_major(out), lse
 
 
@@ -38,7 +47,20 @@ def varlen_backward(dout, q, k, v, out, lse, segments: Segments, causal: bool, s
     seed = torch.empty(2, dtype=torch.uint64, device=q.device)
     offset = torch.empty((), dtype=torch.uint64, device=q.device)
     dq, dk, dv = BACKWARD(
-        grad_out=tokens_major(dout), query=tokens_major(q), key=tokens_major(k), value=tokens_major(v),
-        out=tokens_major(out), logsumexp=lse.contiguous(), cum_seq_q=cu_q, cum_seq_k=cu_k, max_q=segments.max_q,
-        max_k=segments.max_k, dropout_p=0.0, is_causal=causal, rng_state=seed, unused=offset, scale=scale)
+        grad_out=tokens_major(dout),
+        query=tokens_major(q),
+        key=tokens_major(k),
+        value=tokens_major(v),
+        out=tokens_major(out),
+        logsumexp=lse.contiguous(),
+        cum_seq_q=cu_q,
+        cum_seq_k=cu_k,
+        max_q=segments.max_q,
+        max_k=segments.max_k,
+        dropout_p=0.0,
+        is_causal=causal,
+        rng_state=seed,
+        unused=offset,
+        scale=scale,
+    )
     return heads_major(dq), heads_major(dk), heads_major(dv)

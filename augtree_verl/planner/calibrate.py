@@ -75,28 +75,34 @@ from augtree_verl.planner.profile import ClusterProfile
 from augtree_verl.planner.search import estimate
 from augtree_verl.replay import StepPlan, Tree, per_response, replay
 
-CUDA_MEMORY_HEADROOM = 0.9    # leave 10% of free memory to the allocator and NCCL
+CUDA_MEMORY_HEADROOM = 0.9  # leave 10% of free memory to the allocator and NCCL
 MATMUL_TOKENS = {"cpu": 1024, "cuda": 8192}
-MATMUL_MAX_WIDTH = {"cpu": 2048, "cuda": 1 << 16}   # on CPU a 3584 x 18944 weight would take seconds per call
+MATMUL_MAX_WIDTH = {"cpu": 2048, "cuda": 1 << 16}  # on CPU a 3584 x 18944 weight would take seconds per call
 # Attention block: S queries x S keys; on CPU S is sized to ~ATTENTION_CPU_FLOPS forward FLOPs (clamped).
 ATTENTION_TOKENS_CUDA = 4096
 ATTENTION_CPU_FLOPS = 5e8
 ATTENTION_CPU_TOKENS = (256, 2048)
 ATTENTION_MAX_KV_HEADS = {"cpu": 2, "cuda": 1 << 10}  # throughput per head is flat; keeps a CPU call short
-OVERHEAD_PROMPT, OVERHEAD_CALLS = 8, 4     # the tiny trees' prompt tokens, and the calls one has more
+OVERHEAD_PROMPT, OVERHEAD_CALLS = 8, 4  # the tiny trees' prompt tokens, and the calls one has more
 # The response and prompt lengths whose replay times give the model's throughputs (``_replay_throughputs``):
 # the shorter as long as a typical response call, the longer where attention is a large share.
 DENSE_TOKENS = {"cpu": (512, 2048), "cuda": (4096, 8192)}
-MIN_DENSE_SHARE = 0.1   # the dense share of the shorter response's time is taken as at least this (noise guard)
+MIN_DENSE_SHARE = 0.1  # the dense share of the shorter response's time is taken as at least this (noise guard)
 COMM_BYTES = {"cpu": 4 << 20, "cuda": 256 << 20}
 REPEATS = 7
-MIN_OVERHEAD_S = 1e-6   # a fixed cost the noise of a shared machine put at or below zero
+MIN_OVERHEAD_S = 1e-6  # a fixed cost the noise of a shared machine put at or below zero
 # The replay's fixed costs the calibration fits (planner/cost.py): per call, per tree, per ring hop, per
 # all-to-all, per score exchange; agreed by max over ranks, the rest by min.
 FIXED_COSTS = ("call_overhead_s", "slot_overhead_s", "ring_hop_s", "all_to_all_s", "launch_latency_s")
-THROUGHPUTS = ("flops_per_s", "attention_flops_per_s", "causal_attention_flops_per_s", "p2p_bytes_per_s",
-               "collective_bytes_per_s", "internode_bytes_per_s")
-TINY, HUGE = 1e-300, 1e300   # a figure that makes its term vanish (profiles take positive numbers only)
+THROUGHPUTS = (
+    "flops_per_s",
+    "attention_flops_per_s",
+    "causal_attention_flops_per_s",
+    "p2p_bytes_per_s",
+    "collective_bytes_per_s",
+    "internode_bytes_per_s",
+)
+TINY, HUGE = 1e-300, 1e300  # a figure that makes its term vanish (profiles take positive numbers only)
 COMM_REPEATS = 15
 LATENCY_REPEATS = 50
 
@@ -114,14 +120,14 @@ def _seconds(fn, device: torch.device) -> float:
 
 
 def _median_seconds(fn, device: torch.device, repeats: int) -> float:
-    _seconds(fn, device)                          # warm-up
+    _seconds(fn, device)  # warm-up
     return statistics.median(_seconds(fn, device) for _ in range(repeats))
 
 
 def _median_added_seconds(fn, baseline, device: torch.device, repeats: int) -> float:
     """Median over back-to-back pairs of time(fn) - time(baseline): what ``fn`` adds to ``baseline``, with
     drifting load cancelled pair by pair."""
-    _seconds(fn, device)                          # warm-up
+    _seconds(fn, device)  # warm-up
     added = []
     for _ in range(repeats):
         base = _seconds(baseline, device)
@@ -150,14 +156,15 @@ def calibrate(profile: ClusterProfile, group=None, device=None, model=None, lock
 def _measure(profile, group, device, model, lockstep_group) -> dict:
     """The measured ``ClusterProfile`` fields."""
     if device is None:
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else \
-            torch.device("cpu")
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     device = torch.device(device)
     dtype = _dtype(profile, device)
     attention_step, attention_flops = _attention_block(profile, device, dtype, causal=False)
     causal_step, causal_flops = _attention_block(profile, device, dtype, causal=True)
-    measured = {"attention_flops_per_s": attention_flops / _median_seconds(attention_step, device, REPEATS),
-                "causal_attention_flops_per_s": causal_flops / _median_seconds(causal_step, device, REPEATS)}
+    measured = {
+        "attention_flops_per_s": attention_flops / _median_seconds(attention_step, device, REPEATS),
+        "causal_attention_flops_per_s": causal_flops / _median_seconds(causal_step, device, REPEATS),
+    }
     distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
     if distributed:
         measured.update(_measure_comm(group, device, attention_step))
@@ -165,10 +172,12 @@ def _measure(profile, group, device, model, lockstep_group) -> dict:
         measured["flops_per_s"] = _matmul_flops(profile, device, dtype)
     else:
         # CP plans run over the world (the replay's mesh without one), so only a world group fits them.
-        cp_world = dist.get_world_size(group) if distributed and dist.get_world_size(group) == \
-            dist.get_world_size() else 1
-        measured.update(_replay_costs(model, dataclasses.replace(profile, **measured), device, lockstep_group,
-                                      cp_world))
+        cp_world = (
+            dist.get_world_size(group) if distributed and dist.get_world_size(group) == dist.get_world_size() else 1
+        )
+        measured.update(
+            _replay_costs(model, dataclasses.replace(profile, **measured), device, lockstep_group, cp_world)
+        )
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         measured["memory_per_rank_bytes"] = float(free) * CUDA_MEMORY_HEADROOM
@@ -205,17 +214,20 @@ def _attention_step(q, k, v, dout, causal: bool):
     scale = q.shape[-1] ** -0.5
     try:
         if q.is_cuda:
-            attention_forward(q, k, v, causal=causal, scale=scale)   # backend installed, dtype supported?
+            attention_forward(q, k, v, causal=causal, scale=scale)  # backend installed, dtype supported?
     except (ImportError, ValueError):  # flash-attn selected but missing, or float32 (no flash kernel)
         group = q.shape[0] // k.shape[0]
-        q, k, v = (x.detach().requires_grad_() for x in (q, k.repeat_interleave(group, 0),
-                                                          v.repeat_interleave(group, 0)))
-        return lambda: torch.autograd.grad(F.scaled_dot_product_attention(q, k, v, scale=scale, is_causal=causal),
-                                           (q, k, v), dout)
+        q, k, v = (
+            x.detach().requires_grad_() for x in (q, k.repeat_interleave(group, 0), v.repeat_interleave(group, 0))
+        )
+        return lambda: torch.autograd.grad(
+            F.scaled_dot_product_attention(q, k, v, scale=scale, is_causal=causal), (q, k, v), dout
+        )
 
     def step():
         out, lse = attention_forward(q, k, v, causal=causal, scale=scale)
         attention_backward(dout, q, k, v, out, lse, causal=causal, scale=scale)
+
     return step
 
 
@@ -234,28 +246,42 @@ def _replay_costs(model, profile, device: torch.device, lockstep_group, cp_world
     longest = max(lengths) + 1
 
     def step(trees, plans=None, micro_batch_tokens=longest):
-        return lambda: replay(model, StepPlan.build(trees, plans=plans, lockstep_group=lockstep_group,
-                                                    micro_batch_tokens=micro_batch_tokens), loss)
+        return lambda: replay(
+            model,
+            StepPlan.build(trees, plans=plans, lockstep_group=lockstep_group, micro_batch_tokens=micro_batch_tokens),
+            loss,
+        )
 
     one = step([Tree.of_tokens(prompt, [ids(2)])])
     configs = _tiny_trees(profile, prompt, ids, cp_world)
     try:
         short, long = lengths
         context = ids(long)
-        added = [_median_added_seconds(step([Tree.of_tokens(prompt, [ids(n + 1)])]), one, device, REPEATS)
-                 for n in lengths]
-        added.append(_median_added_seconds(step([Tree.of_tokens(context, [ids(short + 1)])]),
-                                           step([Tree.of_tokens(context, [ids(2)])]), device, REPEATS))
-        seconds = _interleaved_medians([step([tree], [plan], micro_batch_tokens=1) for tree, plan, _, _ in configs],
-                                       device, REPEATS)
+        added = [
+            _median_added_seconds(step([Tree.of_tokens(prompt, [ids(n + 1)])]), one, device, REPEATS) for n in lengths
+        ]
+        added.append(
+            _median_added_seconds(
+                step([Tree.of_tokens(context, [ids(short + 1)])]),
+                step([Tree.of_tokens(context, [ids(2)])]),
+                device,
+                REPEATS,
+            )
+        )
+        seconds = _interleaved_medians(
+            [step([tree], [plan], micro_batch_tokens=1) for tree, plan, _, _ in configs], device, REPEATS
+        )
     finally:
         for p, g in zip(params, saved):
             p.grad = g
-    fitted = _fit_fixed_costs([counts for _, _, counts, _ in configs],
-                              [t - variable for t, (_, _, _, variable) in zip(seconds, configs)])
+    fitted = _fit_fixed_costs(
+        [counts for _, _, counts, _ in configs], [t - variable for t, (_, _, _, variable) in zip(seconds, configs)]
+    )
     names = FIXED_COSTS if cp_world > 1 else FIXED_COSTS[:2]
-    return {**_replay_throughputs(profile, lengths, added),
-            **{name: max(fitted[i], MIN_OVERHEAD_S) for i, name in enumerate(FIXED_COSTS) if name in names}}
+    return {
+        **_replay_throughputs(profile, lengths, added),
+        **{name: max(fitted[i], MIN_OVERHEAD_S) for i, name in enumerate(FIXED_COSTS) if name in names},
+    }
 
 
 def _replay_throughputs(profile, lengths: tuple[int, int], added: list[float]) -> dict:
@@ -266,14 +292,21 @@ def _replay_throughputs(profile, lengths: tuple[int, int], added: list[float]) -
     dense, pair = (p.train_factor * f for f in (p.linear_flops + p.head_flops, p.attention_pair_flops))
     short, long = lengths
     # [n A, n^2 / 2 B, n p B] per measurement: the seconds per unit of 1 / F, 1 / F_causal, 1 / F_attention.
-    work = np.array([[n * dense, n * n / 2 * pair, n * context * pair]
-                     for n, context in ((short, OVERHEAD_PROMPT), (long, OVERHEAD_PROMPT), (short, long))])
+    work = np.array(
+        [
+            [n * dense, n * n / 2 * pair, n * context * pair]
+            for n, context in ((short, OVERHEAD_PROMPT), (long, OVERHEAD_PROMPT), (short, long))
+        ]
+    )
     inverse = np.linalg.solve(work, np.array(added, dtype=np.float64))
     full = 1.0 / inverse[2] if inverse[2] > 0 else p.attention_flops_per_s
     causal = min(1.0 / inverse[1] if inverse[1] > 0 else p.causal_attention_flops_per_s, full)
     dense_s = max(added[0] - work[0, 1] / causal - work[0, 2] / full, MIN_DENSE_SHARE * added[0])
-    return {"flops_per_s": float(work[0, 0] / dense_s), "causal_attention_flops_per_s": float(causal),
-            "attention_flops_per_s": float(full)}
+    return {
+        "flops_per_s": float(work[0, 0] / dense_s),
+        "causal_attention_flops_per_s": float(causal),
+        "attention_flops_per_s": float(full),
+    }
 
 
 def _tiny_trees(profile, prompt: torch.Tensor, ids, cp_world: int) -> list[tuple]:
@@ -287,21 +320,38 @@ def _tiny_trees(profile, prompt: torch.Tensor, ids, cp_world: int) -> list[tuple
     out: list[tuple] = []
     cost = cost_model(variable)
     for n in (1, 1 + OVERHEAD_CALLS):
-        out.append((Tree.of_tokens(prompt, [ids(2) for _ in range(n)]), None, [n, 1] + [0] * (len(FIXED_COSTS) - 2),
-                    cost.prefill(P, 1)[0] + cost.one_device(P, [2] * n)))
+        out.append(
+            (
+                Tree.of_tokens(prompt, [ids(2) for _ in range(n)]),
+                None,
+                [n, 1] + [0] * (len(FIXED_COSTS) - 2),
+                cost.prefill(P, 1)[0] + cost.one_device(P, [2] * n),
+            )
+        )
     if cp_world > 1:
-        for primitive, lanes in (("ring", 1), ("tree_move_kv", 1), ("tree_move_kv", cp_world), ("move_q", 1),
-                                 ("move_q", cp_world)):
+        for primitive, lanes in (
+            ("ring", 1),
+            ("tree_move_kv", 1),
+            ("tree_move_kv", cp_world),
+            ("move_q", 1),
+            ("move_q", cp_world),
+        ):
             for n in (lanes, lanes * (1 + OVERHEAD_CALLS)):
                 plan = functools.partial(estimate, P, [2] * n, degree=cp_world, primitive=primitive, lanes=lanes)
-                out.append((Tree.of_tokens(prompt, [ids(2) for _ in range(n)]), plan(profile=profile),
-                            [plan(profile=u).est_time_s for u in units], plan(profile=variable).est_time_s))
+                out.append(
+                    (
+                        Tree.of_tokens(prompt, [ids(2) for _ in range(n)]),
+                        plan(profile=profile),
+                        [plan(profile=u).est_time_s for u in units],
+                        plan(profile=variable).est_time_s,
+                    )
+                )
     return out
 
 
 def _interleaved_medians(fns, device: torch.device, repeats: int) -> list[float]:
     """Median seconds of each of ``fns``, run in turn ``repeats`` times (so drifting load hits all alike)."""
-    for fn in fns:                                # warm-up
+    for fn in fns:  # warm-up
         _seconds(fn, device)
     times: list[list[float]] = [[] for _ in fns]
     for _ in range(repeats):
@@ -318,7 +368,7 @@ def _fit_fixed_costs(counts: list[list[float]], seconds: list[float]) -> list[fl
     weight = 1.0 / np.maximum(np.abs(y), MIN_OVERHEAD_S)
     A, y = A * weight[:, None], y * weight
     used = [j for j in range(A.shape[1]) if A[:, j].any()]
-    best, best_residual = np.zeros(A.shape[1]), float(np.sum(y ** 2))
+    best, best_residual = np.zeros(A.shape[1]), float(np.sum(y**2))
     for size in range(1, len(used) + 1):
         for free in itertools.combinations(used, size):
             x = np.linalg.lstsq(A[:, free], y, rcond=None)[0]
@@ -361,7 +411,7 @@ def _measure_comm(group, device: torch.device, work) -> dict:
     tiny_send, tiny_recv = torch.ones(1, device=device), torch.empty(1, device=device)
     dist.barrier(group)
     latency = _median_seconds(lambda: exchange(tiny_send, tiny_recv), device, LATENCY_REPEATS)
-    out = dict.fromkeys(("launch_latency_s", "ring_hop_s", "all_to_all_s"), latency)   # until fitted
+    out = dict.fromkeys(("launch_latency_s", "ring_hop_s", "all_to_all_s"), latency)  # until fitted
     dist.barrier(group)
     alone = _median_seconds(lambda: exchange(send, recv), device, COMM_REPEATS)
     dist.barrier(group)
@@ -379,8 +429,7 @@ def _agree(measured: dict, group, device: torch.device) -> dict:
     """Every rank ends with the same figures: min of throughputs and memory, max of latencies."""
     device = _comm_device(group, device)
     names = sorted(measured)
-    signs = torch.tensor([-1.0 if name in FIXED_COSTS else 1.0 for name in names],
-                         dtype=torch.float64)
+    signs = torch.tensor([-1.0 if name in FIXED_COSTS else 1.0 for name in names], dtype=torch.float64)
     values = torch.tensor([measured[name] for name in names], dtype=torch.float64) * signs
     values = values.to(device)
     dist.all_reduce(values, op=dist.ReduceOp.MIN, group=group)

@@ -41,7 +41,7 @@ logger = logging.getLogger(__name__)
 # How long the actor waits for a report not there yet: a worker reports a group just before marking it
 # finished, and Ray orders calls per caller only, so a report may trail the trainer's request by a moment.
 REPORT_IN_FLIGHT_WAIT_S = 0.05
-ACTOR_COUNTERS = ("evicted", "reported_twice", "rejected")   # cumulative on the actor; reported as deltas
+ACTOR_COUNTERS = ("evicted", "reported_twice", "rejected")  # cumulative on the actor; reported as deltas
 # How long the trainer waits for the actor (``AugTreeEngineConfig.planner_timeout_s`` defaults to this).
 DEFAULT_TIMEOUT_S = 2.0
 
@@ -51,8 +51,16 @@ class PlannerClient:
     over, with ``profile`` (the run's, ``planner.startup``). ``force_primitive`` pins every plan to one
     primitive, as ``plan_tree``'s argument."""
 
-    def __init__(self, name: str | None, *, degrees, profile: ClusterProfile, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 namespace: str | None = None, force_primitive: str | None = None):
+    def __init__(
+        self,
+        name: str | None,
+        *,
+        degrees,
+        profile: ClusterProfile,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        namespace: str | None = None,
+        force_primitive: str | None = None,
+    ):
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
             raise ValueError(f"timeout_s must be a number > 0, got {timeout_s!r}")
         self.name, self.namespace, self.timeout_s = name, namespace, float(timeout_s)
@@ -63,10 +71,10 @@ class PlannerClient:
         plan_tree(1, [1], degrees=self.degrees, profile=self.profile, force_primitive=force_primitive)
         self._actor = None
         self._checked = False
-        self._instance = None                       # the actor instance last heard from
+        self._instance = None  # the actor instance last heard from
         self._seen = dict.fromkeys(ACTOR_COUNTERS, 0)
         self._counts: defaultdict[str, float] = defaultdict(float)
-        self._leads: list[float] = []               # waited_s of the actor's plans since the last reset
+        self._leads: list[float] = []  # waited_s of the actor's plans since the last reset
         self._queue_depth = 0.0
 
     def plans(self, groups: Mapping[str, tuple], from_rollout: Collection[str] = ()) -> dict[str, Plan]:
@@ -109,8 +117,14 @@ class PlannerClient:
                     self._counts["planner/missing"] += 1
                 elif "mismatch" in result:
                     self._counts["planner/mismatched"] += 1
-                    logger.warning("planner: group %r was reported with lengths %s but the batch has (%d, %s); "
-                                   "planning it in-process", uid, tuple(result["mismatch"]), P, R)
+                    logger.warning(
+                        "planner: group %r was reported with lengths %s but the batch has (%d, %s); "
+                        "planning it in-process",
+                        uid,
+                        tuple(result["mismatch"]),
+                        P,
+                        R,
+                    )
             plans[tree_id] = self._plan_here(tree_id, uid, P, R)
         self._counts["planner/plan_wait_s"] += time.perf_counter() - start
         return plans
@@ -119,9 +133,23 @@ class PlannerClient:
         """Counters since the start (or the last ``reset=True`` read); see the module docstring."""
         c = self._counts
         planned = c["planner/plans"]
-        out = {k: c[f"planner/{k}"] for k in ("plans_from_rollout", "plans_in_process", "plan_wait_s", "evicted",
-                                               "missing", "mismatched", "unplannable", "unreachable", "restarts",
-                                               "reported_twice", "rejected", "plans")}
+        out = {
+            k: c[f"planner/{k}"]
+            for k in (
+                "plans_from_rollout",
+                "plans_in_process",
+                "plan_wait_s",
+                "evicted",
+                "missing",
+                "mismatched",
+                "unplannable",
+                "unreachable",
+                "restarts",
+                "reported_twice",
+                "rejected",
+                "plans",
+            )
+        }
         out = {f"planner/{k}": v for k, v in out.items()}
         out["planner/queue_depth"] = self._queue_depth
         out["planner/solve_ms_mean"] = c["planner/solve_ms_total"] / planned if planned else 0.0
@@ -164,9 +192,9 @@ class PlannerClient:
             ref = actor.take.remote(requests, list(requests), min(REPORT_IN_FLIGHT_WAIT_S, self.timeout_s / 2))
             try:
                 reply = ray.get(ref, timeout=self.timeout_s)
-            except (ray.exceptions.RayError, TimeoutError) as err:   # late, dead or restarting
+            except (ray.exceptions.RayError, TimeoutError) as err:  # late, dead or restarting
                 logger.warning("planner %r: %s", self.name, type(err).__name__)
-                self._actor = None                                  # look it up anew next time
+                self._actor = None  # look it up anew next time
         if reply is None:
             logger.warning("planner %r did not answer; planning %d groups in-process", self.name, len(requests))
             self._counts["planner/unreachable"] += 1
@@ -177,7 +205,7 @@ class PlannerClient:
     def _read_state(self, state: dict) -> None:
         if state["instance"] != self._instance:
             if self._instance is not None:
-                self._counts["planner/restarts"] += 1     # a new actor: its counters start from 0
+                self._counts["planner/restarts"] += 1  # a new actor: its counters start from 0
             self._instance = state["instance"]
             self._seen = dict.fromkeys(ACTOR_COUNTERS, 0)
         for key in ACTOR_COUNTERS:
@@ -194,21 +222,25 @@ class PlannerClient:
         try:
             actor = ray.get_actor(self.name, namespace=self.namespace)
         except ValueError:
-            return None                          # not started: everything is planned in-process
+            return None  # not started: everything is planned in-process
         if not self._checked:
             try:
                 config = ray.get(actor.config.remote(), timeout=self.timeout_s)
             except (ray.exceptions.RayError, TimeoutError):
                 return None
-            if (tuple(config["degrees"]) != self.degrees or config["profile"] != self.profile.to_dict()
-                    or config["force_primitive"] != self.force_primitive):
-                raise ValueError(f"planner actor {self.name!r} runs degrees={tuple(config['degrees'])}, "
-                                 f"force_primitive={config['force_primitive']!r} and "
-                                 f"{'the same' if config['profile'] == self.profile.to_dict() else 'a different'} "
-                                 f"profile, this client degrees={self.degrees}, force_primitive="
-                                 f"{self.force_primitive!r}; plans would differ between the actor and the "
-                                 f"in-process fallback")
+            if (
+                tuple(config["degrees"]) != self.degrees
+                or config["profile"] != self.profile.to_dict()
+                or config["force_primitive"] != self.force_primitive
+            ):
+                raise ValueError(
+                    f"planner actor {self.name!r} runs degrees={tuple(config['degrees'])}, "
+                    f"force_primitive={config['force_primitive']!r} and "
+                    f"{'the same' if config['profile'] == self.profile.to_dict() else 'a different'} "
+                    f"profile, this client degrees={self.degrees}, force_primitive="
+                    f"{self.force_primitive!r}; plans would differ between the actor and the "
+                    f"in-process fallback"
+                )
             self._checked = True
         self._actor = actor
         return actor
-

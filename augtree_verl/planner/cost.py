@@ -60,11 +60,11 @@ from augtree_verl.replay.microbatch import DEFAULT_MICRO_BATCH_TOKENS, split_mic
 from augtree_verl.replay.step_plan import StepPlan
 from augtree_verl.replay.trie import MIN_SHARED_TOKENS, StepTrie
 
-LSE_BYTES = 4                 # float32 log-sum-exp per query and head in MoveQ's partial states
-MOVEQ_COLLECTIVES = 3         # all-to-alls per layer and direction: queries, outputs, lse (fwd); dout+out, lse, dq
-LOGIT_BYTES_PER_ENTRY = 8     # fp32 logits and their gradient, per vocab entry per scored token
-RING_BUFFERS = 4              # send + receive buffers for K/V, and again for dK/dV, one layer at a time
-OUTPUT_BYTES_PER_TOKEN = 4    # float32 log-probs of every response, held on every rank
+LSE_BYTES = 4  # float32 log-sum-exp per query and head in MoveQ's partial states
+MOVEQ_COLLECTIVES = 3  # all-to-alls per layer and direction: queries, outputs, lse (fwd); dout+out, lse, dq
+LOGIT_BYTES_PER_ENTRY = 8  # fp32 logits and their gradient, per vocab entry per scored token
+RING_BUFFERS = 4  # send + receive buffers for K/V, and again for dK/dV, one layer at a time
+OUTPUT_BYTES_PER_TOKEN = 4  # float32 log-probs of every response, held on every rank
 
 
 class CostModel:
@@ -83,7 +83,7 @@ class CostModel:
         # Ring bytes per key token: relays (times (k-1)/k) and float32 (or wider) dK/dV accumulators.
         self.ring_relay_bytes = (forward_passes + 1) * self.kv_bytes
         self.ring_accumulator_bytes = L * 2 * Hkv * D * max(4, beta)
-        self.query_state_bytes = L * Hq * (2 * D * beta + LSE_BYTES)        # q out, (O, lse) back
+        self.query_state_bytes = L * Hq * (2 * D * beta + LSE_BYTES)  # q out, (O, lse) back
         self.moveq_bytes = L * Hq * (forward_passes * (2 * D * beta + LSE_BYTES) + 3 * D * beta + LSE_BYTES)
         self.moveq_steps_per_round = L * MOVEQ_COLLECTIVES * (forward_passes + 1)
         # Elements a decoder layer saves per token for backward: 4 H (norm inputs/outputs, residual),
@@ -104,8 +104,11 @@ class CostModel:
         """Seconds of the FLOPs of one forward+backward pass on a rank (dense: projections, MLP, LM head;
         attention: query-key pairs x ``attn_flops`` in full blocks, and in causal blocks)."""
         p = self.profile
-        return self.train_factor * (dense_flops / p.flops_per_s + attention_flops / p.attention_flops_per_s
-                                    + causal_flops / p.causal_attention_flops_per_s)
+        return self.train_factor * (
+            dense_flops / p.flops_per_s
+            + attention_flops / p.attention_flops_per_s
+            + causal_flops / p.causal_attention_flops_per_s
+        )
 
     def attention_split(self, n, ranks):
         """Attention FLOPs (in full blocks, in causal blocks) one rank computes of a causal sequence of n tokens:
@@ -132,8 +135,9 @@ class CostModel:
     def prefill(self, P: int, ranks):
         """(compute s, comm s) of the prompt's forward + delayed backward sharded over a ring of ``ranks``,
         with the slot's fixed cost."""
-        return self.pass_time(self.lin_flops * P / ranks, *self.attention_split(P, ranks)) \
-            + self.profile.slot_overhead_s, self.ring_comm(P, ranks)
+        return self.pass_time(
+            self.lin_flops * P / ranks, *self.attention_split(P, ranks)
+        ) + self.profile.slot_overhead_s, self.ring_comm(P, ranks)
 
     def one_device(self, P: int, R) -> float:
         """Seconds of the responses R [G] of a tree on one device (after its prefill): padded micro-batches
@@ -141,8 +145,13 @@ class CostModel:
         total = 0.0
         for rows in split_micro_batches([int(r) for r in R], DEFAULT_MICRO_BATCH_TOKENS):
             n, longest = len(rows), float(max(R[i] for i in rows))
-            total += float(self.pass_time((self.lin_flops + self.head_flops) * n * longest,
-                                          self.attn_flops * n * longest * P, self.attn_flops * n * longest ** 2 / 2))
+            total += float(
+                self.pass_time(
+                    (self.lin_flops + self.head_flops) * n * longest,
+                    self.attn_flops * n * longest * P,
+                    self.attn_flops * n * longest**2 / 2,
+                )
+            )
             total += self.profile.call_overhead_s
         return total
 
@@ -153,8 +162,16 @@ class CostModel:
         padded micro-batches against the path (``one_device``); then its inner children. A group's depth-1
         trie costs ``prefill(P, 1)[0] + one_device(P, R)``."""
         n, scored = node.length, node.end - node.score_from if node.score_from is not None else 0
-        prefill = float(self.pass_time(self.lin_flops * n + self.head_flops * scored, self.attn_flops * n * node.start,
-                                       self.attn_flops * n * n / 2)) + self.profile.slot_overhead_s
+        prefill = (
+            float(
+                self.pass_time(
+                    self.lin_flops * n + self.head_flops * scored,
+                    self.attn_flops * n * node.start,
+                    self.attn_flops * n * n / 2,
+                )
+            )
+            + self.profile.slot_overhead_s
+        )
         leaves = self.one_device(node.end, [leaf.length for leaf in node.leaves]) if node.leaves else 0.0
         return prefill + leaves + sum(self.trie(child) for child in node.inner)
 
@@ -164,23 +181,26 @@ class CostModel:
         one call and one score exchange each."""
         seq = P + R
         dense = (self.lin_flops * seq + self.head_flops * R) / d
-        return (self.pass_time(dense, *self.attention_split(seq, d)) + self.profile.call_overhead_s,
-                self.ring_comm(seq, d) + self.exchange(d))
+        return (
+            self.pass_time(dense, *self.attention_split(seq, d)) + self.profile.call_overhead_s,
+            self.ring_comm(seq, d) + self.exchange(d),
+        )
 
     def tree_responses(self, P: int, R, m):
         """TreeMoveKV: (compute s, comm s) per response replayed in a lane of m ranks (prompt + own K/V ring),
         one call and one score exchange among the lane each."""
         dense = (self.lin_flops + self.head_flops) * R / m
         full, causal = self.attention_split(R, m)
-        return (self.pass_time(dense, full + self.attn_flops * R * P / m, causal) + self.profile.call_overhead_s,
-                self.ring_comm(P + R, m) + self.exchange(m))
+        return (
+            self.pass_time(dense, full + self.attn_flops * R * P / m, causal) + self.profile.call_overhead_s,
+            self.ring_comm(P + R, m) + self.exchange(m),
+        )
 
     def moveq_lane(self, R, m):
         """MoveQ, lane-local part: (compute s, comm s) of response R's projections, MLP, head and causal
         self-attention sharded over its lane's m ranks (its own K/V ring), one call each."""
         dense = (self.lin_flops + self.head_flops) * R / m
-        return (self.pass_time(dense, *self.attention_split(R, m)) + self.profile.call_overhead_s,
-                self.ring_comm(R, m))
+        return (self.pass_time(dense, *self.attention_split(R, m)) + self.profile.call_overhead_s, self.ring_comm(R, m))
 
     def moveq_owners(self, P: int, queries: float, rounds: int, d: int) -> tuple[float, float]:
         """MoveQ, all rounds together: (compute s, comm s) of every owner scoring ``queries`` queries against
@@ -201,28 +221,33 @@ class CostModel:
 
     def ring_memory(self, P: int, R_max: float, R_sum: float, d: int) -> float:
         seq = (P + R_max) / d
-        return (seq * (self.saved_bytes_per_token + self.working_bytes_per_token)
-                + R_max / d * self.logit_bytes_per_token + self._ring_buffer(seq)
-                + OUTPUT_BYTES_PER_TOKEN * R_sum)
+        return (
+            seq * (self.saved_bytes_per_token + self.working_bytes_per_token)
+            + R_max / d * self.logit_bytes_per_token
+            + self._ring_buffer(seq)
+            + OUTPUT_BYTES_PER_TOKEN * R_sum
+        )
 
     def tree_memory(self, P: int, R_max: float, R_sum: float, m: int) -> float:
         prompt = P / m
         response = R_max / m
         resident = prompt * (self.saved_bytes_per_token + 2 * self.kv_bytes)
-        peak = max(prompt * self.working_bytes_per_token,
-                   response * (self.saved_bytes_per_token + self.working_bytes_per_token
-                               + self.logit_bytes_per_token))
+        peak = max(
+            prompt * self.working_bytes_per_token,
+            response * (self.saved_bytes_per_token + self.working_bytes_per_token + self.logit_bytes_per_token),
+        )
         return resident + peak + self._ring_buffer(prompt + response) + OUTPUT_BYTES_PER_TOKEN * R_sum
 
     def moveq_memory(self, P: int, R_max: float, R_sum: float, round_max_queries: float, d: int, m: int) -> float:
         prompt = P / d
         response = R_max / m
         resident = prompt * (self.saved_bytes_per_token + 2 * self.kv_bytes)
-        exchange = (round_max_queries * self.query_state_bytes / self.profile.num_layers
-                    * self.exchange_layers_kept)
-        peak = max(prompt * self.working_bytes_per_token,
-                   response * (self.saved_bytes_per_token + self.working_bytes_per_token
-                               + self.logit_bytes_per_token) + exchange)
+        exchange = round_max_queries * self.query_state_bytes / self.profile.num_layers * self.exchange_layers_kept
+        peak = max(
+            prompt * self.working_bytes_per_token,
+            response * (self.saved_bytes_per_token + self.working_bytes_per_token + self.logit_bytes_per_token)
+            + exchange,
+        )
         return resident + peak + self._ring_buffer(max(prompt, response)) + OUTPUT_BYTES_PER_TOKEN * R_sum
 
 
@@ -232,8 +257,9 @@ def cost_model(profile: ClusterProfile) -> CostModel:
     return CostModel(profile)
 
 
-def step_seconds(trees, plans, cp_size: int, profile: ClusterProfile, *,
-                 min_shared_tokens: int = MIN_SHARED_TOKENS) -> float:
+def step_seconds(
+    trees, plans, cp_size: int, profile: ClusterProfile, *, min_shared_tokens: int = MIN_SHARED_TOKENS
+) -> float:
     """Predicted seconds of one step replaying ``trees`` (``groups.Tree.of_tokens``) with ``plans`` (one ``Plan``
     or None per tree; None for all: one device) on a CP group of ``cp_size`` ranks, placed as the step plan
     places them (``StepPlan.build`` at each rank of ``CPMesh.layout``): a rank's tries on one device at
@@ -243,7 +269,12 @@ def step_seconds(trees, plans, cp_size: int, profile: ClusterProfile, *,
     plans = list(plans) if plans is not None else [None] * len(trees)
     ranks = [None] if cp_size == 1 else [CPMesh.layout((1, cp_size), r) for r in range(cp_size)]
     trie = StepTrie(trees, min_shared_tokens=min_shared_tokens)
-    return max(sum(cost.trie(slot.node) if slot.degree == 1 else plans[slot.tree].est_time_s
-                   for slot in StepPlan.build(trees, plans=plans, mesh=mesh, trie=trie,
-                                              min_shared_tokens=min_shared_tokens).slots)
-               for mesh in ranks)
+    return max(
+        sum(
+            cost.trie(slot.node) if slot.degree == 1 else plans[slot.tree].est_time_s
+            for slot in StepPlan.build(
+                trees, plans=plans, mesh=mesh, trie=trie, min_shared_tokens=min_shared_tokens
+            ).slots
+        )
+        for mesh in ranks
+    )

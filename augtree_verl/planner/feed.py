@@ -14,7 +14,7 @@ import ray
 
 logger = logging.getLogger(__name__)
 
-LOOKUP_RETRY_S = 10.0   # how often a feed looks for an actor it could not find (a GCS round trip each time)
+LOOKUP_RETRY_S = 10.0  # how often a feed looks for an actor it could not find (a GCS round trip each time)
 
 
 class PlannerFeed:
@@ -37,7 +37,7 @@ class PlannerFeed:
                 actor.report.remote(uid, int(prompt_len), [int(r) for r in response_lens], time.time_ns())
                 self.sent += 1
                 return True
-            except ray.exceptions.RayError as err:     # the handle went bad: look the actor up again later
+            except ray.exceptions.RayError as err:  # the handle went bad: look the actor up again later
                 logger.warning("planner feed %r: report failed (%s)", self.name, type(err).__name__)
                 self._actor = None
         self.not_sent += 1
@@ -50,7 +50,6 @@ class PlannerFeed:
             self._actor = ray.get_actor(self.name, namespace=self.namespace)
         except ValueError:
             if self._next_lookup_s == 0.0:
-                logger.warning("planner feed: no planner actor %r yet; groups are planned by the trainer",
-                               self.name)
+                logger.warning("planner feed: no planner actor %r yet; groups are planned by the trainer", self.name)
             self._next_lookup_s = time.monotonic() + LOOKUP_RETRY_S
         return self._actor

@@ -46,8 +46,8 @@ def _subset_pairs(units: int):
     masks = np.arange(1 << units, dtype=np.int64)
     bits = ((masks[:, None] >> np.arange(units)) & 1).astype(np.float64)
     lowest = masks & -masks
-    inside = (masks[None, :] & ~masks[:, None]) == 0              # [mask, sub]: sub is a subset of mask
-    inside &= (masks[None, :] & lowest[:, None]) != 0             # and holds mask's lowest unit
+    inside = (masks[None, :] & ~masks[:, None]) == 0  # [mask, sub]: sub is a subset of mask
+    inside &= (masks[None, :] & lowest[:, None]) != 0  # and holds mask's lowest unit
     pair_mask, pair_sub = np.nonzero(inside)
     starts = np.zeros((1 << units) + 1, dtype=np.int64)
     np.cumsum(np.bincount(pair_mask, minlength=1 << units), out=starts[1:])
@@ -60,7 +60,7 @@ def subset_dp_lanes(weights: np.ndarray, lanes: int) -> np.ndarray:
     bits, pair_mask, pair_sub, starts = _subset_pairs(units)
     sums = bits @ weights
     best = [None, sums.copy()]
-    best[1][0] = np.inf                                            # a lane may not be empty
+    best[1][0] = np.inf  # a lane may not be empty
     rest = pair_mask ^ pair_sub
     for _ in range(2, lanes):
         layer = np.full(1 << units, np.inf)

@@ -14,43 +14,72 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-_POSITIVE_FLOATS = ("flops_per_s", "attention_flops_per_s", "causal_attention_flops_per_s", "p2p_bytes_per_s",
-                    "collective_bytes_per_s", "internode_bytes_per_s", "launch_latency_s", "ring_hop_s",
-                    "all_to_all_s", "call_overhead_s", "slot_overhead_s", "memory_per_rank_bytes")
-_POSITIVE_INTS = ("ranks_per_node", "num_layers", "num_heads", "num_kv_heads", "head_dim", "hidden_size",
-                  "intermediate_size", "vocab_size", "dtype_bytes")
+_POSITIVE_FLOATS = (
+    "flops_per_s",
+    "attention_flops_per_s",
+    "causal_attention_flops_per_s",
+    "p2p_bytes_per_s",
+    "collective_bytes_per_s",
+    "internode_bytes_per_s",
+    "launch_latency_s",
+    "ring_hop_s",
+    "all_to_all_s",
+    "call_overhead_s",
+    "slot_overhead_s",
+    "memory_per_rank_bytes",
+)
+_POSITIVE_INTS = (
+    "ranks_per_node",
+    "num_layers",
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+    "hidden_size",
+    "intermediate_size",
+    "vocab_size",
+    "dtype_bytes",
+)
 # What a profile says about the model and how it trains (the rest is hardware and policy): a saved profile
 # applies to a run only when these match (``planner.startup``).
-MODEL_FIELDS = ("num_layers", "num_heads", "num_kv_heads", "head_dim", "hidden_size", "intermediate_size",
-                "vocab_size", "dtype_bytes", "activation_checkpointing")
+MODEL_FIELDS = (
+    "num_layers",
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+    "hidden_size",
+    "intermediate_size",
+    "vocab_size",
+    "dtype_bytes",
+    "activation_checkpointing",
+)
 
 
 @dataclass(frozen=True, kw_only=True)
 class ClusterProfile:
     # --- hardware, per rank ---
-    flops_per_s: float              # achieved dense matmul throughput (FLOP/s) in the training dtype
-    attention_flops_per_s: float    # achieved attention-kernel throughput (forward + backward FLOP/s)
-    causal_attention_flops_per_s: float   # the same for causal blocks, FLOPs of the visible half counted
-    p2p_bytes_per_s: float          # point-to-point bandwidth to a neighbour inside a node, one direction
-    collective_bytes_per_s: float   # per-rank bandwidth of the all-to-all MoveQ uses, inside a node
-    internode_bytes_per_s: float    # per-rank bandwidth once a group spans nodes (p2p and collectives)
+    flops_per_s: float  # achieved dense matmul throughput (FLOP/s) in the training dtype
+    attention_flops_per_s: float  # achieved attention-kernel throughput (forward + backward FLOP/s)
+    causal_attention_flops_per_s: float  # the same for causal blocks, FLOPs of the visible half counted
+    p2p_bytes_per_s: float  # point-to-point bandwidth to a neighbour inside a node, one direction
+    collective_bytes_per_s: float  # per-rank bandwidth of the all-to-all MoveQ uses, inside a node
+    internode_bytes_per_s: float  # per-rank bandwidth once a group spans nodes (p2p and collectives)
     # Fixed costs of context-parallel replay (calibrate() fits them on the CP group's own replay):
-    launch_latency_s: float         # a CP step's score exchange among its ranks, and what the step adds around it
-    ring_hop_s: float               # one K/V ring step of one layer: a P2P shift, a block's attention and merge
-    all_to_all_s: float             # one of MoveQ's all-to-alls of one layer, with the owners' attention it feeds
-    call_overhead_s: float          # one response call (decoder, LM head, loss, backward) beyond its FLOPs
-    slot_overhead_s: float          # one tree beyond its FLOPs: its prefill call and delayed prompt backward
-    memory_per_rank_bytes: float    # what replay may use: activations, prompt K/V, comm buffers, outputs
-    ranks_per_node: int             # groups larger than this must span whole nodes
+    launch_latency_s: float  # a CP step's score exchange among its ranks, and what the step adds around it
+    ring_hop_s: float  # one K/V ring step of one layer: a P2P shift, a block's attention and merge
+    all_to_all_s: float  # one of MoveQ's all-to-alls of one layer, with the owners' attention it feeds
+    call_overhead_s: float  # one response call (decoder, LM head, loss, backward) beyond its FLOPs
+    slot_overhead_s: float  # one tree beyond its FLOPs: its prefill call and delayed prompt backward
+    memory_per_rank_bytes: float  # what replay may use: activations, prompt K/V, comm buffers, outputs
+    ranks_per_node: int  # groups larger than this must span whole nodes
     # --- model shape ---
     num_layers: int
-    num_heads: int                  # query heads H_q
-    num_kv_heads: int               # key/value heads H_kv (GQA: H_q % H_kv == 0)
+    num_heads: int  # query heads H_q
+    num_kv_heads: int  # key/value heads H_kv (GQA: H_q % H_kv == 0)
     head_dim: int
     hidden_size: int
-    intermediate_size: int          # SwiGLU MLP width
+    intermediate_size: int  # SwiGLU MLP width
     vocab_size: int
-    dtype_bytes: int = 2            # bf16 activations and communication
+    dtype_bytes: int = 2  # bf16 activations and communication
     activation_checkpointing: bool = True
     # Policy: a plan on d ranks is admissible only if it keeps this fraction of ideal scaling relative to
     # the best plan on the smallest degree that fits in memory (see planner/search.py). 0 = pure fastest.
@@ -59,19 +88,18 @@ class ClusterProfile:
     def __post_init__(self):
         for name in _POSITIVE_FLOATS:
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-                    or value <= 0:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
                 raise ValueError(f"ClusterProfile.{name} must be a positive finite number, got {value!r}")
         for name in _POSITIVE_INTS:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"ClusterProfile.{name} must be a positive int, got {value!r}")
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"ClusterProfile.num_kv_heads={self.num_kv_heads} must divide "
-                             f"num_heads={self.num_heads}")
+            raise ValueError(f"ClusterProfile.num_kv_heads={self.num_kv_heads} must divide num_heads={self.num_heads}")
         if not isinstance(self.activation_checkpointing, bool):
-            raise ValueError(f"ClusterProfile.activation_checkpointing must be a bool, "
-                             f"got {self.activation_checkpointing!r}")
+            raise ValueError(
+                f"ClusterProfile.activation_checkpointing must be a bool, got {self.activation_checkpointing!r}"
+            )
         eff = self.min_parallel_efficiency
         if isinstance(eff, bool) or not isinstance(eff, (int, float)) or not 0.0 <= eff <= 1.0:
             raise ValueError(f"ClusterProfile.min_parallel_efficiency must be in [0, 1], got {eff!r}")
@@ -100,21 +128,39 @@ class ClusterProfile:
         - model: Qwen2.5-7B-Instruct config.json (28 layers, 28 heads, 4 KV heads, hidden 3584,
           intermediate 18944, vocab 152064; head_dim = 3584 / 28 = 128).
         """
-        return cls(flops_per_s=0.6 * 989e12, attention_flops_per_s=0.35 * 989e12,
-                   causal_attention_flops_per_s=0.3 * 989e12, p2p_bytes_per_s=360e9,
-                   collective_bytes_per_s=250e9, internode_bytes_per_s=45e9, launch_latency_s=10e-6,
-                   ring_hop_s=10e-6, all_to_all_s=10e-6,
-                   call_overhead_s=28 * 36 * 10e-6, slot_overhead_s=28 * 36 * 10e-6, memory_per_rank_bytes=50e9,
-                   ranks_per_node=8, num_layers=28, num_heads=28, num_kv_heads=4, head_dim=128,
-                   hidden_size=3584, intermediate_size=18944, vocab_size=152064)
+        return cls(
+            flops_per_s=0.6 * 989e12,
+            attention_flops_per_s=0.35 * 989e12,
+            causal_attention_flops_per_s=0.3 * 989e12,
+            p2p_bytes_per_s=360e9,
+            collective_bytes_per_s=250e9,
+            internode_bytes_per_s=45e9,
+            launch_latency_s=10e-6,
+            ring_hop_s=10e-6,
+            all_to_all_s=10e-6,
+            call_overhead_s=28 * 36 * 10e-6,
+            slot_overhead_s=28 * 36 * 10e-6,
+            memory_per_rank_bytes=50e9,
+            ranks_per_node=8,
+            num_layers=28,
+            num_heads=28,
+            num_kv_heads=4,
+            head_dim=128,
+            hidden_size=3584,
+            intermediate_size=18944,
+            vocab_size=152064,
+        )
 
     # ---- the model's FLOP counts (forward, all layers; planner/cost.py's lin, head and attn) ----------
     @property
     def linear_flops(self) -> int:
         """Per token: QKV and output projections, SwiGLU MLP."""
         H, D = self.hidden_size, self.head_dim
-        return self.num_layers * (2 * H * (self.num_heads + 2 * self.num_kv_heads) * D + 2 * self.num_heads * D * H
-                                  + 6 * H * self.intermediate_size)
+        return self.num_layers * (
+            2 * H * (self.num_heads + 2 * self.num_kv_heads) * D
+            + 2 * self.num_heads * D * H
+            + 6 * H * self.intermediate_size
+        )
 
     @property
     def head_flops(self) -> int:
@@ -136,10 +182,15 @@ class ClusterProfile:
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         return dataclasses.replace(
-            self, num_layers=config.num_hidden_layers, num_heads=heads,
-            num_kv_heads=getattr(config, "num_key_value_heads", None) or heads, head_dim=head_dim,
-            hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
-            vocab_size=config.vocab_size)
+            self,
+            num_layers=config.num_hidden_layers,
+            num_heads=heads,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+            head_dim=head_dim,
+            hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size,
+            vocab_size=config.vocab_size,
+        )
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -150,11 +201,14 @@ class ClusterProfile:
         unknown = sorted(set(d) - names)
         if unknown:
             raise ValueError(f"ClusterProfile has no field(s) {unknown}")
-        missing = sorted(f.name for f in dataclasses.fields(cls) if f.name not in d and
-                         f.default is dataclasses.MISSING)
+        missing = sorted(
+            f.name for f in dataclasses.fields(cls) if f.name not in d and f.default is dataclasses.MISSING
+        )
         if missing:
-            raise ValueError(f"ClusterProfile needs the field(s) {missing} (a profile saved by an earlier "
-                             f"version: calibrate it again)")
+            raise ValueError(
+                f"ClusterProfile needs the field(s) {missing} (a profile saved by an earlier "
+                f"version: calibrate it again)"
+            )
         return cls(**d)
 
     def save(self, path) -> None:

@@ -48,8 +48,8 @@ class _Candidate:
     primitive: str
     lanes: int
     memory: float
-    bound: float                          # lower bound on est. time (exact for ring and MoveQ)
-    parts: tuple[float, float, float] | None = None   # (prefill, replay, comm) once exact
+    bound: float  # lower bound on est. time (exact for ring and MoveQ)
+    parts: tuple[float, float, float] | None = None  # (prefill, replay, comm) once exact
 
     @property
     def time(self) -> float:
@@ -59,8 +59,14 @@ class _Candidate:
         return (self.time, self.degree, _PRIMITIVE_ORDER[self.primitive], self.lanes)
 
 
-def plan_tree(prompt_len: int, response_lens, *, degrees, profile: ClusterProfile | None = None,
-              force_primitive: str | None = None) -> Plan:
+def plan_tree(
+    prompt_len: int,
+    response_lens,
+    *,
+    degrees,
+    profile: ClusterProfile | None = None,
+    force_primitive: str | None = None,
+) -> Plan:
     """The plan for one tree (a prompt of ``prompt_len`` tokens and responses of ``response_lens`` tokens).
 
     ``degrees``: the CP degrees it may use. ``force_primitive`` restricts the choice to one primitive.
@@ -77,10 +83,12 @@ def plan_tree(prompt_len: int, response_lens, *, degrees, profile: ClusterProfil
     search = _Search(cost_model(profile), P, R)
     candidates = search.candidates(degrees, force_primitive)
     if not candidates:
-        raise ValueError(f"no candidate plan for degrees {degrees} with ranks_per_node="
-                         f"{profile.ranks_per_node}"
-                         + (f" and force_primitive={force_primitive!r}" if force_primitive else "")
-                         + ": every degree breaks the topology rules")
+        raise ValueError(
+            f"no candidate plan for degrees {degrees} with ranks_per_node="
+            f"{profile.ranks_per_node}"
+            + (f" and force_primitive={force_primitive!r}" if force_primitive else "")
+            + ": every degree breaks the topology rules"
+        )
     budget = profile.memory_per_rank_bytes
     fitting = [c for c in candidates if c.memory <= budget]
     if not fitting:
@@ -88,7 +96,8 @@ def plan_tree(prompt_len: int, response_lens, *, degrees, profile: ClusterProfil
         raise ValueError(
             f"no plan fits in memory: the smallest plan ({smallest.primitive}, d={smallest.degree}, "
             f"lanes={smallest.lanes}) needs {smallest.memory / 2**30:.2f} GiB per rank but a rank has "
-            f"{budget / 2**30:.2f} GiB (ClusterProfile.memory_per_rank_bytes); allow larger degrees")
+            f"{budget / 2**30:.2f} GiB (ClusterProfile.memory_per_rank_bytes); allow larger degrees"
+        )
     best = search.choose(fitting, profile.min_parallel_efficiency)
     single = [c for c in fitting if c.degree == 1]
     for c in single:
@@ -97,16 +106,19 @@ def plan_tree(prompt_len: int, response_lens, *, degrees, profile: ClusterProfil
     return replace(search.to_plan(best), est_single_s=min((c.time for c in single), default=None))
 
 
-def estimate(prompt_len: int, response_lens, *, degree: int, primitive: str, lanes: int,
-             profile: ClusterProfile) -> Plan:
+def estimate(
+    prompt_len: int, response_lens, *, degree: int, primitive: str, lanes: int, profile: ClusterProfile
+) -> Plan:
     """The plan of one candidate (``degree`` ranks, ``primitive``, ``lanes``; any memory) with its estimate,
     whether or not the planner would choose it; ``ValueError`` when no such candidate exists."""
     P, R = check_tree_lengths(prompt_len, response_lens)
     search = _Search(cost_model(profile), P, R)
     found = [c for c in search.candidates((degree,), primitive) if c.lanes == lanes]
     if not found:
-        raise ValueError(f"no candidate {primitive}(d={degree}, lanes={lanes}) for {len(R)} responses with "
-                         f"ranks_per_node={profile.ranks_per_node}")
+        raise ValueError(
+            f"no candidate {primitive}(d={degree}, lanes={lanes}) for {len(R)} responses with "
+            f"ranks_per_node={profile.ranks_per_node}"
+        )
     if found[0].parts is None:
         search.exact(found[0])
     return search.to_plan(found[0])
@@ -171,19 +183,18 @@ class _Search:
         self.cost, self.P, self.R = cost, P, R
         self.G = R.shape[0]
         self.R_max, self.R_sum = float(R.max()), float(R.sum())
-        self.by_length = np.argsort(-R, kind="stable")          # longest first
-        self.one_device_s = cost.one_device(P, R)                # any plan of degree 1 runs this
+        self.by_length = np.argsort(-R, kind="stable")  # longest first
+        self.one_device_s = cost.one_device(P, R)  # any plan of degree 1 runs this
         self._labels: dict[tuple[int, int], np.ndarray] = {}
 
     # ---- enumeration -----------------------------------------------------------------------------
     def candidates(self, degrees, force_primitive) -> list[_Candidate]:
         rpn = self.cost.profile.ranks_per_node
         allowed = PRIMITIVES if force_primitive is None else (force_primitive,)
-        grid = []                                                # (d, [s...]) that obey topology
+        grid = []  # (d, [s...]) that obey topology
         for d in degrees:
             if _node_aligned(d, rpn):
-                grid.append((d, [s for s in range(1, min(d, self.G) + 1)
-                                 if d % s == 0 and _node_aligned(d // s, rpn)]))
+                grid.append((d, [s for s in range(1, min(d, self.G) + 1) if d % s == 0 and _node_aligned(d // s, rpn)]))
         if not grid:
             return []
         self._tabulate(sorted({d for d, _ in grid} | {d // s for d, lanes in grid for s in lanes}), grid, allowed)
@@ -213,18 +224,23 @@ class _Search:
             self.tree_compute, self.tree_comm = cost.tree_responses(P, R, k)
             self.tree_load = self.tree_compute + self.tree_comm
             desc = -np.sort(-self.tree_load, axis=1)
-            self.tree_desc = desc.tolist()                       # loads, largest first, per size
+            self.tree_desc = desc.tolist()  # loads, largest first, per size
             self.tree_sum = desc.sum(1).tolist()
             heaviest = self.tree_load.argmax(1)[:, None]
             self.tree_one_lane = list(zip(self.tree_compute.sum(1).tolist(), self.tree_comm.sum(1).tolist()))
-            self.tree_heaviest = list(zip(np.take_along_axis(self.tree_compute, heaviest, 1)[:, 0].tolist(),
-                                          np.take_along_axis(self.tree_comm, heaviest, 1)[:, 0].tolist()))
+            self.tree_heaviest = list(
+                zip(
+                    np.take_along_axis(self.tree_compute, heaviest, 1)[:, 0].tolist(),
+                    np.take_along_axis(self.tree_comm, heaviest, 1)[:, 0].tolist(),
+                )
+            )
         if "move_q" in allowed:
             compute, comm = cost.moveq_lane(R[self.by_length], k)
             lane_counts = {s for _, lanes in grid for s in lanes}
             # Per lane count s and size m: the rounds' slowest lanes (every s-th response by length).
-            self.moveq_rounds = {s: list(zip(compute[:, ::s].sum(1).tolist(), comm[:, ::s].sum(1).tolist()))
-                                 for s in lane_counts}
+            self.moveq_rounds = {
+                s: list(zip(compute[:, ::s].sum(1).tolist(), comm[:, ::s].sum(1).tolist())) for s in lane_counts
+            }
 
     def _one_device_parts(self) -> tuple[float, float, float]:
         pre_compute, pre_comm = self.pre[self.row[1]]
@@ -249,7 +265,7 @@ class _Search:
         if d == 1:
             cand.parts = self._one_device_parts()
             cand.bound = sum(cand.parts)
-        elif s in (1, self.G):                 # one lane holds all, or one response per lane: no search
+        elif s in (1, self.G):  # one lane holds all, or one response per lane: no search
             compute, comm = self.tree_one_lane[row] if s == 1 else self.tree_heaviest[row]
             pre_compute, pre_comm = self.pre[row]
             cand.parts = (pre_compute, compute, pre_comm + comm + self._lane_share(s))
@@ -264,8 +280,11 @@ class _Search:
         lane_compute, lane_comm = self.moveq_rounds[s][row]
         owner_compute, owner_comm = self.cost.moveq_owners(self.P, self.R_sum, rounds, d)
         pre_compute, pre_comm = self.pre[self.row[d]]
-        parts = self._one_device_parts() if d == 1 else \
-            (pre_compute, lane_compute + owner_compute, pre_comm + lane_comm + owner_comm)
+        parts = (
+            self._one_device_parts()
+            if d == 1
+            else (pre_compute, lane_compute + owner_compute, pre_comm + lane_comm + owner_comm)
+        )
         round_max_queries = float(self.R[self.by_length[:s]].sum())
         memory = self.cost.moveq_memory(self.P, self.R_max, self.R_sum, round_max_queries, d, m)
         return _Candidate(d, "move_q", s, memory, sum(parts), parts)
@@ -287,22 +306,27 @@ class _Search:
         lane = int(np.argmax(np.bincount(labels, weights=self.tree_load[row], minlength=cand.lanes) + padding))
         critical = labels == lane
         pre_compute, pre_comm = self.pre[row]
-        cand.parts = (pre_compute, float(self.tree_compute[row][critical].sum() + padding[lane]),
-                      pre_comm + float(self.tree_comm[row][critical].sum()) + self._lane_share(cand.lanes))
+        cand.parts = (
+            pre_compute,
+            float(self.tree_compute[row][critical].sum() + padding[lane]),
+            pre_comm + float(self.tree_comm[row][critical].sum()) + self._lane_share(cand.lanes),
+        )
 
     def _lane_share(self, lanes: int) -> float:
         """TreeMoveKV's one exchange of the lanes' scores over the subgroup (none with one lane)."""
         return self.cost.profile.launch_latency_s if lanes > 1 else 0.0
 
     def choose(self, fitting: list[_Candidate], min_efficiency: float) -> _Candidate:
-        most_efficient = None                          # smallest rank-seconds d * T
+        most_efficient = None  # smallest rank-seconds d * T
         for c in sorted(fitting, key=lambda c: c.degree * c.bound):
             if most_efficient is not None and c.degree * c.bound > most_efficient.degree * most_efficient.time:
                 break
             if c.parts is None:
                 self.exact(c)
             if most_efficient is None or (c.degree * c.time, c.key()) < (
-                    most_efficient.degree * most_efficient.time, most_efficient.key()):
+                most_efficient.degree * most_efficient.time,
+                most_efficient.key(),
+            ):
                 most_efficient = c
         if min_efficiency == 0:
             limit = math.inf
@@ -323,8 +347,9 @@ class _Search:
     def to_plan(self, c: _Candidate) -> Plan:
         parts = {"prefill": c.parts[0], "replay": c.parts[1], "comm": c.parts[2]}
         if c.primitive == "ring":
-            return Plan(degree=c.degree, primitive="ring", rounds=0, lanes=1, placement=(),
-                        est_time_s=c.time, est_parts=parts)
+            return Plan(
+                degree=c.degree, primitive="ring", rounds=0, lanes=1, placement=(), est_time_s=c.time, est_parts=parts
+            )
         placement: list[tuple[int, int] | None] = [None] * self.G
         if c.primitive == "move_q":
             for position, i in enumerate(self.by_length.tolist()):
@@ -337,9 +362,16 @@ class _Search:
             rounds = 0
             for lane in range(c.lanes):
                 members = np.flatnonzero(labels == lane)
-                members = members[np.argsort(-load[members], kind="stable")]   # largest first
+                members = members[np.argsort(-load[members], kind="stable")]  # largest first
                 for r, i in enumerate(members.tolist()):
                     placement[i] = (r, lane)
                 rounds = max(rounds, len(members))
-        return Plan(degree=c.degree, primitive=c.primitive, rounds=rounds, lanes=c.lanes,
-                    placement=tuple(placement), est_time_s=c.time, est_parts=parts)
+        return Plan(
+            degree=c.degree,
+            primitive=c.primitive,
+            rounds=rounds,
+            lanes=c.lanes,
+            placement=tuple(placement),
+            est_time_s=c.time,
+            est_parts=parts,
+        )

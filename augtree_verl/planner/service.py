@@ -31,21 +31,22 @@ from augtree_verl.planner.search import check_tree_lengths, plan_tree
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_TTL_S = 3600.0        # an async trainer uses a group within a few steps; a step is minutes at most
-DEFAULT_MAX_ENTRIES = 65536   # ~100 steps of 512 groups; an entry is a few hundred bytes
+DEFAULT_TTL_S = 3600.0  # an async trainer uses a group within a few steps; a step is minutes at most
+DEFAULT_MAX_ENTRIES = 65536  # ~100 steps of 512 groups; an entry is a few hundred bytes
 
 
 @dataclass
 class _Entry:
     prompt_len: int
     response_lens: tuple[int, ...]
-    result: dict           # {"plan": Plan dict, "solve_ms": float} or {"error": message}
-    arrived_s: float       # time.monotonic() when its plan was made (at report)
-    sent_ns: int           # the reporter's time.time_ns() at sending: which of two reports is newer
+    result: dict  # {"plan": Plan dict, "solve_ms": float} or {"error": message}
+    arrived_s: float  # time.monotonic() when its plan was made (at report)
+    sent_ns: int  # the reporter's time.time_ns() at sending: which of two reports is newer
 
 
-def plan_group(prompt_len: int, response_lens, degrees, profile: ClusterProfile,
-               force_primitive: str | None = None) -> dict:
+def plan_group(
+    prompt_len: int, response_lens, degrees, profile: ClusterProfile, force_primitive: str | None = None
+) -> dict:
     """``{"plan": Plan dict, "solve_ms": float}``, or ``{"error": message}`` when no plan fits the group."""
     start = time.perf_counter()
     try:
@@ -58,26 +59,37 @@ def plan_group(prompt_len: int, response_lens, degrees, profile: ClusterProfile,
 class PlannerService:
     """Async actor holding one entry per reported uid: its lengths and plan, until taken or evicted."""
 
-    def __init__(self, degrees, profile: dict, ttl_s: float = DEFAULT_TTL_S,
-                 max_entries: int = DEFAULT_MAX_ENTRIES, force_primitive: str | None = None):
+    def __init__(
+        self,
+        degrees,
+        profile: dict,
+        ttl_s: float = DEFAULT_TTL_S,
+        max_entries: int = DEFAULT_MAX_ENTRIES,
+        force_primitive: str | None = None,
+    ):
         if not ttl_s > 0:
             raise ValueError(f"ttl_s must be > 0, got {ttl_s!r}")
         if isinstance(max_entries, bool) or not isinstance(max_entries, int) or max_entries < 1:
             raise ValueError(f"max_entries must be an int >= 1, got {max_entries!r}")
         self.degrees = tuple(degrees)
-        self.profile = ClusterProfile.from_dict(profile)   # the run's (``planner.startup``)
+        self.profile = ClusterProfile.from_dict(profile)  # the run's (``planner.startup``)
         self.force_primitive = force_primitive
         plan_tree(1, [1], degrees=self.degrees, profile=self.profile, force_primitive=force_primitive)  # bad input
         self.ttl_s, self.max_entries = float(ttl_s), max_entries
-        self.instance = uuid.uuid4().hex       # a restarted actor has a new one (and no entries)
-        self.entries: OrderedDict[str, _Entry] = OrderedDict()   # oldest sent report first
-        self.arrived = asyncio.Event()         # set and replaced whenever a report arrives
+        self.instance = uuid.uuid4().hex  # a restarted actor has a new one (and no entries)
+        self.entries: OrderedDict[str, _Entry] = OrderedDict()  # oldest sent report first
+        self.arrived = asyncio.Event()  # set and replaced whenever a report arrives
         self.counts = {"reported": 0, "reported_twice": 0, "rejected": 0, "evicted": 0}
-        self.last_planned_s: float | None = None             # time.monotonic() when the latest report's plan was done
+        self.last_planned_s: float | None = None  # time.monotonic() when the latest report's plan was done
 
     async def config(self) -> dict:
-        return {"degrees": list(self.degrees), "profile": self.profile.to_dict(), "ttl_s": self.ttl_s,
-                "max_entries": self.max_entries, "force_primitive": self.force_primitive}
+        return {
+            "degrees": list(self.degrees),
+            "profile": self.profile.to_dict(),
+            "ttl_s": self.ttl_s,
+            "max_entries": self.max_entries,
+            "force_primitive": self.force_primitive,
+        }
 
     async def report(self, uid: str, prompt_len, response_lens, sent_ns: int | None = None) -> None:
         """A finished group's lengths, responses in (session, index) order; planned now, kept until taken.
@@ -98,7 +110,7 @@ class PlannerService:
         self.counts["reported"] += 1
         if uid in self.entries:
             self.counts["reported_twice"] += 1
-            if self.entries[uid].sent_ns > sent_ns:   # an older report that ran late: the newer one stays
+            if self.entries[uid].sent_ns > sent_ns:  # an older report that ran late: the newer one stays
                 return
             del self.entries[uid]
         result = plan_group(P, lens, self.degrees, self.profile, self.force_primitive)
@@ -149,8 +161,12 @@ class PlannerService:
     def _state(self) -> dict:
         """Cumulative counters of this actor instance, its instance id, how many entries it holds and when
         it finished planning the latest report (``time.monotonic()``, one clock for every process of a host)."""
-        return {"instance": self.instance, "queue_depth": len(self.entries), "last_planned_s": self.last_planned_s,
-                **self.counts}
+        return {
+            "instance": self.instance,
+            "queue_depth": len(self.entries),
+            "last_planned_s": self.last_planned_s,
+            **self.counts,
+        }
 
     def _keep_sent_order(self, uid: str) -> None:
         """Move the entries sent after ``uid``'s report (that ran before it) behind it: entries stay in the
@@ -176,10 +192,16 @@ class PlannerService:
             self.counts["evicted"] += 1
 
 
-def start_planner_service(name: str = "augtree_planner", *, degrees, profile: ClusterProfile,
-                          namespace: str | None = None,
-                          ttl_s: float = DEFAULT_TTL_S, max_entries: int = DEFAULT_MAX_ENTRIES,
-                          force_primitive: str | None = None):
+def start_planner_service(
+    name: str = "augtree_planner",
+    *,
+    degrees,
+    profile: ClusterProfile,
+    namespace: str | None = None,
+    ttl_s: float = DEFAULT_TTL_S,
+    max_entries: int = DEFAULT_MAX_ENTRIES,
+    force_primitive: str | None = None,
+):
     """The named planner actor (created unless it exists), planning with ``profile`` (the run's, from
     ``planner.startup``). Needs ``ray.init`` first. ``force_primitive`` pins its plans to one primitive
     (``plan_tree``'s argument).
@@ -188,7 +210,16 @@ def start_planner_service(name: str = "augtree_planner", *, degrees, profile: Cl
     refers to it). It reserves no CPU, so it never blocks training placement. Ray restarts it if its
     process dies; the new instance starts empty, and the groups it lost are planned in-process (counted).
     """
-    return ray.remote(PlannerService).options(
-        name=name, namespace=namespace, get_if_exists=True, num_cpus=0, max_concurrency=1000,
-        max_restarts=-1, max_task_retries=0,
-    ).remote(tuple(degrees), profile.to_dict(), ttl_s, max_entries, force_primitive)
+    return (
+        ray.remote(PlannerService)
+        .options(
+            name=name,
+            namespace=namespace,
+            get_if_exists=True,
+            num_cpus=0,
+            max_concurrency=1000,
+            max_restarts=-1,
+            max_task_retries=0,
+        )
+        .remote(tuple(degrees), profile.to_dict(), ttl_s, max_entries, force_primitive)
+    )

@@ -42,20 +42,22 @@ DEFAULT_CACHE_DIR = Path("~/.cache/augtree-verl/profiles")
 @dataclass(frozen=True)
 class RunProfile:
     profile: ClusterProfile
-    source: str          # "calibrated now (...)", "cache file PATH" or "the user's file PATH"
+    source: str  # "calibrated now (...)", "cache file PATH" or "the user's file PATH"
 
     def describe(self, degrees) -> str:
         """One line for the start-up log: the figures and where they came from."""
         p = self.profile
-        return (f"planner profile from {self.source}: dense {p.flops_per_s:.3g} FLOP/s, attention "
-                f"{p.attention_flops_per_s:.3g} FLOP/s (causal {p.causal_attention_flops_per_s:.3g}), p2p "
-                f"{p.p2p_bytes_per_s:.3g} B/s, all-to-all {p.collective_bytes_per_s:.3g} B/s; fixed costs: score "
-                f"exchange {p.launch_latency_s:.3g} s, ring hop {p.ring_hop_s:.3g} s, all-to-all "
-                f"{p.all_to_all_s:.3g} s, call {p.call_overhead_s:.3g} s, slot {p.slot_overhead_s:.3g} s; memory "
-                f"{p.memory_per_rank_bytes:.3g} B/rank, {p.ranks_per_node} ranks/node; model "
-                f"{p.num_layers} layers, hidden {p.hidden_size}, heads {p.num_heads}/{p.num_kv_heads}x"
-                f"{p.head_dim}, MLP {p.intermediate_size}, vocab {p.vocab_size}, {p.dtype_bytes} B/element, "
-                f"checkpointing {'on' if p.activation_checkpointing else 'off'}; CP degrees {list(degrees)}")
+        return (
+            f"planner profile from {self.source}: dense {p.flops_per_s:.3g} FLOP/s, attention "
+            f"{p.attention_flops_per_s:.3g} FLOP/s (causal {p.causal_attention_flops_per_s:.3g}), p2p "
+            f"{p.p2p_bytes_per_s:.3g} B/s, all-to-all {p.collective_bytes_per_s:.3g} B/s; fixed costs: score "
+            f"exchange {p.launch_latency_s:.3g} s, ring hop {p.ring_hop_s:.3g} s, all-to-all "
+            f"{p.all_to_all_s:.3g} s, call {p.call_overhead_s:.3g} s, slot {p.slot_overhead_s:.3g} s; memory "
+            f"{p.memory_per_rank_bytes:.3g} B/rank, {p.ranks_per_node} ranks/node; model "
+            f"{p.num_layers} layers, hidden {p.hidden_size}, heads {p.num_heads}/{p.num_kv_heads}x"
+            f"{p.head_dim}, MLP {p.intermediate_size}, vocab {p.vocab_size}, {p.dtype_bytes} B/element, "
+            f"checkpointing {'on' if p.activation_checkpointing else 'off'}; CP degrees {list(degrees)}"
+        )
 
 
 def device_name(device: torch.device) -> str:
@@ -75,7 +77,7 @@ def cache_file(profile: ClusterProfile, device: torch.device, world: int, cache_
     return root.expanduser() / f"profile-{slug}-w{world}-{digest}.json"
 
 
-_published: RunProfile | None = None   # this process's training engine's profile (``publish``)
+_published: RunProfile | None = None  # this process's training engine's profile (``publish``)
 
 
 def publish(run: RunProfile) -> None:
@@ -88,13 +90,23 @@ def published_profile() -> dict:
     """``{"profile": ClusterProfile dict, "source": str}`` of this process's training engine; what the trainer
     runs on the actor worker group's rank 0. ``ValueError`` when no AugTree engine trains here."""
     if _published is None:
-        raise ValueError("no AugTree training engine has made a planner profile in this worker process "
-                         "(actor_rollout_ref.actor.strategy must be augtree)")
+        raise ValueError(
+            "no AugTree training engine has made a planner profile in this worker process "
+            "(actor_rollout_ref.actor.strategy must be augtree)"
+        )
     return {"profile": _published.profile.to_dict(), "source": _published.source}
 
 
-def startup_profile(base: ClusterProfile, *, user_file: str | None, device: torch.device, group=None,
-                    model=None, lockstep_group=None, cache_dir: Path | None = None) -> RunProfile:
+def startup_profile(
+    base: ClusterProfile,
+    *,
+    user_file: str | None,
+    device: torch.device,
+    group=None,
+    model=None,
+    lockstep_group=None,
+    cache_dir: Path | None = None,
+) -> RunProfile:
     """The run's profile (see the module docstring); ``model`` and ``lockstep_group``: what calibration
     replays (``ClusterProfile.calibrate``; optional)."""
     device = torch.device(device)
@@ -105,15 +117,18 @@ def startup_profile(base: ClusterProfile, *, user_file: str | None, device: torc
     if not distributed or dist.get_rank(group) == 0:
         found[0] = _read(base, user_file, path)
     if distributed:
-        dist.broadcast_object_list(found, src=dist.get_global_rank(group, 0) if group is not None else 0,
-                                   group=group)
+        dist.broadcast_object_list(found, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
     kind, value = found[0]
     if kind == "error":
         raise ValueError(value)
     if kind == "found":
         profile, source = value
-        return RunProfile(dataclasses.replace(ClusterProfile.from_dict(profile), min_parallel_efficiency=
-                                              base.min_parallel_efficiency), source)
+        return RunProfile(
+            dataclasses.replace(
+                ClusterProfile.from_dict(profile), min_parallel_efficiency=base.min_parallel_efficiency
+            ),
+            source,
+        )
     start = time.perf_counter()
     profile = calibrate(base, group=group, device=device, model=model, lockstep_group=lockstep_group)
     seconds = time.perf_counter() - start
@@ -123,7 +138,7 @@ def startup_profile(base: ClusterProfile, *, user_file: str | None, device: torc
             path.parent.mkdir(parents=True, exist_ok=True)
             partial = path.with_suffix(f".{os.getpid()}.tmp")
             profile.save(partial)
-            partial.replace(path)                      # atomic: a concurrent reader sees all or nothing
+            partial.replace(path)  # atomic: a concurrent reader sees all or nothing
             note += f", cached to {path}"
         except OSError as err:
             note += f", not cached ({err})"
@@ -139,9 +154,11 @@ def _read(base: ClusterProfile, user_file: str | None, path: Path) -> tuple[str,
             return "error", f"planner_profile={user_file!r} cannot be read as a ClusterProfile: {err}"
         mismatch = _model_mismatch(profile, base)
         if mismatch:
-            return "error", (f"planner_profile={user_file!r} was made for another model: {mismatch}; use a "
-                             f"profile of this model, dtype and checkpointing, or unset planner_profile to "
-                             f"calibrate one")
+            return "error", (
+                f"planner_profile={user_file!r} was made for another model: {mismatch}; use a "
+                f"profile of this model, dtype and checkpointing, or unset planner_profile to "
+                f"calibrate one"
+            )
         return "found", (profile.to_dict(), f"the user's file {user_file}")
     try:
         profile = ClusterProfile.load(path)
@@ -155,5 +172,8 @@ def _read(base: ClusterProfile, user_file: str | None, path: Path) -> tuple[str,
 def _model_mismatch(profile: ClusterProfile, run: ClusterProfile) -> str:
     """'' when ``profile`` has ``run``'s model fields and ranks per node, else the differing ones by name."""
     names = (*MODEL_FIELDS, "ranks_per_node")
-    return ", ".join(f"{n}={getattr(profile, n)!r} (this run: {getattr(run, n)!r})" for n in names
-                     if getattr(profile, n) != getattr(run, n))
+    return ", ".join(
+        f"{n}={getattr(profile, n)!r} (this run: {getattr(run, n)!r})"
+        for n in names
+        if getattr(profile, n) != getattr(run, n)
+    )

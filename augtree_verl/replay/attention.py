@@ -86,18 +86,27 @@ def augtree_attention_forward(module, query, key, value, attention_mask, scaling
 # Gemma2 passes ``softcap``, gpt-oss ``s_aux`` (attention sinks); ``dropout`` is > 0 only in training mode
 # with attention dropout configured; ``sliding_window`` is set on sliding layers (Mistral, Qwen2 with
 # use_sliding_window, Gemma2, gpt-oss).
-UNSUPPORTED_FEATURES = {"softcap": "logit soft-capping", "s_aux": "attention sinks",
-                        "dropout": "attention dropout", "sliding_window": "sliding-window attention"}
+UNSUPPORTED_FEATURES = {
+    "softcap": "logit soft-capping",
+    "s_aux": "attention sinks",
+    "dropout": "attention dropout",
+    "sliding_window": "sliding-window attention",
+}
 
 
 def _reject_unsupported(module, kwargs) -> None:
     """A ``ValueError`` naming the model, the layer and every unsupported feature this call asks for."""
-    used = [f"{what} ({name}={_describe(kwargs[name])})" for name, what in UNSUPPORTED_FEATURES.items()
-            if _is_set(kwargs.get(name))]
+    used = [
+        f"{what} ({name}={_describe(kwargs[name])})"
+        for name, what in UNSUPPORTED_FEATURES.items()
+        if _is_set(kwargs.get(name))
+    ]
     if used:
         model = getattr(module.config, "model_type", None) or type(module).__name__
-        raise ValueError(f"model {model!r}, layer {module.layer_idx}: augtree's replay attention does not "
-                         f"implement {', '.join(used)}")
+        raise ValueError(
+            f"model {model!r}, layer {module.layer_idx}: augtree's replay attention does not "
+            f"implement {', '.join(used)}"
+        )
 
 
 def _is_set(value) -> bool:

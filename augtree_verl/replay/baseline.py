@@ -16,9 +16,15 @@ LogitsHook = Callable[[int, int, torch.Tensor], None]  # on_logits(t, i, tempere
 LossFn = Callable[[int, int, torch.Tensor], torch.Tensor]  # loss_fn(t, i, log-probs [R_i]) -> scalar loss
 
 
-def flattened_replay(model, trees: Sequence[Tree], loss_fn: LossFn | None = None, *,
-                     temperature: float = 1.0, keep_graph: bool = False,
-                     on_logits: LogitsHook | None = None) -> list[list[torch.Tensor]]:
+def flattened_replay(
+    model,
+    trees: Sequence[Tree],
+    loss_fn: LossFn | None = None,
+    *,
+    temperature: float = 1.0,
+    keep_graph: bool = False,
+    on_logits: LogitsHook | None = None,
+) -> list[list[torch.Tensor]]:
     """Same contract as ``replay``, computed the way stock trainers do: one sequence per response."""
     logps = []
     with torch.set_grad_enabled(loss_fn is not None or keep_graph):

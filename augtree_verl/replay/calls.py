@@ -31,8 +31,9 @@ class ModelCalls:
     """``model``'s decoder and its logits head (the family's forward tail: LM head and any transform after
     it) as the tree runs call them; ``micro_batch_loss`` None: forward only."""
 
-    def __init__(self, model, *, temperature: float, stats, entropy_fn: EntropyFn | None, micro_batch_loss,
-                 offload=None):
+    def __init__(
+        self, model, *, temperature: float, stats, entropy_fn: EntropyFn | None, micro_batch_loss, offload=None
+    ):
         self.base, self.head = model.get_decoder(), logits_head(model)
         self.temperature, self.stats, self.entropy_fn = temperature, stats, entropy_fn
         self.loss, self.train = micro_batch_loss, micro_batch_loss is not None
@@ -45,8 +46,9 @@ class ModelCalls:
         """ids, positions [B, S] -> final hidden states [B, S, H] (attention through ``ctx``). No mask: the
         contexts carry theirs, and transformers builds none for "augtree", which registers no mask function."""
         self.stats.executed_tokens += ids.numel()
-        return self.base(input_ids=ids, position_ids=positions, attention_mask=None, use_cache=False,
-                         augtree_ctx=ctx).last_hidden_state
+        return self.base(
+            input_ids=ids, position_ids=positions, attention_mask=None, use_cache=False, augtree_ctx=ctx
+        ).last_hidden_state
 
     def scores(self, states: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """states [N, H], targets [N] -> [N] or [N, 2] (``scoring.token_scores``), one LM-head call."""
@@ -58,11 +60,13 @@ class ModelCalls:
     def dummy_prompt(self, scored: bool = False) -> PromptKV:
         """A dummy prefill: one local token (no prompt-K/V consumer; its backward sends zeros); with ``scored``,
         one LM-head call on it too (a trie node's scores, see ``lockstep.Shape``)."""
+
         def prefill():
             ctx = PrefillContext()
             hidden = self.decoder(self._pad(), torch.zeros_like(self._pad()), ctx)[0]
             scores = self.scores(hidden, self._pad()[0]) if scored else None
             return [ctx.kv[layer] for layer in range(len(ctx.kv))], hidden, None, scores
+
         return PromptKV(prefill, train=self.train, offload=self.offload)
 
     def pad_call(self) -> None:

@@ -40,8 +40,9 @@ from augtree_verl.replay.prompt_kv import PromptKV
 SCORE_EXCHANGE = "logp_exchange"  # stats key for the score exchanges (not part of any primitive's bytes)
 
 
-def exchange_scores(lens: list[int], owned, members: tuple[int, ...], group, meter: Meter, *, width: int | None,
-                    device: torch.device) -> list[torch.Tensor]:
+def exchange_scores(
+    lens: list[int], owned, members: tuple[int, ...], group, meter: Meter, *, width: int | None, device: torch.device
+) -> list[torch.Tensor]:
     """Full scores of every entry j (float32 [lens[j]], or [lens[j], width]; detached, identical on every
     member) from the tokens each member owns: a zero-filled buffer summed over ``members`` (ranks of
     ``group``), exact since each token is non-zero on one member. ``owned``: (j, token indices (LongTensor
@@ -49,9 +50,9 @@ def exchange_scores(lens: list[int], owned, members: tuple[int, ...], group, met
     offsets = [sum(lens[:j]) for j in range(len(lens))]
     buffer = torch.zeros(sum(lens), *(() if width is None else (width,)), dtype=torch.float32, device=device)
     for j, idx, s in owned:
-        buffer[offsets[j]: offsets[j] + lens[j]][idx] = s.detach()
+        buffer[offsets[j] : offsets[j] + lens[j]][idx] = s.detach()
     full = all_gather_sum(buffer, members, group, meter)
-    return [full[o: o + n] for o, n in zip(offsets, lens)]
+    return [full[o : o + n] for o, n in zip(offsets, lens)]
 
 
 class CPTreeRun:
@@ -68,15 +69,22 @@ class CPTreeRun:
         if sched.prefill is None:
             prompt = calls.dummy_prompt()
         else:
-            prompt = PromptKV(lambda: self._prefill(tree.prompt, sched.prefill, sched.rank, meter), train=calls.train,
-                              offload=calls.offload)
+            prompt = PromptKV(
+                lambda: self._prefill(tree.prompt, sched.prefill, sched.rank, meter),
+                train=calls.train,
+                offload=calls.offload,
+            )
         stats.stop_timer("prefill_s", start)
 
         start = stats.start_timer(tree.prompt.device)
         out: dict[int, torch.Tensor] = {}
         for step in sched.steps:
-            out.update(zip(step.responses, self._step(t, tree, step, sched.rank, prompt, meter,
-                                                            sched.prefill and sched.prefill.layout)))
+            out.update(
+                zip(
+                    step.responses,
+                    self._step(t, tree, step, sched.rank, prompt, meter, sched.prefill and sched.prefill.layout),
+                )
+            )
             stats.micro_batches += 1
         calls.finish_slot(prompt, len(sched.steps), slot.calls, start)
         if not sched.lane_share:
@@ -102,14 +110,21 @@ class CPTreeRun:
             ids, positions = ids.new_full((1,), PAD_ID), positions.new_zeros(1)
         return self.calls.decoder(ids[None], positions[None], ctx)[0]
 
-    def _step(self, t: int, tree: Tree, step: CPStep, rank: int, prompt: PromptKV, meter: Meter,
-              prompt_layout) -> list[torch.Tensor]:
+    def _step(
+        self, t: int, tree: Tree, step: CPStep, rank: int, prompt: PromptKV, meter: Meter, prompt_layout
+    ) -> list[torch.Tensor]:
         """One step (see the module docstring); returns the full scores of ``step.responses``."""
         parts = []  # (response, token indices [k], states [k, H], targets [k]) this rank scores
         if step.kind != "ring" and prompt.last is not None:  # first tokens, from the prompt's last state
             for i in step.responses:
-                parts.append((i, torch.zeros(1, dtype=torch.long, device=tree.prompt.device), prompt.last[None],
-                              tree.responses[i][:1]))
+                parts.append(
+                    (
+                        i,
+                        torch.zeros(1, dtype=torch.long, device=tree.prompt.device),
+                        prompt.last[None],
+                        tree.responses[i][:1],
+                    )
+                )
         hidden, decoded = self._decode(tree, step, rank, prompt, meter, prompt_layout)
         parts += decoded
         # Keep-alive: where no scored row comes from this call's decoder output, a dummy row of it (zero
@@ -120,7 +135,7 @@ class CPTreeRun:
         scores = self.calls.scores(torch.cat([s for _, _, s, _ in rows]), torch.cat([x for _, _, _, x in rows]))
         owned, offset = [], 0
         for i, idx, s, _ in parts:
-            owned.append((i, idx, scores[offset: offset + s.shape[0]]))
+            owned.append((i, idx, scores[offset : offset + s.shape[0]]))
             offset += s.shape[0]
         full = self._exchange(tree, list(step.responses), owned, step.exchange)
         if self.calls.train:
@@ -138,14 +153,16 @@ class CPTreeRun:
             seq = torch.cat([tree.prompt, tree.responses[step.fed]])
             hidden = self._shard(seq[pos], pos, RingContext(ring, step.layout, meter))
             scored = (pos >= p - 1).nonzero().squeeze(1)
-            return hidden, ([(step.fed, pos[scored] - (p - 1), hidden[scored], seq[pos[scored] + 1])]
-                            if scored.numel() else [])
+            return hidden, (
+                [(step.fed, pos[scored] - (p - 1), hidden[scored], seq[pos[scored] + 1])] if scored.numel() else []
+            )
         ctx: LaneReplayContext | MoveQReplayContext
         if step.kind == "lane":
             ctx = LaneReplayContext(ring, step.layout, step.prefix, prompt.kv, meter)
         else:
-            ctx = MoveQReplayContext(self.group, rank, prompt_layout, step.query_counts, ring, step.layout,
-                                     prompt.kv, meter)
+            ctx = MoveQReplayContext(
+                self.group, rank, prompt_layout, step.query_counts, ring, step.layout, prompt.kv, meter
+            )
         resp = tree.responses[step.fed] if step.fed is not None else tree.prompt[:0]  # None: my lane idles
         hidden = self._shard(resp[pos], pos + step.offset, ctx)  # fed token j scores response token j + 1
         return hidden, ([(step.fed, pos + 1, hidden[: pos.numel()], resp[pos + 1])] if pos.numel() else [])
@@ -154,9 +171,15 @@ class CPTreeRun:
         """Full scores of ``responses`` on every member (``exchange_scores``); ``owned``: (response, token
         indices, scores) this rank holds."""
         width = None if self.calls.entropy_fn is None else 2
-        return exchange_scores([tree.response_lens[i] for i in responses],
-                               [(responses.index(i), idx, s) for i, idx, s in owned], members, self.group,
-                               self.score_meter, width=width, device=tree.prompt.device)
+        return exchange_scores(
+            [tree.response_lens[i] for i in responses],
+            [(responses.index(i), idx, s) for i, idx, s in owned],
+            members,
+            self.group,
+            self.score_meter,
+            width=width,
+            device=tree.prompt.device,
+        )
 
     def _backward(self, t: int, responses: list[int], full: list, owned: list, dummy) -> None:
         """g = d micro_batch_loss(t, responses, full) / d full (on leaf copies, the same on every member),

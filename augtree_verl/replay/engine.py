@@ -53,11 +53,21 @@ def replay(model, step_plan: StepPlan, loss: MicroBatchLossFn | None = None) -> 
         tree.check_tokens(t, vocab, device)
     refuse_cp_plans(model.config, step_plan.plans)
     mesh, stats = step_plan.mesh, step_plan.stats
-    if mesh is not None and any(p is not None and p.degree > 1 for p in step_plan.plans) and model.training \
-            and getattr(model.config, "attention_dropout", 0.0):
+    if (
+        mesh is not None
+        and any(p is not None and p.degree > 1 for p in step_plan.plans)
+        and model.training
+        and getattr(model.config, "attention_dropout", 0.0)
+    ):
         raise ValueError(f"attention_dropout={model.config.attention_dropout} is not supported by the CP replay")
-    calls = ModelCalls(model, temperature=step_plan.temperature, stats=stats, entropy_fn=step_plan.entropy_fn,
-                       micro_batch_loss=loss, offload=step_plan.offload)
+    calls = ModelCalls(
+        model,
+        temperature=step_plan.temperature,
+        stats=stats,
+        entropy_fn=step_plan.entropy_fn,
+        micro_batch_loss=loss,
+        offload=step_plan.offload,
+    )
     cp_runs = {d: CPTreeRun(calls, mesh.group_of(d)) for d in mesh.subgroups} if mesh is not None else {}
     tries = TrieRun(calls, trees)
     scores: list[list[torch.Tensor] | None] = [None] * len(trees)
@@ -102,8 +112,11 @@ def _fp32_grad_sums(model):
     plain parameters (verl's FSDP2 view, whose sharded gradients FSDP reduce-scatters per backward into
     its float32 accumulators) and ``model`` None (forward only, or the caller's backward) are left alone.
     """
-    params = [p for p in (model.parameters() if hasattr(model, "parameters") else ())
-              if p.requires_grad and p.dtype in (torch.bfloat16, torch.float16)]
+    params = [
+        p
+        for p in (model.parameters() if hasattr(model, "parameters") else ())
+        if p.requires_grad and p.dtype in (torch.bfloat16, torch.float16)
+    ]
     sums = {p: (p.grad.float() if p.grad is not None else torch.zeros_like(p, dtype=torch.float32)) for p in params}
 
     def move(p):
@@ -131,8 +144,15 @@ def _share(step_plan: StepPlan, scores, reported: set[int], device, *, width: in
     trees, mesh = step_plan.trees, step_plan.mesh
     responses = [(t, i) for t, tree in enumerate(trees) for i in range(len(tree.responses))]
     owned = [(k, slice(None), scores[t][i]) for k, (t, i) in enumerate(responses) if t in reported]
-    full = exchange_scores([trees[t].response_lens[i] for t, i in responses], owned, tuple(range(mesh.cp_size)),
-                           mesh.cp_group, Meter(step_plan.stats, SCORE_EXCHANGE), width=width, device=device)
+    full = exchange_scores(
+        [trees[t].response_lens[i] for t, i in responses],
+        owned,
+        tuple(range(mesh.cp_size)),
+        mesh.cp_group,
+        Meter(step_plan.stats, SCORE_EXCHANGE),
+        width=width,
+        device=device,
+    )
     out: list[list[torch.Tensor]] = [[] for _ in trees]
     for (t, _), value in zip(responses, full):
         out[t].append(value)

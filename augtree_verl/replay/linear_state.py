@@ -57,8 +57,10 @@ def _cp_limit(config) -> str | None:
     """Why ``config``'s model runs no plan of degree > 1 (None: it may)."""
     if not has_linear_attention(config):
         return None
-    return (f"model {getattr(config, 'model_type', None)!r} has linear-attention layers (Gated DeltaNet), whose "
-            "state a context-parallel replay would pass along the ranks: not implemented")
+    return (
+        f"model {getattr(config, 'model_type', None)!r} has linear-attention layers (Gated DeltaNet), whose "
+        "state a context-parallel replay would pass along the ranks: not implemented"
+    )
 
 
 def demote_cp_plans(config, plans: Sequence[Plan | None]) -> tuple[list[Plan | None], int]:
@@ -75,8 +77,10 @@ def refuse_cp_plans(config, plans: Sequence[Plan | None]) -> None:
     reason = _cp_limit(config)
     for t, plan in enumerate(plans):
         if reason is not None and plan is not None and plan.degree > 1:
-            raise ValueError(f"tree {t}: a plan of degree {plan.degree}, but {reason}; pass a plan of degree 1 "
-                             "(the augtree engine demotes such plans and counts them)")
+            raise ValueError(
+                f"tree {t}: a plan of degree {plan.degree}, but {reason}; pass a plan of degree 1 "
+                "(the augtree engine demotes such plans and counts them)"
+            )
 
 
 def linear_attention_modules(model) -> list[torch.nn.Module]:
@@ -98,8 +102,7 @@ def _with_state(module, args, kwargs):
     if ctx is None:
         return None
     hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-    return args, {**kwargs, "cache_params": ctx.linear_state(module.layer_idx, hidden.shape[0]),
-                  "attention_mask": None}
+    return args, {**kwargs, "cache_params": ctx.linear_state(module.layer_idx, hidden.shape[0]), "attention_mask": None}
 
 
 class StateCapture:
@@ -125,8 +128,13 @@ class StateStart(StateCapture):
     the layer's updates are dropped, or, with ``sink`` (a trie node's prefill, one row), recorded as
     ``StateCapture`` records them."""
 
-    def __init__(self, layer: int, state: tuple[torch.Tensor, torch.Tensor], rows: int,
-                 sink: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None):
+    def __init__(
+        self,
+        layer: int,
+        state: tuple[torch.Tensor, torch.Tensor],
+        rows: int,
+        sink: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
+    ):
         super().__init__(sink)
         conv, recurrent = state
         self.conv_states = conv.expand(rows, -1, -1)

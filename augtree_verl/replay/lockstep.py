@@ -43,14 +43,17 @@ class Shape:
     @classmethod
     def of(cls, node: TrieNode) -> Shape:
         """``node``'s own shape (its ``micro_batches`` set)."""
-        return cls(node.score_from is not None, len(node.micro_batches),
-                   tuple(cls.of(c) for c in node.inner))
+        return cls(node.score_from is not None, len(node.micro_batches), tuple(cls.of(c) for c in node.inner))
 
     def union(self, other: Shape) -> Shape:
         """The smallest shape both fit in (children matched by position)."""
         n = max(len(self.children), len(other.children))
-        kids = [(self.children[j] if j < len(self.children) else Shape()).union(
-            other.children[j] if j < len(other.children) else Shape()) for j in range(n)]
+        kids = [
+            (self.children[j] if j < len(self.children) else Shape()).union(
+                other.children[j] if j < len(other.children) else Shape()
+            )
+            for j in range(n)
+        ]
         return Shape(self.scored or other.scored, max(self.calls, other.calls), tuple(kids))
 
     @property
@@ -79,8 +82,16 @@ class Slot:
         return len(self.cp.steps) if self.cp is not None else len(self.micro_batches)
 
 
-def lockstep_slots(trie: StepTrie, plans: list, budget_tokens: int, *, mesh=None, subgroups=None, group=None,
-                   device: torch.device | None = None) -> list[Slot]:
+def lockstep_slots(
+    trie: StepTrie,
+    plans: list,
+    budget_tokens: int,
+    *,
+    mesh=None,
+    subgroups=None,
+    group=None,
+    device: torch.device | None = None,
+) -> list[Slot]:
     """This rank's slots, in execution order (see the module docstring).
 
     ``trie``: the step's (its ``trees``, and the tries of the trees this rank runs on one device, ``trie.of``);
@@ -100,10 +111,25 @@ def lockstep_slots(trie: StepTrie, plans: list, budget_tokens: int, *, mesh=None
             slots.sort(key=lambda s: (-s.shape.total_calls, s.tree))
         else:
             mine = [t for t in range(len(trees)) if degrees[t] == d and subgroups[t] == mesh.subgroup_index(d)]
-            slots = [Slot(t, d, 0, [], cp_tree_schedule(plans[t], trees[t].prompt_len, list(trees[t].response_lens),
-                                                        mesh.subgroup_rank(d))) for t in mine]
-            key = {t: max(len(cp_tree_schedule(plans[t], trees[t].prompt_len, list(trees[t].response_lens), r).steps)
-                          for r in range(d)) for t in mine}
+            slots = [
+                Slot(
+                    t,
+                    d,
+                    0,
+                    [],
+                    cp_tree_schedule(
+                        plans[t], trees[t].prompt_len, list(trees[t].response_lens), mesh.subgroup_rank(d)
+                    ),
+                )
+                for t in mine
+            ]
+            key = {
+                t: max(
+                    len(cp_tree_schedule(plans[t], trees[t].prompt_len, list(trees[t].response_lens), r).steps)
+                    for r in range(d)
+                )
+                for t in mine
+            }
             slots.sort(key=lambda s: (-key[s.tree], s.tree))
         phases.append((d, slots))
     if group is None:
@@ -117,7 +143,7 @@ def lockstep_slots(trie: StepTrie, plans: list, budget_tokens: int, *, mesh=None
     agreed = torch.zeros(sum(counts), dtype=torch.int64, device=device)
     start = 0
     for (_, slots), n in zip(phases, counts):
-        agreed[start: start + len(slots)] = torch.tensor([s.own_calls for s in slots], dtype=torch.int64)
+        agreed[start : start + len(slots)] = torch.tensor([s.own_calls for s in slots], dtype=torch.int64)
         start += n
     torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MAX, group=group)
     shape: list[int] = agreed.tolist()

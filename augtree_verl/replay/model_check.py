@@ -32,12 +32,15 @@ from augtree_verl.replay.linear_state import STATE_MODULES, linear_attention_mod
 from augtree_verl.replay.step_plan import StepPlan
 
 # The setting that runs a refused model on verl's stock engine.
-STOCK_ENGINE = ("actor_rollout_ref.actor.strategy=fsdp2 (and actor_rollout_ref.ref.strategy=fsdp2 for the reference "
-                "model)")
+STOCK_ENGINE = (
+    "actor_rollout_ref.actor.strategy=fsdp2 (and actor_rollout_ref.ref.strategy=fsdp2 for the reference model)"
+)
 # ``config.layer_types`` entries and what the replay would need to implement for them.
-LAYER_TYPE_FEATURES = {"sliding_attention": "sliding-window attention",
-                       "linear_attention": f"linear attention outside {', '.join(sorted(STATE_MODULES))}",
-                       "chunked_attention": "chunked attention"}
+LAYER_TYPE_FEATURES = {
+    "sliding_attention": "sliding-window attention",
+    "linear_attention": f"linear attention outside {', '.join(sorted(STATE_MODULES))}",
+    "chunked_attention": "chunked attention",
+}
 
 
 def _text_config(config):
@@ -48,9 +51,11 @@ def _text_config(config):
 def refusal(model_type: str, problems: dict[str, tuple[list, str]]) -> str:
     """The message of every refusal: ``problems[feature] = (layers, setting)``."""
     parts = [f"{_layers(layers)}: {feature} ({setting})" for feature, (layers, setting) in problems.items()]
-    return (f"augtree cannot replay model {model_type!r} exactly: {'; '.join(parts)} "
-            f"{'is' if len(parts) == 1 else 'are'} not implemented by the replay. Train this model on verl's "
-            f"stock engine: {STOCK_ENGINE}")
+    return (
+        f"augtree cannot replay model {model_type!r} exactly: {'; '.join(parts)} "
+        f"{'is' if len(parts) == 1 else 'are'} not implemented by the replay. Train this model on verl's "
+        f"stock engine: {STOCK_ENGINE}"
+    )
 
 
 def _layers(layers: list) -> str:
@@ -82,10 +87,16 @@ def check_model(model, *, training: bool = True) -> None:
             layers.append(layer)
 
     forward = getattr(type(model), "forward", None)
-    if getattr(model, "get_decoder", None) is None or forward is None or \
-            "logits_to_keep" not in inspect.signature(forward).parameters:
-        add("a causal-LM forward with logits_to_keep (the replay scores through the family's own forward)",
-            None, type(model).__name__)
+    if (
+        getattr(model, "get_decoder", None) is None
+        or forward is None
+        or "logits_to_keep" not in inspect.signature(forward).parameters
+    ):
+        add(
+            "a causal-LM forward with logits_to_keep (the replay scores through the family's own forward)",
+            None,
+            type(model).__name__,
+        )
     layer_types = getattr(config, "layer_types", None)
     window = getattr(config, "sliding_window", None)
     with_state = {m.layer_idx for m in linear_attention_modules(model)}  # Gated DeltaNet layers (``linear_state``)
@@ -157,11 +168,12 @@ def probe_tree(vocab: int, device) -> Tree:
 def _probe_loss(t, i, logp):
     """Per-token weights that differ by token and response (every token's adjoint distinct), plus a square."""
     weights = torch.linspace(-1.0, 1.5, logp.shape[0], device=logp.device) * (1.0 if i == 0 else -0.7)
-    return (weights * logp).sum() + 0.05 * (logp ** 2).sum()
+    return (weights * logp).sum() + 0.05 * (logp**2).sum()
 
 
-def probe_exactness(replay_model, forward_model, *, train: bool, lockstep_group=None, raise_on_error: bool = True
-                    ) -> ProbeResult:
+def probe_exactness(
+    replay_model, forward_model, *, train: bool, lockstep_group=None, raise_on_error: bool = True
+) -> ProbeResult:
     """Prompt reuse against ``forward_model``'s ordinary forward on one probe tree (``probe_tree``).
 
     ``replay_model``: what ``replay`` runs on (the model, or ``integration.fsdp_model.FSDPReplayModel``);
@@ -197,8 +209,13 @@ def probe_exactness(replay_model, forward_model, *, train: bool, lockstep_group=
             p.grad = g
     logp_err = max((a - b).abs().max().item() for a, b in zip(got[0], want[0]))
     grad_err = _grad_error(got_grads, want_grads, lockstep_group) if train else math.nan
-    result = ProbeResult(dtype=dtype, logp_err=logp_err, grad_err=grad_err, seconds=time.perf_counter() - start,
-                         tokens=2 * sum(PROBE_PROMPT + r for r in PROBE_RESPONSES))
+    result = ProbeResult(
+        dtype=dtype,
+        logp_err=logp_err,
+        grad_err=grad_err,
+        seconds=time.perf_counter() - start,
+        tokens=2 * sum(PROBE_PROMPT + r for r in PROBE_RESPONSES),
+    )
     tol = PROBE_TOLERANCE.get(dtype, PROBE_TOLERANCE[torch.bfloat16])
     if raise_on_error and (not logp_err <= tol.logp or (train and not grad_err <= tol.grad)):
         raise ValueError(
@@ -206,7 +223,8 @@ def probe_exactness(replay_model, forward_model, *, train: bool, lockstep_group=
             f"replays with log-prob error {logp_err:.2e} (tolerance {tol.logp:.0e}) and gradient error "
             f"{grad_err:.2e} (tolerance {tol.grad:.0e}) against its own forward on the flattened rows: prompt "
             f"reuse does not reproduce this family's computation. Train this model on verl's stock engine: "
-            f"{STOCK_ENGINE}")
+            f"{STOCK_ENGINE}"
+        )
     return result
 
 
@@ -218,16 +236,23 @@ def _check_hooked_layers(replay_model, forward_model, model_type, tree) -> torch
     ctx = PrefillContext()
     positions = torch.arange(tree.prompt_len, device=tree.prompt.device)[None]
     with torch.no_grad():
-        replay_model.get_decoder()(input_ids=tree.prompt[None], position_ids=positions, attention_mask=None,
-                                   use_cache=False, augtree_ctx=ctx)
+        replay_model.get_decoder()(
+            input_ids=tree.prompt[None], position_ids=positions, attention_mask=None, use_cache=False, augtree_ctx=ctx
+        )
     n = getattr(_text_config(forward_model.config), "num_hidden_layers", len(ctx.kv))
     missing = [i for i in range(n) if i not in ctx.kv]
     if missing or not ctx.kv:
         layers = getattr(forward_model.get_decoder(), "layers", None)
         names = sorted({type(layers[i]).__name__ for i in missing}) if layers is not None else ["?"]
-        raise ValueError(refusal(model_type, {
-            "attention that does not run through the replay's hooks (transformers' attention interface, the "
-            "linear-attention cache)": (missing, ", ".join(names))}))
+        raise ValueError(
+            refusal(
+                model_type,
+                {
+                    "attention that does not run through the replay's hooks (transformers' attention interface, the "
+                    "linear-attention cache)": (missing, ", ".join(names))
+                },
+            )
+        )
     return ctx.kv[0][0].dtype
 
 

@@ -71,12 +71,12 @@ class _Storage:
     def __init__(self, index: int, storage: torch.UntypedStorage, device: torch.device):
         self.index, self.nbytes, self.device = index, storage.nbytes(), device
         self.ref = weakref.ref(storage)  # the device storage, while anything keeps it alive
-        self.host: torch.Tensor | None = None       # uint8 [nbytes]
+        self.host: torch.Tensor | None = None  # uint8 [nbytes]
         self.resident: torch.UntypedStorage | None = None  # kept on the device (still alive at saving()'s end)
-        self.restored: torch.Tensor | None = None   # uint8 [nbytes] on the device, copied back
-        self.event = None                            # CUDA: the copy back's completion
-        self.pending = 0                             # saved tensors not unpacked yet
-        self.ahead = False                           # restored by prefetch, not used yet
+        self.restored: torch.Tensor | None = None  # uint8 [nbytes] on the device, copied back
+        self.event = None  # CUDA: the copy back's completion
+        self.pending = 0  # saved tensors not unpacked yet
+        self.ahead = False  # restored by prefetch, not used yet
 
 
 class _Record:
@@ -86,8 +86,8 @@ class _Record:
         self.storages: list[_Storage] = []
         self.by_ptr: dict[int, _Storage] = {}
         self.kept: list[weakref.ref] = []  # device storages of small saved tensors left in place
-        self.cursor = 0                    # storages[cursor:] have been considered for copying back
-        self.in_flight = 0                 # bytes copied back ahead of use, not used yet
+        self.cursor = 0  # storages[cursor:] have been considered for copying back
+        self.in_flight = 0  # bytes copied back ahead of use, not used yet
         self.ahead_limit = 0
 
 
@@ -110,13 +110,15 @@ class Offload:
     backward (default: the prompt's largest offloaded storage). See the module docstring.
     """
 
-    def __init__(self, stats: ReplayStats | None = None, *, min_bytes: int | None = None,
-                 ahead_bytes: int | None = None):
+    def __init__(
+        self, stats: ReplayStats | None = None, *, min_bytes: int | None = None, ahead_bytes: int | None = None
+    ):
         min_bytes = MIN_OFFLOAD_BYTES if min_bytes is None else min_bytes
         if isinstance(min_bytes, bool) or not isinstance(min_bytes, int) or min_bytes < 0:
             raise ValueError(f"Offload.min_bytes must be an int >= 0, got {min_bytes!r}")
-        if ahead_bytes is not None and (isinstance(ahead_bytes, bool) or not isinstance(ahead_bytes, int)
-                                        or ahead_bytes < 0):
+        if ahead_bytes is not None and (
+            isinstance(ahead_bytes, bool) or not isinstance(ahead_bytes, int) or ahead_bytes < 0
+        ):
             raise ValueError(f"Offload.ahead_bytes must be None or an int >= 0, got {ahead_bytes!r}")
         self.stats = stats if stats is not None else ReplayStats()
         self.min_bytes, self.ahead_bytes = min_bytes, ahead_bytes
@@ -164,8 +166,11 @@ class Offload:
         """The device storages this object keeps alive or left in place now: small saved tensors, storages
         kept on the device, storages copied back (may repeat a storage; meters deduplicate)."""
         out = []
-        records = ([self._saving] if self._saving else []) + list(self._waiting) + \
-                  ([self._restoring] if self._restoring else [])
+        records = (
+            ([self._saving] if self._saving else [])
+            + list(self._waiting)
+            + ([self._restoring] if self._restoring else [])
+        )
         for record in records:
             out += [s for s in (ref() for ref in record.kept) if s is not None]
             for storage in record.storages:
@@ -178,9 +183,16 @@ class Offload:
     # ---- saved-tensor hooks -----------------------------------------------------------------------------
 
     def _pack(self, record: _Record, x: torch.Tensor):
-        if type(x) is not torch.Tensor or x.is_nested or x.layout != torch.strided or x.is_quantized \
-                or x.is_conj() or x.is_neg() or isinstance(x._base, torch.nn.Parameter) \
-                or (x.is_leaf and x.requires_grad):
+        if (
+            type(x) is not torch.Tensor
+            or x.is_nested
+            or x.layout != torch.strided
+            or x.is_quantized
+            or x.is_conj()
+            or x.is_neg()
+            or isinstance(x._base, torch.nn.Parameter)
+            or (x.is_leaf and x.requires_grad)
+        ):
             # parameters and views of them, leaves, subclasses (DTensor, nested), sparse, quantized, lazily
             # conjugated / negated views (a storage copy would not carry the bit): not ours to move
             return x
@@ -220,7 +232,8 @@ class Offload:
             if entry.pending == 0:  # every tensor saved from it has its copy: the backward holds it from here
                 entry.restored = None
         return torch.empty(0, dtype=packed.dtype, device=entry.device).set_(
-            storage, packed.offset, packed.size, packed.stride)
+            storage, packed.offset, packed.size, packed.stride
+        )
 
     # ---- copies -----------------------------------------------------------------------------------------
 

@@ -54,12 +54,14 @@ class PrefixCausalAttention(torch.autograd.Function):
         b, h, rq, d = q.shape
         queries, dout = _packed(q), _packed(dout)
         out, lse = out.reshape(h, b * rq, d), lse.reshape(h, b * rq)
-        dq, dk, dv = varlen_attention_backward(dout, queries, _packed(k), _packed(v), out, lse,
-                                               Segments.uniform(b, rq, rq), causal=True, scale=ctx.scale)
+        dq, dk, dv = varlen_attention_backward(
+            dout, queries, _packed(k), _packed(v), out, lse, Segments.uniform(b, rq, rq), causal=True, scale=ctx.scale
+        )
         dprefix = []
         for pk, pv in zip(prefix[0::2], prefix[1::2]):
-            dq_block, dpk, dpv = attention_backward(dout, queries, pk[0], pv[0], out, lse, causal=False,
-                                                    scale=ctx.scale)
+            dq_block, dpk, dpv = attention_backward(
+                dout, queries, pk[0], pv[0], out, lse, causal=False, scale=ctx.scale
+            )
             dq = dq + dq_block
             dprefix += [dpk[None], dpv[None]]
         unpack = lambda x: x.reshape(x.shape[0], b, rq, d).transpose(0, 1)

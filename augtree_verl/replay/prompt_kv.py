@@ -33,7 +33,8 @@ _HELD_LEAVES: weakref.WeakSet[torch.Tensor] = weakref.WeakSet()  # the prompt le
 
 # prefill() -> (live_kv per layer, hidden [n, H], last_row or None, live scores or None)
 PrefillFn = Callable[
-    [], "tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor, int | None, torch.Tensor | None]"]
+    [], "tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor, int | None, torch.Tensor | None]"
+]
 
 
 class PromptKV:
@@ -48,7 +49,8 @@ class PromptKV:
                 raise ValueError(
                     "the prompt K/V carry no autograd graph: reentrant activation checkpointing "
                     "(use_reentrant=True) hides them; enable checkpointing with use_reentrant=False "
-                    "(transformers' default)")
+                    "(transformers' default)"
+                )
             self.kv = [(_summing_leaf(k), _summing_leaf(v)) for k, v in self.live_kv]
         else:
             self.kv = self.live_kv

@@ -7,8 +7,12 @@ from collections.abc import Callable
 import torch
 
 
-def logps_from_logits(logits: torch.Tensor, targets: torch.Tensor, temperature: float,
-                      on_logits: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
+def logps_from_logits(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float,
+    on_logits: Callable[[torch.Tensor], None] | None = None,
+) -> torch.Tensor:
     """logits [N, V], targets [N] -> float32 log-probs [N] of softmax(logits / temperature).
 
     ``on_logits`` sees the float32 tempered logits [N, V] (e.g. to compute an entropy).
@@ -28,8 +32,13 @@ EntropyFn = Callable[[torch.Tensor], torch.Tensor]  # tempered float32 logits [N
 CPU_SCORE_CHUNK_BYTES = 16 << 20
 
 
-def token_scores(head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, targets: torch.Tensor,
-                 temperature: float, entropy_fn: EntropyFn | None = None) -> torch.Tensor:
+def token_scores(
+    head: Callable[[torch.Tensor], torch.Tensor],
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float,
+    entropy_fn: EntropyFn | None = None,
+) -> torch.Tensor:
     """The replay's per-token scores, one call of ``head`` (hidden [N, H] -> the model's logits [N, V],
     ``logits.family_logits``: one LM-head call): targets [N] -> float32 log-probs [N], or [N, 2]
     (log-prob, entropy) with ``entropy_fn``. Every engine path returns and takes this shape."""

@@ -60,10 +60,10 @@ class _PhaseSeconds:
 
 @dataclass
 class ReplayStats:
-    prefill_s: float = _PhaseSeconds()          # Phase A: prompt forwards
-    replay_s: float = _PhaseSeconds()           # Phase B: response micro-batches, forward (+ backward)
+    prefill_s: float = _PhaseSeconds()  # Phase A: prompt forwards
+    replay_s: float = _PhaseSeconds()  # Phase B: response micro-batches, forward (+ backward)
     prompt_backward_s: float = _PhaseSeconds("delayed_backward_s")  # Phase C: delayed prompt backwards
-    logical_tokens: int = counter()   # sum over responses of |P| + |R_i| (what the flattened baseline runs)
+    logical_tokens: int = counter()  # sum over responses of |P| + |R_i| (what the flattened baseline runs)
     executed_tokens: int = counter()  # tokens run through the model (prompt once per tree, padding included)
     trees: int = counter()
     nodes: int = counter("trie/nodes")  # prefills of trie nodes (a group's prompt is one; dummies excluded)
@@ -71,9 +71,9 @@ class ReplayStats:
     # prompt (``step_plan.demote_shared_plans``)
     trie_demoted: int = counter("trie/cp_demoted")
     micro_batches: int = counter()
-    offloaded_bytes: int = counter("offload/offloaded_bytes")    # prompt activations held on the host (``Offload``)
+    offloaded_bytes: int = counter("offload/offloaded_bytes")  # prompt activations held on the host (``Offload``)
     prefetched_bytes: int = counter("offload/prefetched_bytes")  # of those, copied back ahead of their use
-    offload_copies: int = counter("offload/copies")              # offload copies, both directions
+    offload_copies: int = counter("offload/copies")  # offload copies, both directions
     # bytes sent by this rank, keyed "<primitive>/fwd" and "<primitive>/bwd" (and the score exchanges')
     comm_bytes: dict[str, int] = keyed(COMM_KEYS)
     # plan kind -> number of trees run with it
@@ -93,8 +93,11 @@ class ReplayStats:
     def metric_name(name: str) -> str:
         """The metric a phase or counter field ``name`` is reported as."""
         spec = vars(ReplayStats).get(name)
-        metric = spec.metric if isinstance(spec, _PhaseSeconds) else \
-            next(f for f in fields(ReplayStats) if f.name == name).metadata.get("metric")
+        metric = (
+            spec.metric
+            if isinstance(spec, _PhaseSeconds)
+            else next(f for f in fields(ReplayStats) if f.name == name).metadata.get("metric")
+        )
         return metric or name
 
     def start_timer(self, device: torch.device):

@@ -59,12 +59,24 @@ class StepPlan:
     cp_demoted: int = 0
 
     @classmethod
-    def build(cls, trees: Sequence[Tree], *, plans: Sequence[Plan | None] | None = None, mesh: CPMesh | None = None,
-              subgroups: Sequence[int] | None = None, rebalance: bool = False,
-              micro_batch_tokens: int = DEFAULT_MICRO_BATCH_TOKENS, min_shared_tokens: int = MIN_SHARED_TOKENS,
-              temperature: float = 1.0,
-              entropy_fn: EntropyFn | None = None, offload: Offload | None = None, stats: ReplayStats | None = None,
-              lockstep_group=None, device: torch.device | None = None, trie: StepTrie | None = None) -> StepPlan:
+    def build(
+        cls,
+        trees: Sequence[Tree],
+        *,
+        plans: Sequence[Plan | None] | None = None,
+        mesh: CPMesh | None = None,
+        subgroups: Sequence[int] | None = None,
+        rebalance: bool = False,
+        micro_batch_tokens: int = DEFAULT_MICRO_BATCH_TOKENS,
+        min_shared_tokens: int = MIN_SHARED_TOKENS,
+        temperature: float = 1.0,
+        entropy_fn: EntropyFn | None = None,
+        offload: Offload | None = None,
+        stats: ReplayStats | None = None,
+        lockstep_group=None,
+        device: torch.device | None = None,
+        trie: StepTrie | None = None,
+    ) -> StepPlan:
         """The plan of one step; ``ValueError`` naming the tree, plan or value on bad input.
 
         ``trees``: ``Tree.of_tokens`` trees. ``plans``: one ``Plan`` (or None) per tree; a plan of degree
@@ -104,14 +116,32 @@ class StepPlan:
             raise ValueError("subgroups place trees in a CP group: pass a mesh or a plan of degree > 1")
         if device is None:
             device = torch.device("cpu")
-        slots = lockstep_slots(trie, plans, micro_batch_tokens, mesh=mesh, subgroups=subgroups, group=lockstep_group,
-                               device=device)
-        return cls(trees=trees, plans=plans, slots=slots, mesh=mesh, subgroups=subgroups, temperature=temperature,
-                   entropy_fn=entropy_fn, offload=offload, stats=stats if stats is not None else ReplayStats())
+        slots = lockstep_slots(
+            trie, plans, micro_batch_tokens, mesh=mesh, subgroups=subgroups, group=lockstep_group, device=device
+        )
+        return cls(
+            trees=trees,
+            plans=plans,
+            slots=slots,
+            mesh=mesh,
+            subgroups=subgroups,
+            temperature=temperature,
+            entropy_fn=entropy_fn,
+            offload=offload,
+            stats=stats if stats is not None else ReplayStats(),
+        )
 
     @classmethod
-    def from_batch(cls, trees: Sequence[Tree], entries: Sequence[dict] | None, *, mesh: CPMesh | None,
-                   model_config, min_cp_tokens: int = 0, **options) -> StepPlan:
+    def from_batch(
+        cls,
+        trees: Sequence[Tree],
+        entries: Sequence[dict] | None,
+        *,
+        mesh: CPMesh | None,
+        model_config,
+        min_cp_tokens: int = 0,
+        **options,
+    ) -> StepPlan:
         """The engine's plan: ``trees`` of a batch (``Tree.samples``: rows of the batch) with the trainer's
         plans decoded from the batch's plan field (``entries[row]``, ``plan_field.PLAN_FIELD``; None: no
         plans), demoted where they cannot apply here (counted in ``fallbacks``) or where the model
@@ -124,31 +154,49 @@ class StepPlan:
         plans, cp_demoted = demote_cp_plans(model_config, plans)
         trie = StepTrie(trees, min_shared_tokens=options.get("min_shared_tokens", MIN_SHARED_TOKENS))
         plans, shared = demote_shared_plans(trees, plans, trie=trie)
-        step_plan = cls.build(trees, plans=plans, mesh=mesh if mesh is not None and mesh.cp_size > 1 else None,
-                              rebalance=True, trie=trie, **options)
+        step_plan = cls.build(
+            trees,
+            plans=plans,
+            mesh=mesh if mesh is not None and mesh.cp_size > 1 else None,
+            rebalance=True,
+            trie=trie,
+            **options,
+        )
         step_plan.fallbacks, step_plan.cp_demoted = fallbacks, cp_demoted
         if mesh is None or mesh.cp_rank == 0:  # every rank of the CP group decides alike: one counts
             step_plan.stats.trie_demoted += shared
         return step_plan
 
 
-def demote_shared_plans(trees: Sequence[Tree], plans: Sequence[Plan | None], *,
-                        trie: StepTrie | None = None) -> tuple[list[Plan | None], int]:
+def demote_shared_plans(
+    trees: Sequence[Tree], plans: Sequence[Plan | None], *, trie: StepTrie | None = None
+) -> tuple[list[Plan | None], int]:
     """(``plans`` with every plan of degree > 1 replaced by the one-device plan carrying its one-rank estimate
     where its tree is not exactly one depth-1 trie of the step's tries (``replay.trie``: its prompt shares
     tokens with another tree's rows, or its responses share a node), how many were replaced). A context-
     parallel plan runs one tree; the deeper sharing runs on one device. ``trie``: the ``StepTrie`` of ``trees``
     (default: found here, default thresholds)."""
     roots = (trie if trie is not None else StepTrie(trees)).roots
-    alone = {root.trees()[0] for root in roots
-             if len(root.trees()) == 1 and root.depth() == 1 and root.end == trees[root.trees()[0]].prompt_len}
-    out = [Plan(est_time_s=p.est_single_s) if p is not None and p.degree > 1 and t not in alone else p
-           for t, p in enumerate(plans)]
+    alone = {
+        root.trees()[0]
+        for root in roots
+        if len(root.trees()) == 1 and root.depth() == 1 and root.end == trees[root.trees()[0]].prompt_len
+    }
+    out = [
+        Plan(est_time_s=p.est_single_s) if p is not None and p.degree > 1 and t not in alone else p
+        for t, p in enumerate(plans)
+    ]
     return out, sum(p is not None and p.degree > 1 and t not in alone for t, p in enumerate(plans))
 
 
-def assign_subgroups(trees: Sequence[Tree], plans: Sequence[Plan | None], cp_size: int, *,
-                     rebalance: bool = True, trie: StepTrie | None = None) -> tuple[list[int], list[int]]:
+def assign_subgroups(
+    trees: Sequence[Tree],
+    plans: Sequence[Plan | None],
+    cp_size: int,
+    *,
+    rebalance: bool = True,
+    trie: StepTrie | None = None,
+) -> tuple[list[int], list[int]]:
     """(degree, subgroup) per tree, for one CP group of ``cp_size`` ranks that replays ``trees``.
 
     The planner plans each tree alone; a CP group holding several trees may finish sooner running some of
@@ -167,8 +215,10 @@ def assign_subgroups(trees: Sequence[Tree], plans: Sequence[Plan | None], cp_siz
         return degrees, pack_subgroups(works, degrees, cp_size, tries)[0]
     multi = [plan.est_time_s for plan in plans]
     single = [plan.est_time_s if plan.degree == 1 else plan.est_single_s for plan in plans]
-    demotable = sorted((t for t in range(len(plans)) if degrees[t] > 1 and single[t] is not None),
-                       key=lambda t: (single[t] / (degrees[t] * multi[t]), t))
+    demotable = sorted(
+        (t for t in range(len(plans)) if degrees[t] > 1 and single[t] is not None),
+        key=lambda t: (single[t] / (degrees[t] * multi[t]), t),
+    )
     best = None
     for k in range(len(demotable) + 1):
         if k:
@@ -180,8 +230,9 @@ def assign_subgroups(trees: Sequence[Tree], plans: Sequence[Plan | None], cp_siz
     return best[1], best[2]
 
 
-def pack_subgroups(works: Sequence[float], degrees: Sequence[int], cp_size: int,
-                   tries: Sequence[Sequence[int]] = ()) -> tuple[list[int], float]:
+def pack_subgroups(
+    works: Sequence[float], degrees: Sequence[int], cp_size: int, tries: Sequence[Sequence[int]] = ()
+) -> tuple[list[int], float]:
     """(subgroup per tree, makespan): the subgroup (of ``degrees[t]`` consecutive CP ranks; index 0 ..
     cp_size / d - 1) each tree runs on, and the most work any rank gets.
 
@@ -206,8 +257,9 @@ def pack_subgroups(works: Sequence[float], degrees: Sequence[int], cp_size: int,
     items: dict[int, list[int]] = {}
     for t in range(len(works)):
         items.setdefault(together.get(t, t), []).append(t)
-    placed, makespan = _pack([sum(works[t] for t in item) for item in items.values()],
-                             [degrees[item[0]] for item in items.values()], cp_size)
+    placed, makespan = _pack(
+        [sum(works[t] for t in item) for item in items.values()], [degrees[item[0]] for item in items.values()], cp_size
+    )
     subgroups = [0] * len(works)
     for item, s in zip(items.values(), placed):
         for t in item:
@@ -220,7 +272,7 @@ def _pack(works: list[float], degrees: list[int], cp_size: int) -> tuple[list[in
     subgroups = [0] * len(works)
     for t in sorted(range(len(works)), key=lambda t: (-works[t], t)):
         d = degrees[t]
-        best = min(range(cp_size // d), key=lambda s: (max(load[s * d: (s + 1) * d]), s))
+        best = min(range(cp_size // d), key=lambda s: (max(load[s * d : (s + 1) * d]), s))
         subgroups[t] = best
         for r in range(best * d, (best + 1) * d):
             load[r] += works[t] / d
@@ -245,19 +297,24 @@ def _world_mesh() -> CPMesh:
     return CPMesh.whole_world()
 
 
-def _check_subgroups(mesh: CPMesh, plans: list[Plan | None], subgroups, trie: StepTrie,
-                     rebalance: bool) -> tuple[list[Plan | None], list[int]]:
+def _check_subgroups(
+    mesh: CPMesh, plans: list[Plan | None], subgroups, trie: StepTrie, rebalance: bool
+) -> tuple[list[Plan | None], list[int]]:
     """(plans, subgroups): the given subgroups checked, or ``assign_subgroups``' (a tree it moves to one rank
     runs there with the one-device plan, carrying the planner's one-rank estimate)."""
     degrees = [plan.degree if plan is not None else 1 for plan in plans]
     for t, d in enumerate(degrees):
         if d > 1 and d not in mesh.subgroups:
-            raise ValueError(f"tree {t}: plan degree {d} differs from the CP group size {mesh.cp_size} "
-                             f"(CP degrees here: {list(mesh.degrees)})")
+            raise ValueError(
+                f"tree {t}: plan degree {d} differs from the CP group size {mesh.cp_size} "
+                f"(CP degrees here: {list(mesh.degrees)})"
+            )
     if subgroups is None:
         degrees, subgroups = assign_subgroups(trie.trees, plans, mesh.cp_size, rebalance=rebalance, trie=trie)
-        return [plan if plan is None or plan.degree == d else Plan(est_time_s=plan.est_single_s)
-                for plan, d in zip(plans, degrees)], subgroups
+        return [
+            plan if plan is None or plan.degree == d else Plan(est_time_s=plan.est_single_s)
+            for plan, d in zip(plans, degrees)
+        ], subgroups
     subgroups = list(subgroups)
     if len(subgroups) != len(trie.trees):
         raise ValueError(f"got {len(subgroups)} subgroups for {len(trie.trees)} trees")

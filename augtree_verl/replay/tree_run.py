@@ -86,7 +86,7 @@ class TrieRun:
             if node.score_from is None:
                 return kv, hidden, node.length - 1, calls.scores(hidden[-1:], tokens.new_full((1,), PAD_ID))
             first = node.score_from - node.start
-            states = hidden[first - 1: -1] if first else torch.cat([path[-1][1].last[None], hidden[:-1]])
+            states = hidden[first - 1 : -1] if first else torch.cat([path[-1][1].last[None], hidden[:-1]])
             return kv, hidden, node.length - 1, calls.scores(states, tokens[first:])
 
         return PromptKV(prefill, train=calls.train, offload=calls.offload)
@@ -109,7 +109,7 @@ class TrieRun:
             for t, i in leaf.rows:
                 prompt_len = self.trees[t].prompt_len
                 rows.append((t, i))
-                scores.append(_cat(row_scores(_scored(path), prompt_len) + [own[max(prompt_len - leaf.start, 0):]]))
+                scores.append(_cat(row_scores(_scored(path), prompt_len) + [own[max(prompt_len - leaf.start, 0) :]]))
         loss = self._record(rows, scores)
         if calls.train:
             calls.backward_zero_or(loss, leaf_scores)

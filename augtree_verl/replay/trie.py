@@ -65,7 +65,7 @@ class TrieNode:
     @property
     def tokens(self) -> torch.Tensor:
         """[end - start] token ids."""
-        return self.sequence[self.start: self.end]
+        return self.sequence[self.start : self.end]
 
     @property
     def length(self) -> int:
@@ -96,8 +96,9 @@ class TrieNode:
         return sorted({t for t, _ in self.rows})
 
 
-def build_trie(trees: Sequence[Tree], *, min_node_tokens: int = MIN_CALL_TOKENS,
-               min_shared_tokens: int = MIN_SHARED_TOKENS) -> list[TrieNode]:
+def build_trie(
+    trees: Sequence[Tree], *, min_node_tokens: int = MIN_CALL_TOKENS, min_shared_tokens: int = MIN_SHARED_TOKENS
+) -> list[TrieNode]:
     """The tries of ``trees``' rows (``Tree.of_tokens``; see the module docstring): their roots, in the order
     of their first row (``StepTrie(...).roots``)."""
     return StepTrie(trees, min_node_tokens=min_node_tokens, min_shared_tokens=min_shared_tokens).roots
@@ -120,8 +121,13 @@ class StepTrie:
     keeps them, so that ``of`` finds the tries of a subset of the trees without another copy.
     """
 
-    def __init__(self, trees: Sequence[Tree], *, min_node_tokens: int = MIN_CALL_TOKENS,
-                 min_shared_tokens: int = MIN_SHARED_TOKENS):
+    def __init__(
+        self,
+        trees: Sequence[Tree],
+        *,
+        min_node_tokens: int = MIN_CALL_TOKENS,
+        min_shared_tokens: int = MIN_SHARED_TOKENS,
+    ):
         if min_node_tokens < 1:
             raise ValueError(f"min_node_tokens must be >= 1, got {min_node_tokens}")
         self.trees, self.min_node_tokens, self.min_shared_tokens = list(trees), min_node_tokens, min_shared_tokens
@@ -132,7 +138,7 @@ class StepTrie:
         if self._rows:
             host, offset = host_token_ids(torch.cat([self._sequences[r] for r in self._rows])), 0
             for r in self._rows:
-                self._arrays[r] = host[offset: offset + len(self._sequences[r])]
+                self._arrays[r] = host[offset : offset + len(self._sequences[r])]
                 offset += len(self._sequences[r])
         self._prompt_ends = {(t, i): self.trees[t].prompt_len for t, i in self._rows}
         self.roots = self._build(self._rows)
@@ -222,5 +228,5 @@ def row_scores(path: Sequence[tuple[TrieNode, torch.Tensor | None]], prompt_len:
     for node, scores in path:
         if node.score_from is None or prompt_len >= node.end:
             continue
-        parts.append(scores[max(prompt_len, node.score_from) - node.score_from:])
+        parts.append(scores[max(prompt_len, node.score_from) - node.score_from :])
     return parts

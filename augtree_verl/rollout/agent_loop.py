@@ -79,14 +79,16 @@ class PlannerFeedWorker(verl_compat.ray_actor_class(AgentLoopWorkerTQ)):  # type
         if isinstance(output, Leaves):
             store = super()._agent_loop_postprocess
             session = int(kwargs["session_id"])
-            result = await asyncio.gather(*(store(leaf, validate, **{**kwargs, "session_id": session + j})
-                                            for j, leaf in enumerate(output)))
+            result = await asyncio.gather(
+                *(store(leaf, validate, **{**kwargs, "session_id": session + j}) for j, leaf in enumerate(output))
+            )
         else:
             result = await super()._agent_loop_postprocess(output, validate, **kwargs)
         group = self.open_groups.get(kwargs["uid"])
         outputs = output if isinstance(output, list) else [output]
-        if group is not None and group.add(kwargs["session_id"],
-                                           [(len(o.prompt_ids), len(o.response_ids)) for o in outputs]):
+        if group is not None and group.add(
+            kwargs["session_id"], [(len(o.prompt_ids), len(o.response_ids)) for o in outputs]
+        ):
             lengths = group.report()
             if lengths is not None:
                 self.planner_feed.report(kwargs["uid"], *lengths)
@@ -97,5 +99,5 @@ class PlannerFeedAgentLoopManager(AgentLoopManagerTQ):
     """verl's ``AgentLoopManagerTQ`` running ``PlannerFeedWorker`` actors."""
 
     def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)      # sets verl's worker class; replace it before the workers start
+        super().__init__(*args, **kwargs)  # sets verl's worker class; replace it before the workers start
         self.agent_loop_workers_class = ray.remote(PlannerFeedWorker)

@@ -106,26 +106,39 @@ class BranchClient:
 class BranchingAgentLoop(ToolAgentLoop):
     """verl's ``ToolAgentLoop`` with an environment and branching (see the module docstring)."""
 
-    def __init__(self, *args, branches: int = 2, branch_turns=(1,), max_tokens_per_turn: int | None = None,
-                 environment: str | None = None, **kwargs):
+    def __init__(
+        self,
+        *args,
+        branches: int = 2,
+        branch_turns=(1,),
+        max_tokens_per_turn: int | None = None,
+        environment: str | None = None,
+        **kwargs,
+    ):
         super().__init__(*args, **kwargs)
         self.branching = Branching(int(branches), tuple(int(t) for t in branch_turns))
         if self.max_assistant_turns and self.branching.turns and self.branching.turns[-1] >= self.max_assistant_turns:
-            raise ValueError(f"branch_turns {list(self.branching.turns)} must be below "
-                             f"multi_turn.max_assistant_turns={self.max_assistant_turns}")
+            raise ValueError(
+                f"branch_turns {list(self.branching.turns)} must be below "
+                f"multi_turn.max_assistant_turns={self.max_assistant_turns}"
+            )
         n = self.rollout_config.n
         if n % self.branching.leaves:
-            raise ValueError(f"rollout.n={n} must be a multiple of the {self.branching.leaves} leaves of a tree "
-                             f"(branches={branches}, branch_turns={list(branch_turns)})")
+            raise ValueError(
+                f"rollout.n={n} must be a multiple of the {self.branching.leaves} leaves of a tree "
+                f"(branches={branches}, branch_turns={list(branch_turns)})"
+            )
         if max_tokens_per_turn is not None and max_tokens_per_turn < 1:
             raise ValueError(f"max_tokens_per_turn must be at least 1, got {max_tokens_per_turn}")
         self.max_tokens_per_turn = max_tokens_per_turn
         self.environment = get_method(environment) if environment else None
         manager = self.rollout_config.agent.get("agent_loop_manager_class")
         if not manager or not issubclass(get_class(manager), PlannerFeedAgentLoopManager):
-            raise ValueError(f"BranchingAgentLoop needs rollout.agent.agent_loop_manager_class="
-                             f"augtree_verl.rollout.agent_loop.PlannerFeedAgentLoopManager (its worker stores each "
-                             f"leaf as a sample), got {manager}")
+            raise ValueError(
+                f"BranchingAgentLoop needs rollout.agent.agent_loop_manager_class="
+                f"augtree_verl.rollout.agent_loop.PlannerFeedAgentLoopManager (its worker stores each "
+                f"leaf as a sample), got {manager}"
+            )
         self.row: dict = {}
 
     async def run(self, sampling_params: dict, **kwargs) -> Leaves:
@@ -160,8 +173,13 @@ class BranchingAgentLoop(ToolAgentLoop):
         previous = list(agent_data.messages)
         agent_data.messages.append({"role": "user", "content": reply})
         merged, mask, logprobs = await self.ct_merge_context_msg(
-            previous, agent_data.messages, agent_data.prompt_ids, agent_data.response_mask,
-            agent_data.response_logprobs or None, tools=verl_compat.active_tool_schemas(agent_data))
+            previous,
+            agent_data.messages,
+            agent_data.prompt_ids,
+            agent_data.response_mask,
+            agent_data.response_logprobs or None,
+            tools=verl_compat.active_tool_schemas(agent_data),
+        )
         if len(mask) >= self.response_length:
             return AgentState.TERMINATED
         agent_data.prompt_ids, agent_data.response_mask = merged.token_ids, mask

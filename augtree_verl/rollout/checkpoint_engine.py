@@ -93,22 +93,30 @@ class GlooCheckpointEngine(CheckpointEngine):
         return StoreAddress(host, self._store.port)
 
     @classmethod
-    def build_topology(cls, actor_wg_world_size: int, rollout_world_size: int,
-                       metadata: list) -> tuple[dict[str, list], dict[str, list]]:
+    def build_topology(
+        cls, actor_wg_world_size: int, rollout_world_size: int, metadata: list
+    ) -> tuple[dict[str, list], dict[str, list]]:
         """Trainer rank 0 sends (group rank 0), the other trainer ranks stay out, rollout worker i is rank i + 1.
 
         ``metadata``: ``prepare``'s results, trainer workers first.
         """
         master = metadata[0]
         if not isinstance(master, StoreAddress):
-            raise ValueError(f"checkpoint engine {BACKEND}: trainer rank 0 must be the master (is_master=True) "
-                             f"and return its store address from prepare, got {master!r}")
+            raise ValueError(
+                f"checkpoint engine {BACKEND}: trainer rank 0 must be the master (is_master=True) "
+                f"and return its store address from prepare, got {master!r}"
+            )
         world_size = 1 + rollout_world_size
-        actor: dict[str, list] = {"rank": [SENDER] + [OUTSIDE] * (actor_wg_world_size - 1),
-                                  "world_size": [world_size] * actor_wg_world_size,
-                                  "master": [master] * actor_wg_world_size}
-        rollout: dict[str, list] = {"rank": list(range(1, world_size)), "world_size": [world_size] * rollout_world_size,
-                                    "master": [master] * rollout_world_size}
+        actor: dict[str, list] = {
+            "rank": [SENDER] + [OUTSIDE] * (actor_wg_world_size - 1),
+            "world_size": [world_size] * actor_wg_world_size,
+            "master": [master] * actor_wg_world_size,
+        }
+        rollout: dict[str, list] = {
+            "rank": list(range(1, world_size)),
+            "world_size": [world_size] * rollout_world_size,
+            "master": [master] * rollout_world_size,
+        }
         return actor, rollout
 
     def init_process_group(self, rank: int, world_size: int, master: StoreAddress) -> None:
@@ -116,8 +124,11 @@ class GlooCheckpointEngine(CheckpointEngine):
         self.rank = rank
         if rank == OUTSIDE:
             return
-        store = self._store if rank == SENDER else dist.TCPStore(master.host, master.port, is_master=False,
-                                                                  timeout=self.timeout)
+        store = (
+            self._store
+            if rank == SENDER
+            else dist.TCPStore(master.host, master.port, is_master=False, timeout=self.timeout)
+        )
         if store is None:
             raise ValueError(f"checkpoint engine {BACKEND}: rank {SENDER} must be the master that ran prepare")
         self._group = dist.ProcessGroupGloo(store, rank, world_size, self.timeout)
@@ -143,8 +154,9 @@ class GlooCheckpointEngine(CheckpointEngine):
         return [self._broadcast(sizes), self._broadcast(header), self._broadcast(bucket)]
 
     @torch.no_grad()
-    async def send_weights(self, weights: Generator[tuple[str, torch.Tensor], None, None],
-                           global_steps: int | None = None) -> dict[str, float]:
+    async def send_weights(
+        self, weights: Generator[tuple[str, torch.Tensor], None, None], global_steps: int | None = None
+    ) -> dict[str, float]:
         """Send every (name, tensor) of ``weights`` (rank 0); walk them only (rank -1). Returns the sync's figures."""
         if self.rank is None:
             raise ValueError(f"checkpoint engine {BACKEND}: send_weights before init_process_group")
@@ -170,14 +182,17 @@ class GlooCheckpointEngine(CheckpointEngine):
                 count, metas, offset = count + 1, [], 0
             meta.offset = offset
             metas.append(meta)
-            buckets[0][offset:offset + meta.chunk_size].copy_(chunk)
+            buckets[0][offset : offset + meta.chunk_size].copy_(chunk)
             offset += meta.chunk_size
             payload += meta.chunk_size
             tensors += meta.chunk_offset == 0
         await self._wait(in_flight + self._send_bucket(buckets[0][:offset], metas, True))
-        return {"augtree/weight_sync/bytes": float(payload), "augtree/weight_sync/buckets": float(count + 1),
-                "augtree/weight_sync/tensors": float(tensors),
-                "augtree/weight_sync/send_s": time.perf_counter() - start}
+        return {
+            "augtree/weight_sync/bytes": float(payload),
+            "augtree/weight_sync/buckets": float(count + 1),
+            "augtree/weight_sync/tensors": float(tensors),
+            "augtree/weight_sync/send_s": time.perf_counter() - start,
+        }
 
     async def _receive_chunks(self) -> AsyncGenerator:
         """(chunk metadata, bytes) of every bucket; a bucket's views stay valid until the next is received."""
@@ -188,13 +203,15 @@ class GlooCheckpointEngine(CheckpointEngine):
             await self._wait([self._broadcast(sizes)])
             header_size, size = int(sizes[0]), int(sizes[1])
             if size > self.bucket_size:
-                raise ValueError(f"checkpoint engine {BACKEND}: the sender's bucket has {size} bytes, this "
-                                 f"receiver's bucket_size is {self.bucket_size}: give both the same bucket size")
+                raise ValueError(
+                    f"checkpoint engine {BACKEND}: the sender's bucket has {size} bytes, this "
+                    f"receiver's bucket_size is {self.bucket_size}: give both the same bucket size"
+                )
             header = torch.empty(header_size, dtype=torch.uint8)
             await self._wait([self._broadcast(header), self._broadcast(bucket[:size])])
             metas, is_last = pickle.loads(header.numpy().tobytes())
             for meta in metas:
-                yield meta, bucket[meta.offset:meta.offset + meta.chunk_size]
+                yield meta, bucket[meta.offset : meta.offset + meta.chunk_size]
 
     @torch.no_grad()
     async def receive_weights(self, global_steps: int | None = None) -> AsyncGenerator[tuple[str, torch.Tensor], None]:

@@ -48,15 +48,21 @@ class HFReplica(RolloutReplica):
 
     async def launch_servers(self):
         if self.nnodes != 1:
-            raise ValueError(f"the hf rollout runs a replica on one node; this one spans {self.nnodes} "
-                             f"(tensor_model_parallel_size {self.world_size} > n_gpus_per_node {self.gpus_per_node})")
-        options = dict(name=server_name(self.replica_rank, self.name_suffix), num_cpus=0,
-                       max_concurrency=self.max_concurrency)
+            raise ValueError(
+                f"the hf rollout runs a replica on one node; this one spans {self.nnodes} "
+                f"(tensor_model_parallel_size {self.world_size} > n_gpus_per_node {self.gpus_per_node})"
+            )
+        options = dict(
+            name=server_name(self.replica_rank, self.name_suffix), num_cpus=0, max_concurrency=self.max_concurrency
+        )
         if self.workers:  # hybrid: next to the replica's first trainer worker
             node_id = await self.workers[0].__ray_call__.remote(lambda worker: ray.get_runtime_context().get_node_id())
             options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id=node_id, soft=False)
-        server = ray.remote(HFRolloutServer).options(**options).remote(
-            config=self.config, model_config=self.model_config, replica_rank=self.replica_rank)
+        server = (
+            ray.remote(HFRolloutServer)
+            .options(**options)
+            .remote(config=self.config, model_config=self.model_config, replica_rank=self.replica_rank)
+        )
         await server.wake_up.remote()  # returns once the model is loaded
         # The router keys servers by address; there is no HTTP endpoint, so the address is the actor's name.
         verl_compat.set_replica_server(self, server, address=options["name"])
@@ -68,8 +74,11 @@ class HFServerAdapter(BaseRollout):
     def __init__(self, config, model_config, device_mesh, replica_rank: int = -1):
         super().__init__(config, model_config, device_mesh)
         rank = int(os.environ["RANK"])
-        replica_world_size = (self.config.tensor_model_parallel_size * self.config.data_parallel_size
-                              * self.config.pipeline_model_parallel_size)
+        replica_world_size = (
+            self.config.tensor_model_parallel_size
+            * self.config.data_parallel_size
+            * self.config.pipeline_model_parallel_size
+        )
         self.replica_rank = rank // replica_world_size if replica_rank == -1 else replica_rank
         self.is_leader_rank = rank % replica_world_size == 0
         self._server = None
@@ -86,9 +95,13 @@ class HFServerAdapter(BaseRollout):
         return None
 
     @torch.no_grad()
-    async def update_weights(self, weights: Generator[tuple[str, torch.Tensor], None, None]
-                             | AsyncGenerator[tuple[str, torch.Tensor], None],
-                             wire_format: str = "named_tensors", global_steps: int | None = None, **kwargs):
+    async def update_weights(
+        self,
+        weights: Generator[tuple[str, torch.Tensor], None, None] | AsyncGenerator[tuple[str, torch.Tensor], None],
+        wire_format: str = "named_tensors",
+        global_steps: int | None = None,
+        **kwargs,
+    ):
         if wire_format != "named_tensors":
             raise ValueError(f"the hf rollout takes full named tensors, got wire_format={wire_format!r}")
         if kwargs.get("peft_config") is not None:

@@ -107,8 +107,11 @@ class HFRolloutServer:
         self.model_config: HFModelConfig = omega_conf_to_dataclass(model_config, dataclass_type=HFModelConfig)
         self.replica_rank = replica_rank
         self.model = AutoModelForCausalLM.from_pretrained(
-            self.model_config.local_path, dtype=torch.float32, attn_implementation="sdpa",
-            trust_remote_code=self.model_config.trust_remote_code).eval()
+            self.model_config.local_path,
+            dtype=torch.float32,
+            attn_implementation="sdpa",
+            trust_remote_code=self.model_config.trust_remote_code,
+        ).eval()
         self.stop_ids = _stop_ids(self.model_config)
         self.max_model_len = self.config.max_model_len or self.config.prompt_length + self.config.response_length
         # The version of the loaded weights; the trainer sets it with every weight sync.
@@ -121,21 +124,36 @@ class HFRolloutServer:
         """vLLM's bounds (``vllm_async_server.generate``): at least one token, within the context length."""
         room = self.max_model_len - prompt_len
         if room < 1:
-            raise ValueError(f"prompt length ({prompt_len}) leaves no room to generate within the model's "
-                             f"maximum context length ({self.max_model_len})")
+            raise ValueError(
+                f"prompt length ({prompt_len}) leaves no room to generate within the model's "
+                f"maximum context length ({self.max_model_len})"
+            )
         params = dict(sampling_params)
         if float(params.get("repetition_penalty", 1.0)) != 1.0:
             raise ValueError(f"the hf rollout does not apply repetition_penalty={params['repetition_penalty']}")
         max_tokens = params.pop("max_tokens", params.pop("max_new_tokens", None))
         if max_tokens is None:
-            max_tokens = min(self.config.response_length,
-                             self.config.prompt_length + self.config.response_length - prompt_len)
-        return SamplingConfig(max_tokens=max(1, min(max_tokens, room)),
-                              temperature=float(params.get("temperature", 1.0)),
-                              top_k=int(params.get("top_k", -1)), top_p=float(params.get("top_p", 1.0)))
+            max_tokens = min(
+                self.config.response_length, self.config.prompt_length + self.config.response_length - prompt_len
+            )
+        return SamplingConfig(
+            max_tokens=max(1, min(max_tokens, room)),
+            temperature=float(params.get("temperature", 1.0)),
+            top_k=int(params.get("top_k", -1)),
+            top_p=float(params.get("top_p", 1.0)),
+        )
 
-    async def generate(self, prompt_ids: list[int], sampling_params: dict, request_id: str, image_data=None,
-                       video_data=None, audio_data=None, mm_processor_kwargs=None, **kwargs) -> TokenOutput:
+    async def generate(
+        self,
+        prompt_ids: list[int],
+        sampling_params: dict,
+        request_id: str,
+        image_data=None,
+        video_data=None,
+        audio_data=None,
+        mm_processor_kwargs=None,
+        **kwargs,
+    ) -> TokenOutput:
         if image_data or video_data or audio_data:
             raise ValueError(f"the hf rollout generates text only; request {request_id} has images, video or audio")
         prompt_ids = [int(t) for t in prompt_ids]
@@ -147,19 +165,27 @@ class HFRolloutServer:
         generator = torch.Generator().manual_seed(request_seed(self.config.seed, global_steps, prompt_ids, index))
         async with self._lock:
             tokens, logps = await asyncio.to_thread(self._sample, prompt_ids, config, generator)
-        return TokenOutput(token_ids=tokens, log_probs=logps if sampling_params.get("logprobs") else None,
-                           stop_reason="completed", extra_fields={"global_steps": global_steps})
+        return TokenOutput(
+            token_ids=tokens,
+            log_probs=logps if sampling_params.get("logprobs") else None,
+            stop_reason="completed",
+            extra_fields={"global_steps": global_steps},
+        )
 
-    def _sample(self, prompt_ids: list[int], config: SamplingConfig,
-                generator: torch.Generator) -> tuple[list[int], list[float]]:
+    def _sample(
+        self, prompt_ids: list[int], config: SamplingConfig, generator: torch.Generator
+    ) -> tuple[list[int], list[float]]:
         """One response from the prompt's shared prefill (see ``PrefixCache``); runs under the server's lock."""
         prefix = self.prefixes.get(self.model, prompt_ids)
         return decode(self.model, prefix, config, stop_ids=self.stop_ids, generator=generator)
 
     async def prefix_cache_stats(self) -> dict[str, int]:
         """The prefix cache's counters, its entries and the per-prompt request counters of this weight version."""
-        return {**self.prefixes.counts, "entries": len(self.prefixes),
-                "prompts_counted": len(self._requests_per_prompt)}
+        return {
+            **self.prefixes.counts,
+            "entries": len(self.prefixes),
+            "prompts_counted": len(self._requests_per_prompt),
+        }
 
     async def load_weights(self, state_dict: dict[str, torch.Tensor], global_steps: int | None = None) -> None:
         """Load the trainer's full (Hugging Face-named) weights; every parameter must be present."""
@@ -167,8 +193,10 @@ class HFRolloutServer:
             missing, unexpected = self.model.load_state_dict(state_dict, strict=False)
             missing = [m for m in missing if m not in self._tied_keys()]
             if missing or unexpected:
-                raise ValueError(f"hf rollout replica {self.replica_rank}: weights missing {missing[:5]}, "
-                                 f"unexpected {unexpected[:5]}")
+                raise ValueError(
+                    f"hf rollout replica {self.replica_rank}: weights missing {missing[:5]}, "
+                    f"unexpected {unexpected[:5]}"
+                )
             if global_steps is not None:
                 self.global_steps = int(global_steps)
             self._requests_per_prompt.clear()

@@ -75,8 +75,9 @@ def prefill(model, prompt_ids: list[int]) -> Prefix:
 
 
 @torch.no_grad()
-def decode(model, prefix: Prefix, config: SamplingConfig, *, stop_ids: set[int],
-           generator: torch.Generator) -> tuple[list[int], list[float]]:
+def decode(
+    model, prefix: Prefix, config: SamplingConfig, *, stop_ids: set[int], generator: torch.Generator
+) -> tuple[list[int], list[float]]:
     """Sample up to ``config.max_tokens`` tokens after a prefilled prompt, from a copy of its cache.
 
     Transformers' caches grow in place as tokens are decoded, so each response (a branch of the prompt)

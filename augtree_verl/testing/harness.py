@@ -25,9 +25,17 @@ from augtree_verl.planner import ClusterProfile
 from augtree_verl.testing import verl_batch
 
 VOCAB = 128
-MODEL_SHAPE: dict[str, Any] = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                   tie_word_embeddings=False, architectures=["Qwen2ForCausalLM"])
+MODEL_SHAPE: dict[str, Any] = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    tie_word_embeddings=False,
+    architectures=["Qwen2ForCausalLM"],
+)
 FP32 = {"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"}
 # Noise added to the current policy's log-probs to make "old" ones: small enough that no token is clipped
 # (a clipped token has zero gradient and would hide a wrong log-prob), large enough that ratios differ from 1.
@@ -56,8 +64,10 @@ def use_cpu_platform() -> None:
     import augtree_verl.integration  # noqa: F401  (and this covers a plain checkout)
 
     if get_device_name() != "cpu":
-        raise RuntimeError(f"verl resolved its device to {get_device_name()!r} before use_cpu_platform(); call it "
-                           "first in the process, before anything imports verl.workers.engine")
+        raise RuntimeError(
+            f"verl resolved its device to {get_device_name()!r} before use_cpu_platform(); call it "
+            "first in the process, before anything imports verl.workers.engine"
+        )
 
 
 def free_port() -> int:
@@ -81,8 +91,9 @@ def spawn(fn, args: tuple, nprocs: int, timeout_s: float) -> None:
     try:
         while not context.join(timeout=max(deadline - time.monotonic(), 0.0)):
             if time.monotonic() >= deadline:
-                raise TimeoutError(f"{fn.__name__}: {nprocs} ranks still running after {timeout_s:.0f} s "
-                                   "(deadlocked collectives?)")
+                raise TimeoutError(
+                    f"{fn.__name__}: {nprocs} ranks still running after {timeout_s:.0f} s (deadlocked collectives?)"
+                )
     finally:
         for process in context.processes:
             if process.is_alive():
@@ -110,9 +121,17 @@ def save_tiny_qwen2(directory: str, seed: int = 0, num_hidden_layers: int = MODE
     return directory
 
 
-def build_engine(strategy: str, model_path: str, *, loss_agg_mode: str = "token-mean", lr: float = 1e-2,
-                 entropy_coeff: float = 0.0, gradient_checkpointing: bool = False, engine_knobs: dict | None = None,
-                 forward_only: bool = False):
+def build_engine(
+    strategy: str,
+    model_path: str,
+    *,
+    loss_agg_mode: str = "token-mean",
+    lr: float = 1e-2,
+    entropy_coeff: float = 0.0,
+    gradient_checkpointing: bool = False,
+    engine_knobs: dict | None = None,
+    forward_only: bool = False,
+):
     """verl's engine for ``strategy`` ("fsdp2" = stock, "augtree" = ours), built the way verl's workers build it.
 
     ``forward_only=True`` builds it as verl builds the reference policy's engine. A training AugTree engine
@@ -131,9 +150,13 @@ def build_engine(strategy: str, model_path: str, *, loss_agg_mode: str = "token-
     # verl packs rows for use_remove_padding, which hybrid linear-attention models (Qwen3.5, Qwen3-Next) do not
     # support on the torch kernels (the recurrence would run across rows): verl's note for them is False.
     hybrid = "linear_attention" in (getattr(AutoConfig.from_pretrained(model_path), "layer_types", None) or ())
-    model_config = HFModelConfig(path=model_path, load_tokenizer=False, use_remove_padding=not hybrid,
-                                 enable_gradient_checkpointing=gradient_checkpointing,
-                                 override_config={"attn_implementation": "sdpa"})
+    model_config = HFModelConfig(
+        path=model_path,
+        load_tokenizer=False,
+        use_remove_padding=not hybrid,
+        enable_gradient_checkpointing=gradient_checkpointing,
+        override_config={"attn_implementation": "sdpa"},
+    )
     common: dict[str, Any] = dict(mixed_precision=FP32, use_torch_compile=False, forward_only=forward_only)
     if strategy == "augtree":
         knobs = dict(engine_knobs or {})
@@ -142,20 +165,34 @@ def build_engine(strategy: str, model_path: str, *, loss_agg_mode: str = "token-
         fsdp_config = AugTreeEngineConfig(**common, **knobs)
     else:
         fsdp_config = FSDPEngineConfig(strategy=strategy, **common)
-    optim = FSDPOptimizerConfig(lr=lr, clip_grad=1.0, total_training_steps=100, weight_decay=0.0,
-                                override_optimizer_config={"eps": ADAM_EPS})
-    actor_config = FSDPActorConfig(strategy=strategy, rollout_n=1, ppo_mini_batch_size=8,
-                                   ppo_micro_batch_size_per_gpu=2, use_dynamic_bsz=False,
-                                   loss_agg_mode=loss_agg_mode, entropy_coeff=entropy_coeff,
-                                   fsdp_config=fsdp_config, optim=optim, use_torch_compile=False)
+    optim = FSDPOptimizerConfig(
+        lr=lr, clip_grad=1.0, total_training_steps=100, weight_decay=0.0, override_optimizer_config={"eps": ADAM_EPS}
+    )
+    actor_config = FSDPActorConfig(
+        strategy=strategy,
+        rollout_n=1,
+        ppo_mini_batch_size=8,
+        ppo_micro_batch_size_per_gpu=2,
+        use_dynamic_bsz=False,
+        loss_agg_mode=loss_agg_mode,
+        entropy_coeff=entropy_coeff,
+        fsdp_config=fsdp_config,
+        optim=optim,
+        use_torch_compile=False,
+    )
     # What ActorRolloutRefWorker.init_model sets on the engine config.
     engine_config = actor_config.engine
     engine_config.use_dynamic_bsz = False
     engine_config.micro_batch_size_per_gpu = 2
     engine_config.infer_micro_batch_size_per_gpu = 2
-    engine = EngineRegistry.new(model_type="language_model", backend=strategy, model_config=model_config,
-                                engine_config=engine_config, optimizer_config=optim,
-                                checkpoint_config=CheckpointConfig())
+    engine = EngineRegistry.new(
+        model_type="language_model",
+        backend=strategy,
+        model_config=model_config,
+        engine_config=engine_config,
+        optimizer_config=optim,
+        checkpoint_config=CheckpointConfig(),
+    )
     engine.initialize()
     return engine, functools.partial(ppo_loss, config=actor_config)
 
@@ -166,19 +203,27 @@ def _fixed_profile(model_path: str, gradient_checkpointing: bool, param_dtype: s
     written beside the model."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     dtype_bytes = {"fp32": 4, "bf16": 2, "fp16": 2}[param_dtype]
-    profile = dataclasses.replace(ClusterProfile.default().with_model(AutoConfig.from_pretrained(model_path)),
-                                  dtype_bytes=dtype_bytes, activation_checkpointing=gradient_checkpointing,
-                                  ranks_per_node=world)
-    path = os.path.join(model_path,
-                        f"planner_profile_w{world}_ckpt{int(gradient_checkpointing)}_{param_dtype}.json")
-    partial = f"{path}.{os.getpid()}.tmp"      # every rank writes the same file: whole, never half-read
+    profile = dataclasses.replace(
+        ClusterProfile.default().with_model(AutoConfig.from_pretrained(model_path)),
+        dtype_bytes=dtype_bytes,
+        activation_checkpointing=gradient_checkpointing,
+        ranks_per_node=world,
+    )
+    path = os.path.join(model_path, f"planner_profile_w{world}_ckpt{int(gradient_checkpointing)}_{param_dtype}.json")
+    partial = f"{path}.{os.getpid()}.tmp"  # every rank writes the same file: whole, never half-read
     profile.save(partial)
     os.replace(partial, path)
     return path
 
 
-def group_batch(groups: list[tuple[int, list[int]]], *, seed: int = 0, micro_batch_size: int = 2,
-                order: list[int] | None = None, temperature: float = 1.0) -> TensorDict:
+def group_batch(
+    groups: list[tuple[int, list[int]]],
+    *,
+    seed: int = 0,
+    micro_batch_size: int = 2,
+    order: list[int] | None = None,
+    temperature: float = 1.0,
+) -> TensorDict:
     """A verl V1 batch (nested, no padding) of :func:`group_rows`, permuted by ``order`` (e.g. a shuffle).
 
     ``old_log_probs`` are placeholders: set them with :func:`set_old_log_probs`.
@@ -197,16 +242,24 @@ def group_rows(groups: list[tuple[int, list[int]]], *, seed: int = 0) -> list[di
         prompt = torch.randint(0, VOCAB, (p,), generator=g)
         advantages = torch.randn(len(rs), generator=g)
         for ri, r in enumerate(rs):
-            rows.append(dict(uid=f"group-{gi}", prompt=prompt, response=torch.randint(0, VOCAB, (r,), generator=g),
-                             advantage=float(advantages[ri])))
+            rows.append(
+                dict(
+                    uid=f"group-{gi}",
+                    prompt=prompt,
+                    response=torch.randint(0, VOCAB, (r,), generator=g),
+                    advantage=float(advantages[ri]),
+                )
+            )
     return rows
 
 
-def rows_to_batch(rows: list[dict], *, micro_batch_size: int = 2, temperature: float = 1.0,
-                  extra: dict[str, list] | None = None) -> TensorDict:
+def rows_to_batch(
+    rows: list[dict], *, micro_batch_size: int = 2, temperature: float = 1.0, extra: dict[str, list] | None = None
+) -> TensorDict:
     """The harness's batches: fixed-size micro-batches of ``micro_batch_size`` rows (see ``verl_batch``)."""
-    return verl_batch.rows_to_batch(rows, extra=extra, temperature=temperature, use_dynamic_bsz=False,
-                                    micro_batch_size_per_gpu=micro_batch_size)
+    return verl_batch.rows_to_batch(
+        rows, extra=extra, temperature=temperature, use_dynamic_bsz=False, micro_batch_size_per_gpu=micro_batch_size
+    )
 
 
 response_logps = verl_batch.response_values
@@ -216,7 +269,8 @@ def set_old_log_probs(batch: TensorDict, current: list[torch.Tensor], seed: int 
     """old_log_probs = current log-probs + small noise (see OLD_LOGP_NOISE)."""
     g = torch.Generator().manual_seed(seed)
     batch["old_log_probs"] = torch.nested.as_nested_tensor(
-        [c + OLD_LOGP_NOISE * torch.randn(c.shape, generator=g) for c in current], layout=torch.jagged)
+        [c + OLD_LOGP_NOISE * torch.randn(c.shape, generator=g) for c in current], layout=torch.jagged
+    )
 
 
 def full_params(engine) -> dict[str, torch.Tensor]:

@@ -6,8 +6,13 @@ import torch
 from tensordict import TensorDict
 
 
-def rows_to_batch(rows: list[dict], *, old_log_probs: list[torch.Tensor] | None = None,
-                  extra: dict[str, list] | None = None, **settings) -> TensorDict:
+def rows_to_batch(
+    rows: list[dict],
+    *,
+    old_log_probs: list[torch.Tensor] | None = None,
+    extra: dict[str, list] | None = None,
+    **settings,
+) -> TensorDict:
     """``rows[k] = {uid, prompt, response, advantage}`` -> the TensorDict verl's engines take (jagged nested
     tensors over prompt + response, no padding).
 
@@ -38,8 +43,14 @@ def rows_to_batch(rows: list[dict], *, old_log_probs: list[torch.Tensor] | None 
             "uid": [row["uid"] for row in rows],
             **(extra or {}),
         },
-        non_tensor_dict={"temperature": 1.0, "global_batch_size": len(rows), "use_remove_padding": True,
-                         "use_fused_kernels": False, "calculate_entropy": False, **settings},
+        non_tensor_dict={
+            "temperature": 1.0,
+            "global_batch_size": len(rows),
+            "use_remove_padding": True,
+            "use_fused_kernels": False,
+            "calculate_entropy": False,
+            **settings,
+        },
     )
 
 
@@ -48,4 +59,4 @@ def response_values(output: dict, batch: TensorDict, key: str = "log_probs") -> 
     values = output["model_output"][key]
     seq_lens = batch["input_ids"].offsets().diff().tolist()
     resp_lens = batch["responses"].offsets().diff().tolist()
-    return [v[s - r - 1: s - 1] for v, s, r in zip(values.unbind(), seq_lens, resp_lens)]
+    return [v[s - r - 1 : s - 1] for v, s, r in zip(values.unbind(), seq_lens, resp_lens)]

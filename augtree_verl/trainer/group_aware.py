@@ -80,8 +80,10 @@ class AugTreeTrainerMixin:
         self.planner = None
         self.planner_actor = None
         if self.config.actor_rollout_ref.actor.get("shuffle", False):
-            logger.warning("actor.shuffle=true reshuffles each rank's samples into PPO mini-batches, so groups the "
-                           "balance kept in one mini-batch get split and their split CP plans cannot apply")
+            logger.warning(
+                "actor.shuffle=true reshuffles each rank's samples into PPO mini-batches, so groups the "
+                "balance kept in one mini-batch get split and their split CP plans cannot apply"
+            )
 
     def init(self):
         super().init()
@@ -92,7 +94,7 @@ class AugTreeTrainerMixin:
             # The profile the actor's engine made at start-up (``integration.run_profile``), on rank 0.
             published = verl_compat.run_on_rank_zero(self.actor_rollout_wg, published_profile)
             self.planner = self._start_planner(ClusterProfile.from_dict(published["profile"]))
-            run = RunProfile(self.planner.profile, published["source"])   # what the planners plan with
+            run = RunProfile(self.planner.profile, published["source"])  # what the planners plan with
             print(f"augtree: {run.describe(engine_config.cp_degrees)}", flush=True)
 
     def _start_planner(self, profile: ClusterProfile) -> PlannerClient | None:
@@ -106,12 +108,21 @@ class AugTreeTrainerMixin:
         name = engine_config.planner_name if engine_config.use_planner else None
         if name is not None:
             # Keep the handle: Ray destroys a non-detached named actor once its creator's handles are gone.
-            self.planner_actor = start_planner_service(name, degrees=degrees, profile=profile,
-                                                       ttl_s=engine_config.planner_ttl_s,
-                                                       max_entries=engine_config.planner_max_entries,
-                                                       force_primitive=engine_config.force_primitive)
-        return PlannerClient(name, degrees=degrees, profile=profile, timeout_s=engine_config.planner_timeout_s,
-                             force_primitive=engine_config.force_primitive)
+            self.planner_actor = start_planner_service(
+                name,
+                degrees=degrees,
+                profile=profile,
+                ttl_s=engine_config.planner_ttl_s,
+                max_entries=engine_config.planner_max_entries,
+                force_primitive=engine_config.force_primitive,
+            )
+        return PlannerClient(
+            name,
+            degrees=degrees,
+            profile=profile,
+            timeout_s=engine_config.planner_timeout_s,
+            force_primitive=engine_config.force_primitive,
+        )
 
     def _actor_dp_size(self) -> int:
         """Data-parallel size of the actor worker group (as verl's own ``_balance_batch`` finds it)."""
@@ -136,30 +147,40 @@ class AugTreeTrainerMixin:
             dp_size = self._actor_dp_size()
             sampled = set(batch.keys)
             batch = upsample_batch_to_divisible_size(
-                batch, verl_compat.required_batch_multiple(self, dp_size), self.tokenizer.eos_token_id)
+                batch, verl_compat.required_batch_multiple(self, dp_size), self.tokenizer.eos_token_id
+            )
             return self._group_balance(batch, dp_size, metrics, logging_prefix, sampled)
 
-    def _group_balance(self, batch: KVBatchMeta, dp_size: int, metrics: dict, logging_prefix: str,
-                       sampled: set) -> KVBatchMeta:
+    def _group_balance(
+        self, batch: KVBatchMeta, dp_size: int, metrics: dict, logging_prefix: str, sampled: set
+    ) -> KVBatchMeta:
         """Reorder ``batch`` (already a multiple of ``dp_size``) group-aware; write plans into it if planning.
 
         ``sampled``: the keys that came from the rollout (the others are verl's padding rows).
         """
-        uids = [str(u) for u in tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id,
-                                                   select_fields=["uid"])["uid"]]
+        uids = [
+            str(u)
+            for u in tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=["uid"])["uid"]
+        ]
         prompt_lens = [int(tag["prompt_len"]) for tag in batch.tags]
         response_lens = [int(tag["response_len"]) for tag in batch.tags]
         trees = [in_rollout_order(t, batch.keys) for t in find_trees(uids, prompt_lens, response_lens)]
 
-        ranks = balance_groups(uids, prompt_lens, response_lens, dp_size,
-                               self._actor_mini_batches(len(uids), dp_size))
-        metrics.update(log_seqlen_unbalance(
-            seqlen_list=[p + r for p, r in zip(prompt_lens, response_lens)], partitions=ranks, prefix=logging_prefix))
+        ranks = balance_groups(uids, prompt_lens, response_lens, dp_size, self._actor_mini_batches(len(uids), dp_size))
+        metrics.update(
+            log_seqlen_unbalance(
+                seqlen_list=[p + r for p, r in zip(prompt_lens, response_lens)], partitions=ranks, prefix=logging_prefix
+            )
+        )
         work = WorkModel(uids, prompt_lens, response_lens)
         rank_work = [work(rank) for rank in ranks]
-        metrics.update({"augtree/balance/groups": float(len(set(uids))),
-                        "augtree/balance/groups_split": float(split_groups(uids, ranks)),
-                        "augtree/balance/work_max_over_mean": max(rank_work) * len(ranks) / sum(rank_work)})
+        metrics.update(
+            {
+                "augtree/balance/groups": float(len(set(uids))),
+                "augtree/balance/groups_split": float(split_groups(uids, ranks)),
+                "augtree/balance/work_max_over_mean": max(rank_work) * len(ranks) / sum(rank_work),
+            }
+        )
 
         entries = None
         if self.planner is not None:
@@ -167,10 +188,14 @@ class AugTreeTrainerMixin:
             for t in trees:
                 trees_per_uid[t.uid] = trees_per_uid.get(t.uid, 0) + 1
             # The rollout reported whole groups of sampled rows, one prompt length each.
-            from_rollout = [t.tree_id for t in trees if trees_per_uid[t.uid] == 1
-                            and all(batch.keys[s] in sampled for s in t.samples)]
-            plans = self.planner.plans({t.tree_id: (t.uid, t.prompt_len, list(t.response_lens)) for t in trees},
-                                       from_rollout=from_rollout)
+            from_rollout = [
+                t.tree_id
+                for t in trees
+                if trees_per_uid[t.uid] == 1 and all(batch.keys[s] in sampled for s in t.samples)
+            ]
+            plans = self.planner.plans(
+                {t.tree_id: (t.uid, t.prompt_len, list(t.response_lens)) for t in trees}, from_rollout=from_rollout
+            )
             entries = plan_entries(trees, plans, len(uids))
             # The client's counters since the last balance ("planner/plans_from_rollout", ...).
             metrics.update({f"augtree/{k}": v for k, v in self.planner.metrics(reset=True).items()})
@@ -178,6 +203,9 @@ class AugTreeTrainerMixin:
         order = [i for rank in ranks for i in rank]
         batch.reorder(order)
         if entries is not None:
-            tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id,
-                            fields=tu.get_tensordict({PLAN_FIELD: [entries[i] for i in order]}))
+            tq.kv_batch_put(
+                keys=batch.keys,
+                partition_id=batch.partition_id,
+                fields=tu.get_tensordict({PLAN_FIELD: [entries[i] for i in order]}),
+            )
         return batch

@@ -71,14 +71,15 @@ def _pack(units: list[list[int]], work: WorkModel, num_bins: int, capacity: int)
         rest = list(unit)
         while rest:
             b = max(range(num_bins), key=lambda b: (capacity - len(bins[b]), -load[b], -b))
-            piece, rest = rest[: capacity - len(bins[b])], rest[capacity - len(bins[b]):]
+            piece, rest = rest[: capacity - len(bins[b])], rest[capacity - len(bins[b]) :]
             bins[b].extend(piece)
             load[b] += work(piece)
     return bins
 
 
-def balance_groups(uids: Sequence, prompt_lens: Sequence[int], response_lens: Sequence[int],
-                   num_ranks: int, num_mini_batches: int = 1) -> list[list[int]]:
+def balance_groups(
+    uids: Sequence, prompt_lens: Sequence[int], response_lens: Sequence[int], num_ranks: int, num_mini_batches: int = 1
+) -> list[list[int]]:
     """Assign every sample to a data-parallel rank, keeping groups (same uid) on one rank where possible.
 
     Returns ``num_ranks`` lists of batch indices, each of ``N / num_ranks`` samples. verl hands rank r the
@@ -94,7 +95,8 @@ def balance_groups(uids: Sequence, prompt_lens: Sequence[int], response_lens: Se
     if n == 0 or n % (num_ranks * num_mini_batches):
         raise ValueError(
             f"batch of {n} samples does not split into {num_mini_batches} mini-batches x {num_ranks} ranks "
-            f"of equal size (verl pads the batch to a multiple of both before balancing)")
+            f"of equal size (verl pads the batch to a multiple of both before balancing)"
+        )
     work = WorkModel(uids, prompt_lens, response_lens)
     mini_batches = _pack(_units_by_uid(range(n), uids), work, num_mini_batches, n // num_mini_batches)
     slot = n // (num_mini_batches * num_ranks)

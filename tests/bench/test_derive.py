@@ -17,5 +17,6 @@ DATA = Path(__file__).resolve().parents[2] / ".." / "shared" / "data"
 def test_tables_regenerate_identically(tmp_path):
     derive(["--data-dir", str(DATA), "--out-dir", str(tmp_path)])
     for name in WORKLOADS + ("agent",):
-        assert json.loads((tmp_path / f"{name}.json").read_text()) == \
-            json.loads((TABLES_DIR / f"{name}.json").read_text()), name
+        assert json.loads((tmp_path / f"{name}.json").read_text()) == json.loads(
+            (TABLES_DIR / f"{name}.json").read_text()
+        ), name

@@ -11,8 +11,9 @@ pytestmark = pytest.mark.slow  # spawns process groups, Ray, verl engines or sub
 
 @pytest.mark.timeout(400)
 def test_cp2_runs_every_method_exactly():
-    cfg = BenchConfig(workloads=("rag", "reasoning"), budget_tokens=3000, group_size=3, cp=2,
-                      model="qwen2-tiny", repeats=1)
+    cfg = BenchConfig(
+        workloads=("rag", "reasoning"), budget_tokens=3000, group_size=3, cp=2, model="qwen2-tiny", repeats=1
+    )
     results = run(cfg)
     methods = ["MegaN", "MegaR", "AugTree", "AugTree[tree_move_kv]", "AugTree[move_q]", "verl-fsdp2"]
     assert [(r.workload, r.method) for r in results] == [(w, m) for w in cfg.workloads for m in methods]
@@ -34,8 +35,15 @@ def test_cp2_runs_every_method_exactly():
 
 @pytest.mark.timeout(400)
 def test_cp2_shared_workloads_run_each_tree_once_and_exactly():
-    cfg = BenchConfig(workloads=("agent", "multiturn"), budget_tokens=1500, group_size=2, num_groups=2, cp=2,
-                      model="qwen2-tiny", repeats=1)
+    cfg = BenchConfig(
+        workloads=("agent", "multiturn"),
+        budget_tokens=1500,
+        group_size=2,
+        num_groups=2,
+        cp=2,
+        model="qwen2-tiny",
+        repeats=1,
+    )
     by = {(r.workload, r.method): r for r in run(cfg)}
     for (w, m), r in by.items():
         assert not r.wrong, (w, m, r.max_grad_rel_err)

@@ -14,7 +14,8 @@ from augtree_verl.bench.runner import FLOAT32_GRAD_RTOL, MethodResult, max_rel_e
 @pytest.mark.slow
 def test_every_method_runs_every_workload_and_matches_the_baseline(results):
     assert [(r.workload, r.method) for r in results] == [
-        (w, m) for w in ("rag", "chat") for m in ("MegaN", "AugTree", "verl-fsdp2")]
+        (w, m) for w in ("rag", "chat") for m in ("MegaN", "AugTree", "verl-fsdp2")
+    ]
     for r in results:
         assert len(r.step_times_s) == 2 and r.step_time_s > 0
         assert r.max_grad_rel_err <= FLOAT32_GRAD_RTOL and not r.wrong
@@ -57,8 +58,9 @@ def test_table_and_ideal_lines(results):
 
 def test_max_rel_err_is_relative_per_parameter_and_keeps_nan():
     ref = {"a": torch.tensor([10.0, -20.0]), "b": torch.tensor([0.001, 0.0])}
-    assert max_rel_err({"a": torch.tensor([10.0, -20.2]), "b": torch.tensor([0.001, 0.0])}, ref) == \
-        pytest.approx(0.01, rel=1e-4)
+    assert max_rel_err({"a": torch.tensor([10.0, -20.2]), "b": torch.tensor([0.001, 0.0])}, ref) == pytest.approx(
+        0.01, rel=1e-4
+    )
     # A small tensor is judged against its own scale, not the largest parameter's.
     assert max_rel_err({"a": ref["a"], "b": torch.tensor([0.002, 0.0])}, ref) == pytest.approx(1.0)
     assert math.isnan(max_rel_err({"a": torch.tensor([float("nan"), 0.0]), "b": ref["b"]}, ref))
@@ -66,9 +68,20 @@ def test_max_rel_err_is_relative_per_parameter_and_keeps_nan():
 
 def test_a_method_beyond_tolerance_is_wrong():
     def result(err):
-        return MethodResult(workload="rag", method="AugTree", step_times_s=[1.0], executed_tokens=1,
-                            logical_tokens=1, comm_bytes=0, max_grad_rel_err=err, plan="single",
-                            ideal_speedup=1.0, tolerance=FLOAT32_GRAD_RTOL, speedup_vs_megan=1.0)
+        return MethodResult(
+            workload="rag",
+            method="AugTree",
+            step_times_s=[1.0],
+            executed_tokens=1,
+            logical_tokens=1,
+            comm_bytes=0,
+            max_grad_rel_err=err,
+            plan="single",
+            ideal_speedup=1.0,
+            tolerance=FLOAT32_GRAD_RTOL,
+            speedup_vs_megan=1.0,
+        )
+
     assert not result(FLOAT32_GRAD_RTOL).wrong
     assert result(2 * FLOAT32_GRAD_RTOL).wrong and result(float("nan")).wrong
     assert "WRONG" in format_table([result(1.0)])
@@ -93,8 +106,18 @@ def test_cp_plans_of_the_fixed_methods():
 
 
 def _timed(method, times, plan="p"):
-    return MethodResult(workload="w", method=method, step_times_s=times, executed_tokens=1, logical_tokens=1,
-                        comm_bytes=0, max_grad_rel_err=0.0, plan=plan, ideal_speedup=2.0, tolerance=1e-5)
+    return MethodResult(
+        workload="w",
+        method=method,
+        step_times_s=times,
+        executed_tokens=1,
+        logical_tokens=1,
+        comm_bytes=0,
+        max_grad_rel_err=0.0,
+        plan=plan,
+        ideal_speedup=2.0,
+        tolerance=1e-5,
+    )
 
 
 def test_ratios_are_paired_per_round():
@@ -107,9 +130,12 @@ def test_ratios_are_paired_per_round():
 
 
 def test_planner_choice_is_compared_with_the_best_forced_primitive():
-    rows = [_timed("MegaN", [4.0, 4.0, 4.0]), _timed("AugTree", [1.1, 1.1, 1.1], plan="move_q"),
-            _timed("AugTree[tree_move_kv]", [2.0, 2.0, 2.0], plan="tree"),
-            _timed("AugTree[move_q]", [1.0, 1.0, 1.0], plan="move_q")]
+    rows = [
+        _timed("MegaN", [4.0, 4.0, 4.0]),
+        _timed("AugTree", [1.1, 1.1, 1.1], plan="move_q"),
+        _timed("AugTree[tree_move_kv]", [2.0, 2.0, 2.0], plan="tree"),
+        _timed("AugTree[move_q]", [1.0, 1.0, 1.0], plan="move_q"),
+    ]
     for r in rows:
         r.speedup_vs_megan = paired_ratio(rows[0], r)
     line = format_ideal(rows)
@@ -142,7 +168,18 @@ def test_verl_fsdp2_runs_verls_engine_checked_on_gradients_and_log_probs(results
 
 
 def test_a_wrong_log_prob_is_wrong():
-    r = MethodResult(workload="rag", method="verl-fsdp2", step_times_s=[1.0], executed_tokens=1, logical_tokens=1,
-                     comm_bytes=0, max_grad_rel_err=0.0, plan="fsdp2(dp=1,mb=1)", ideal_speedup=1.0,
-                     tolerance=FLOAT32_GRAD_RTOL, speedup_vs_megan=1.0, max_logp_rel_err=2 * FLOAT32_GRAD_RTOL)
+    r = MethodResult(
+        workload="rag",
+        method="verl-fsdp2",
+        step_times_s=[1.0],
+        executed_tokens=1,
+        logical_tokens=1,
+        comm_bytes=0,
+        max_grad_rel_err=0.0,
+        plan="fsdp2(dp=1,mb=1)",
+        ideal_speedup=1.0,
+        tolerance=FLOAT32_GRAD_RTOL,
+        speedup_vs_megan=1.0,
+        max_logp_rel_err=2 * FLOAT32_GRAD_RTOL,
+    )
     assert r.wrong and "WRONG" in format_table([r])

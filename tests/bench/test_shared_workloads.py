@@ -77,8 +77,15 @@ def test_config_and_flags_take_the_shared_workloads():
 
 # One layer, one head of width 1, no MLP, vocab 1: a token costs 8 dense FLOPs, a visible key 4, a scored token
 # 2 (all x3 for forward + backward, which cancels in the ratio).
-UNIT = SimpleNamespace(hidden_size=1, num_attention_heads=1, num_key_value_heads=1, head_dim=1, intermediate_size=0,
-                       num_hidden_layers=1, vocab_size=1)
+UNIT = SimpleNamespace(
+    hidden_size=1,
+    num_attention_heads=1,
+    num_key_value_heads=1,
+    head_dim=1,
+    intermediate_size=0,
+    num_hidden_layers=1,
+    vocab_size=1,
+)
 
 
 def _tree(prompt, *responses):
@@ -119,8 +126,10 @@ def test_the_prediction_sees_the_shared_system_prompt_once_per_rank():
     each tree alone, counts it twice; two ranks, each with one group, run it once each."""
     trees = list(_shared_workload(system_len=2000).trees)
     profile = dataclasses.replace(ClusterProfile.default(), call_overhead_s=1e-9, slot_overhead_s=1e-9)
-    cost, alone = cost_model(profile), [plan_tree(t.prompt_len, t.response_lens, degrees=[1], profile=profile)
-                                        for t in trees]
+    cost, alone = (
+        cost_model(profile),
+        [plan_tree(t.prompt_len, t.response_lens, degrees=[1], profile=profile) for t in trees],
+    )
     shared = Method("AugTree").predicted_s(trees, None, profile)
     [root] = build_trie(trees)
     assert shared == pytest.approx(cost.trie(root), rel=1e-12)
@@ -130,8 +139,9 @@ def test_the_prediction_sees_the_shared_system_prompt_once_per_rank():
 
 def _run(methods):
     model = load_model("qwen2-tiny")
-    return runner._run_workload(model, _shared_workload(), methods, 1, 0, 0, 1, None, tqdm(disable=True),
-                                FLOAT32_GRAD_RTOL)
+    return runner._run_workload(
+        model, _shared_workload(), methods, 1, 0, 0, 1, None, tqdm(disable=True), FLOAT32_GRAD_RTOL
+    )
 
 
 def test_depth1_is_checked_against_the_flattened_gradients(monkeypatch):

@@ -58,8 +58,12 @@ def test_select_groups_matches_brute_force_on_shipped_table():
     budget, g = 40_000, 8
     table = load_table("reasoning")
     chosen = select_groups("reasoning", budget, g, num_groups=3)
-    by_distance = sorted(range(len(table)), key=lambda k: abs(math.log(
-        budget / (g * table[k].prompt_len + sum(fit_group_size(table[k], g).response_lens)))))
+    by_distance = sorted(
+        range(len(table)),
+        key=lambda k: abs(
+            math.log(budget / (g * table[k].prompt_len + sum(fit_group_size(table[k], g).response_lens)))
+        ),
+    )
     assert [c.id for c in chosen] == [table[k].id for k in by_distance[:3]]
     assert all(len(c.response_lens) == g for c in chosen)
 
@@ -77,6 +81,7 @@ def test_regimes_have_their_shape():
     def median_ratio(name):
         r = sorted(g.prompt_len / (sum(g.response_lens) / len(g.response_lens)) for g in load_table(name))
         return r[len(r) // 2]
+
     assert median_ratio("longdoc") > 10 and median_ratio("rag") > 10
     assert median_ratio("reasoning") < 0.2
     assert max(len(g.response_lens) for g in load_table("chat")) == 18
@@ -95,17 +100,20 @@ def test_build_workload_trees_follow_the_selected_lengths_and_seed():
     assert w.logical_tokens == sum(g.logical_tokens for g in w.groups)
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(name="nope", budget_tokens=1000, group_size=4), "unknown workload 'nope'"),
-    (dict(name="chat", budget_tokens=0, group_size=4), "budget_tokens .* got 0"),
-    (dict(name="chat", budget_tokens=7, group_size=4), "at least 2 \\* group_size = 8"),
-    (dict(name="chat", budget_tokens=1000.0, group_size=4), "budget_tokens .* got 1000.0"),
-    (dict(name="chat", budget_tokens=1000, group_size=0), "group_size must be a positive int, got 0"),
-    (dict(name="chat", budget_tokens=1000, group_size=2.5), "group_size .* got 2.5"),
-    (dict(name="longdoc", budget_tokens=1000, group_size=4, num_groups=2), "num_groups .* \\[1, 1\\]"),
-    (dict(name="chat", budget_tokens=1000, group_size=4, num_groups=0), "num_groups .* got 0"),
-    (dict(name="chat", budget_tokens=1000, group_size=4, vocab_size=0), "vocab_size .* got 0"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(name="nope", budget_tokens=1000, group_size=4), "unknown workload 'nope'"),
+        (dict(name="chat", budget_tokens=0, group_size=4), "budget_tokens .* got 0"),
+        (dict(name="chat", budget_tokens=7, group_size=4), "at least 2 \\* group_size = 8"),
+        (dict(name="chat", budget_tokens=1000.0, group_size=4), "budget_tokens .* got 1000.0"),
+        (dict(name="chat", budget_tokens=1000, group_size=0), "group_size must be a positive int, got 0"),
+        (dict(name="chat", budget_tokens=1000, group_size=2.5), "group_size .* got 2.5"),
+        (dict(name="longdoc", budget_tokens=1000, group_size=4, num_groups=2), "num_groups .* \\[1, 1\\]"),
+        (dict(name="chat", budget_tokens=1000, group_size=4, num_groups=0), "num_groups .* got 0"),
+        (dict(name="chat", budget_tokens=1000, group_size=4, vocab_size=0), "vocab_size .* got 0"),
+    ],
+)
 def test_bad_arguments_raise_clear_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):
         build_workload(**kwargs)

@@ -22,10 +22,10 @@ def rel(a, b) -> float:
 
 @dataclass
 class Reference:
-    q: torch.Tensor    # [H, L, D]
-    k: torch.Tensor    # [H_kv, L, D]
+    q: torch.Tensor  # [H, L, D]
+    k: torch.Tensor  # [H_kv, L, D]
     v: torch.Tensor
-    pk: torch.Tensor   # [H_kv, P, D]
+    pk: torch.Tensor  # [H_kv, P, D]
     pv: torch.Tensor
     dout: torch.Tensor
     out: torch.Tensor
@@ -45,8 +45,11 @@ def prefix_causal_reference(prefix_len: int, seq_len: int, dtype, seed: int, pre
     g = torch.Generator().manual_seed(seed)
     q, k, v = (random_heads(h, seq_len, dtype, g) for h in (HEADS, KV_HEADS, KV_HEADS))
     dout = random_heads(HEADS, seq_len, dtype, g)
-    pk, pv = prefix_kv if prefix_kv is not None else (random_heads(KV_HEADS, prefix_len, dtype, g),
-                                                      random_heads(KV_HEADS, prefix_len, dtype, g))
+    pk, pv = (
+        prefix_kv
+        if prefix_kv is not None
+        else (random_heads(KV_HEADS, prefix_len, dtype, g), random_heads(KV_HEADS, prefix_len, dtype, g))
+    )
     seq_len, prefix_len = q.shape[1], pk.shape[1]
     leaves = [t.clone().requires_grad_() for t in (q, k, v, pk, pv)]
     lq, lk, lv, lpk, lpv = leaves

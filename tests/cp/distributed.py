@@ -25,8 +25,9 @@ def free_port() -> int:
 def _entry(rank, world_size, port, fn, args):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=GLOO_TIMEOUT_S))
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=GLOO_TIMEOUT_S)
+    )
     try:
         fn(rank, world_size, *args)
     except BaseException:

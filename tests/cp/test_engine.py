@@ -26,12 +26,13 @@ def grpo_like_loss(trees, seed=0):
     """Policy-gradient term plus a non-linear term so dL/dlogp differs per token."""
     g = torch.Generator().manual_seed(seed)
     adv = [torch.randn(len(t.responses), generator=g).tolist() for t in trees]
-    return lambda t, i, logp: -(logp * adv[t][i]).mean() + 0.05 * (logp ** 2).sum()
+    return lambda t, i, logp: -(logp * adv[t][i]).mean() + 0.05 * (logp**2).sum()
 
 
 def split_plan(primitive, d, lanes, placement):
-    return Plan(degree=d, primitive=primitive, rounds=1 + max(r for r, _ in placement), lanes=lanes,
-                placement=placement)
+    return Plan(
+        degree=d, primitive=primitive, rounds=1 + max(r for r, _ in placement), lanes=lanes, placement=placement
+    )
 
 
 def ring_plan(d):
@@ -75,7 +76,7 @@ def check_call(model, trees, plans, *, temperature=1.0, train=True, seed=0, forw
     return stats, summed
 
 
-PROMPT_HEAVY = ([41], [[3, 6, 2]])      # G = 3: not divisible by 2 lanes
+PROMPT_HEAVY = ([41], [[3, 6, 2]])  # G = 3: not divisible by 2 lanes
 RESPONSE_HEAVY = ([5], [[17, 12, 9]])
 
 
@@ -90,17 +91,23 @@ def _world2(rank, world):
     model = tiny_model("qwen2-gqa")
     for prompt_lens, response_lens in (PROMPT_HEAVY, RESPONSE_HEAVY):
         trees = random_trees(prompt_lens, response_lens, seed=len(response_lens[0]))
-        for plan in (ring_plan(2), split_plan("tree_move_kv", 2, 1, ((0, 0), (1, 0), (2, 0))),
-                     split_plan("tree_move_kv", 2, 2, ((0, 0), (0, 1), (1, 0))),
-                     split_plan("move_q", 2, 2, ((0, 0), (0, 1), (1, 0))),
-                     split_plan("move_q", 2, 1, ((0, 0), (1, 0), (1, 0)))):
+        for plan in (
+            ring_plan(2),
+            split_plan("tree_move_kv", 2, 1, ((0, 0), (1, 0), (2, 0))),
+            split_plan("tree_move_kv", 2, 2, ((0, 0), (0, 1), (1, 0))),
+            split_plan("move_q", 2, 2, ((0, 0), (0, 1), (1, 0))),
+            split_plan("move_q", 2, 1, ((0, 0), (1, 0), (1, 0))),
+        ):
             stats, _ = check_call(model, trees, [plan])
             if plan.primitive != "ring" and plan.lanes == 1:  # the prompt ran once, not per response
                 assert stats.executed_tokens == one_lane_tokens(prompt_lens[0], response_lens[0], rank, world)
     # several trees with different plans in one call, through the public replay(); temperature != 1
     trees = random_trees([13, 30, 2], [[4, 9], [5, 1, 7, 3], [6, 2, 1]], seed=5)
-    plans = [ring_plan(2), split_plan("move_q", 2, 2, ((0, 0), (1, 1), (0, 1), (1, 0))),
-             split_plan("tree_move_kv", 2, 2, ((0, 1), (0, 0), (1, 0)))]
+    plans = [
+        ring_plan(2),
+        split_plan("move_q", 2, 2, ((0, 0), (1, 1), (0, 1), (1, 0))),
+        split_plan("tree_move_kv", 2, 2, ((0, 1), (0, 0), (1, 0))),
+    ]
     stats, _ = check_call(model, trees, plans, temperature=0.7)
     # each tree is counted once in the group: by its subgroup's first member
     assert dict(stats.plans) == ({"ring": 1, "move_q": 1, "tree_move_kv": 1} if rank == 0 else {})
@@ -115,15 +122,23 @@ def _world2(rank, world):
 def _world4(rank, world):
     model = tiny_model("llama-mha", seed=3)
     trees = random_trees([37, 6], [[2, 11, 1, 5, 8], [23, 4, 9]], seed=7)
-    for plans in ([split_plan("tree_move_kv", 4, 2, ((0, 0), (0, 1), (1, 0), (1, 1), (2, 0))),
-                   split_plan("move_q", 4, 3, ((0, 0), (0, 1), (0, 2)))],
-                  [split_plan("tree_move_kv", 4, 4, ((0, 0), (0, 1), (0, 2), (0, 3), (1, 2))), ring_plan(4)],
-                  [split_plan("move_q", 4, 2, ((0, 0), (0, 0), (1, 1), (0, 1), (1, 0))),
-                   split_plan("tree_move_kv", 4, 1, ((0, 0), (1, 0), (1, 0)))]):
+    for plans in (
+        [
+            split_plan("tree_move_kv", 4, 2, ((0, 0), (0, 1), (1, 0), (1, 1), (2, 0))),
+            split_plan("move_q", 4, 3, ((0, 0), (0, 1), (0, 2))),
+        ],
+        [split_plan("tree_move_kv", 4, 4, ((0, 0), (0, 1), (0, 2), (0, 3), (1, 2))), ring_plan(4)],
+        [
+            split_plan("move_q", 4, 2, ((0, 0), (0, 0), (1, 1), (0, 1), (1, 0))),
+            split_plan("tree_move_kv", 4, 1, ((0, 0), (1, 0), (1, 0))),
+        ],
+    ):
         stats, _ = check_call(model, trees, plans)
     # plans made by the planner (each split primitive forced once) run as planned
-    planned = [plan_tree(t.prompt_len, t.response_lens, degrees=(world,), force_primitive=p)
-               for t, p in zip(trees, ("move_q", "tree_move_kv"))]
+    planned = [
+        plan_tree(t.prompt_len, t.response_lens, degrees=(world,), force_primitive=p)
+        for t, p in zip(trees, ("move_q", "tree_move_kv"))
+    ]
     check_call(model, trees, planned)
 
 
@@ -149,13 +164,23 @@ def assert_scores_match_flattened(model, trees, loss_fn, temperature, got, summe
     sum_{t,i} loss_fn(t, i, scores_ti) equal the flattened baseline's (which this leaves in ``.grad``)."""
     model.zero_grad(set_to_none=True)
     entropies = {}
-    want = flattened_replay(model, trees, keep_graph=True, temperature=temperature,
-                            on_logits=lambda t, i, logits: entropies.__setitem__((t, i), entropy(logits)))
-    sum(loss_fn(t, i, torch.stack([want[t][i], entropies[(t, i)]], dim=-1))
-        for t in range(len(trees)) for i in range(len(trees[t].responses))).backward()
+    want = flattened_replay(
+        model,
+        trees,
+        keep_graph=True,
+        temperature=temperature,
+        on_logits=lambda t, i, logits: entropies.__setitem__((t, i), entropy(logits)),
+    )
+    sum(
+        loss_fn(t, i, torch.stack([want[t][i], entropies[(t, i)]], dim=-1))
+        for t in range(len(trees))
+        for i in range(len(trees[t].responses))
+    ).backward()
     assert_logps_match([[s[:, 0] for s in row] for row in got], want)
-    assert_logps_match([[s[:, 1] for s in row] for row in got],
-                       [[entropies[(t, i)] for i in range(len(tree.responses))] for t, tree in enumerate(trees)])
+    assert_logps_match(
+        [[s[:, 1] for s in row] for row in got],
+        [[entropies[(t, i)] for i in range(len(tree.responses))] for t, tree in enumerate(trees)],
+    )
     assert_grads_match(summed, grads(model))
 
 
@@ -166,8 +191,10 @@ def _micro_batch_loss_with_entropy(rank, world, offload_on=False):
     model = tiny_model("qwen2-gqa", seed=6)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     trees = random_trees([21, 4], [[5, 2, 8], [9, 1, 3, 6]], seed=11)
-    plans = [split_plan("move_q", world, 2, ((0, 0), (0, 1), (1, 0))),
-             split_plan("tree_move_kv", world, 2, ((0, 0), (0, 1), (1, 1), (1, 0)))]
+    plans = [
+        split_plan("move_q", world, 2, ((0, 0), (0, 1), (1, 0))),
+        split_plan("tree_move_kv", world, 2, ((0, 0), (0, 1), (1, 1), (1, 0))),
+    ]
     for step in range(3):
         pg = grpo_like_loss(trees, seed=step)
 
@@ -184,10 +211,22 @@ def _micro_batch_loss_with_entropy(rank, world, offload_on=False):
 
         model.zero_grad(set_to_none=True)
         offload = Offload(min_bytes=0) if offload_on else None
-        got = replay(model, StepPlan.build(trees, plans=plans if step != 1 else [ring_plan(world)] * 2,
-                                           temperature=0.8, entropy_fn=entropy, offload=offload), micro_batch_loss)
-        assert all(s.shape == (n, 2) and not s.requires_grad for tree, row in zip(trees, got)
-                   for s, n in zip(row, tree.response_lens))
+        got = replay(
+            model,
+            StepPlan.build(
+                trees,
+                plans=plans if step != 1 else [ring_plan(world)] * 2,
+                temperature=0.8,
+                entropy_fn=entropy,
+                offload=offload,
+            ),
+            micro_batch_loss,
+        )
+        assert all(
+            s.shape == (n, 2) and not s.requires_grad
+            for tree, row in zip(trees, got)
+            for s, n in zip(row, tree.response_lens)
+        )
         assert held and min(held) > 0 and not held_prompt_tensors()
         if offload is not None:
             if step != 1:  # ring trees have no shared prefill: nothing to offload at step 1
@@ -203,8 +242,11 @@ def _micro_batch_loss_with_entropy(rank, world, offload_on=False):
 def _world1(rank, world):
     model = tiny_model("qwen2-gqa")
     trees = random_trees([9], [[4, 1, 6]], seed=2)
-    for plan in (ring_plan(1), split_plan("tree_move_kv", 1, 1, ((0, 0), (1, 0), (1, 0))),
-                 split_plan("move_q", 1, 1, ((0, 0), (0, 0), (1, 0)))):
+    for plan in (
+        ring_plan(1),
+        split_plan("tree_move_kv", 1, 1, ((0, 0), (1, 0), (1, 0))),
+        split_plan("move_q", 1, 1, ((0, 0), (0, 0), (1, 0))),
+    ):
         stats, _ = check_call(model, trees, [plan])
         assert stats.total_comm_bytes == 0
 

@@ -30,12 +30,29 @@ from tests.parity import random_trees, tiny_model
 pytestmark = pytest.mark.slow  # spawns process groups
 
 PROMPTS = [29, 7, 21, 12, 9, 15, 5, 8, 11, 6, 4, 10, 3]
-RESPONSES = [[4, 6, 3], [9, 5], [3, 7, 2], [5, 2, 4], [1, 6], [8, 3, 5, 2],
-             [3, 4], [2, 5, 3], [6, 2], [4], [3, 1, 2], [2, 7], [5, 3]]
-PLANS = [split_plan("move_q", 4, 2, ((0, 0), (0, 1), (1, 0))), ring_plan(4),
-         split_plan("tree_move_kv", 2, 2, ((0, 0), (1, 0), (0, 1))), ring_plan(2),
-         split_plan("move_q", 2, 1, ((0, 0), (1, 0))),
-         split_plan("tree_move_kv", 2, 1, ((0, 0), (1, 0), (2, 0), (3, 0)))] + [None] * 7
+RESPONSES = [
+    [4, 6, 3],
+    [9, 5],
+    [3, 7, 2],
+    [5, 2, 4],
+    [1, 6],
+    [8, 3, 5, 2],
+    [3, 4],
+    [2, 5, 3],
+    [6, 2],
+    [4],
+    [3, 1, 2],
+    [2, 7],
+    [5, 3],
+]
+PLANS = [
+    split_plan("move_q", 4, 2, ((0, 0), (0, 1), (1, 0))),
+    ring_plan(4),
+    split_plan("tree_move_kv", 2, 2, ((0, 0), (1, 0), (0, 1))),
+    ring_plan(2),
+    split_plan("move_q", 2, 1, ((0, 0), (1, 0))),
+    split_plan("tree_move_kv", 2, 1, ((0, 0), (1, 0), (2, 0), (3, 0))),
+] + [None] * 7
 # degree-2 trees 2, 3, 4 on subgroup 0 and tree 5 on subgroup 1; degree-1 trees 6-10 on rank 0, 11-12 on rank 3
 SUBGROUPS = [0, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 3, 3]
 
@@ -67,8 +84,14 @@ def _skewed(rank, world):
         def loss_fn(t, i, scores):
             return pg(t, i, scores[:, 0]) + 0.1 * scores[:, 1].sum()
 
-        step_plan = dict(plans=PLANS, mesh=mesh, subgroups=SUBGROUPS, entropy_fn=entropy,
-                         lockstep_group=dist.group.WORLD, temperature=0.9)
+        step_plan = dict(
+            plans=PLANS,
+            mesh=mesh,
+            subgroups=SUBGROUPS,
+            entropy_fn=entropy,
+            lockstep_group=dist.group.WORLD,
+            temperature=0.9,
+        )
         got = replay(model, StepPlan.build(trees, **step_plan))
         _same_on_every_rank(events, f"step {step} forward only")
         forward = got

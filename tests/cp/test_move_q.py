@@ -28,8 +28,10 @@ def _move_q_member(rank, world, prompt_len, response_lens, lanes, dtype):
     """``response_lens[l]``: the response lane l replays in this step (0 = the lane is idle)."""
     g = torch.Generator().manual_seed(prompt_len * 7 + sum(response_lens))
     pk_full, pv_full = random_heads(KV_HEADS, prompt_len, dtype, g), random_heads(KV_HEADS, prompt_len, dtype, g)
-    refs = [prefix_causal_reference(prompt_len, r, dtype, seed=100 + lane, prefix_kv=(pk_full, pv_full))
-            for lane, r in enumerate(response_lens)]
+    refs = [
+        prefix_causal_reference(prompt_len, r, dtype, seed=100 + lane, prefix_kv=(pk_full, pv_full))
+        for lane, r in enumerate(response_lens)
+    ]
     members = [lane_members(world, lanes, lane) for lane in range(lanes)]
     my_lane = next(l for l, m in enumerate(members) if rank in m)
     lane_layouts = [ZigzagLayout(r, len(m)) for r, m in zip(response_lens, members)]
@@ -49,8 +51,11 @@ def _move_q_member(rank, world, prompt_len, response_lens, lanes, dtype):
     out = move_q_attention(q, k, v, (pk, pv), spec, Meter(stats, "move_q"))
     out.backward(ref.dout[:, pos])
     assert rel(out, ref.out[:, pos]) <= RTOL, (rank, rel(out, ref.out[:, pos]))
-    for name, got, want in [("dq", q.grad, ref.dq[:, pos]), ("dk", k.grad, ref.dk[:, pos]),
-                            ("dv", v.grad, ref.dv[:, pos])]:
+    for name, got, want in [
+        ("dq", q.grad, ref.dq[:, pos]),
+        ("dk", k.grad, ref.dk[:, pos]),
+        ("dv", v.grad, ref.dv[:, pos]),
+    ]:
         assert rel(got, want) <= RTOL, (rank, name, rel(got, want))
     # the prompt shard collects the gradient of every lane's queries
     assert rel(pk.grad, sum(r.dpk for r in refs)[:, ppos]) <= RTOL
@@ -61,7 +66,7 @@ def _move_q_member(rank, world, prompt_len, response_lens, lanes, dtype):
 
 
 CASES = {
-    2: [(40, [7], 1), (13, [9, 22], 2), (3, [5, 0], 2)],            # lane 1 idle, prompt-heavy, response-heavy
+    2: [(40, [7], 1), (13, [9, 22], 2), (3, [5, 0], 2)],  # lane 1 idle, prompt-heavy, response-heavy
     4: [(53, [11, 6], 2), (50, [3, 8, 0], 3), (6, [17], 1), (21, [2, 9, 4, 1], 4)],  # lanes of unequal size
 }
 

@@ -34,8 +34,11 @@ def _ring_member(rank, world, seq_len, prefix_len, dtype):
         out = ring_attention(q, k, v, spec, meter)
     out.backward(ref.dout[:, mine])
     assert rel(out, ref.out[:, mine]) <= RTOL
-    for name, got, want in [("dq", q.grad, ref.dq[:, mine]), ("dk", k.grad, ref.dk[:, mine]),
-                            ("dv", v.grad, ref.dv[:, mine])]:
+    for name, got, want in [
+        ("dq", q.grad, ref.dq[:, mine]),
+        ("dk", k.grad, ref.dk[:, mine]),
+        ("dv", v.grad, ref.dv[:, mine]),
+    ]:
         assert rel(got, want) <= RTOL, (rank, name, rel(got, want))
     if prefix is not None:
         assert rel(pk.grad, ref.dpk[:, pmine]) <= RTOL and rel(pv.grad, ref.dpv[:, pmine]) <= RTOL
@@ -45,10 +48,10 @@ def _ring_member(rank, world, seq_len, prefix_len, dtype):
 
 
 CASES = [
-    (37, 0),     # RingCP: length not divisible by 2d
-    (5, 0),      # shorter than 2d chunks at d=4: empty chunks and (at d=4) an empty member
-    (11, 23),    # TreeMoveKV shape: a prompt prefix carried by the ring, prompt-heavy
-    (29, 3),     # response-heavy
+    (37, 0),  # RingCP: length not divisible by 2d
+    (5, 0),  # shorter than 2d chunks at d=4: empty chunks and (at d=4) an empty member
+    (11, 23),  # TreeMoveKV shape: a prompt prefix carried by the ring, prompt-heavy
+    (29, 3),  # response-heavy
 ]
 
 

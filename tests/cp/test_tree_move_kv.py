@@ -29,9 +29,14 @@ def _lane_member(rank, world, lanes, prompt_len, response_lens):
     context = LaneReplayContext(ring, layout, prompt, [(pk, pv)], Meter(stats, "tree_move_kv"))
     out = context.attend(0, q[None], k[None], v[None], SCALE)[0]
     out.backward(ref.dout[:, pos])
-    for name, got, want in [("out", out, ref.out[:, pos]), ("dq", q.grad, ref.dq[:, pos]),
-                            ("dk", k.grad, ref.dk[:, pos]), ("dv", v.grad, ref.dv[:, pos]),
-                            ("dpk", pk.grad, ref.dpk[:, ppos]), ("dpv", pv.grad, ref.dpv[:, ppos])]:
+    for name, got, want in [
+        ("out", out, ref.out[:, pos]),
+        ("dq", q.grad, ref.dq[:, pos]),
+        ("dk", k.grad, ref.dk[:, pos]),
+        ("dv", v.grad, ref.dv[:, pos]),
+        ("dpk", pk.grad, ref.dpk[:, ppos]),
+        ("dpv", pv.grad, ref.dpv[:, ppos]),
+    ]:
         assert rel(got, want) <= RTOL, (rank, name, rel(got, want))
     want = ring_bytes(RingSpec(ring, layout, prompt, SCALE), KV_HEADS, HEAD_DIM, 4)
     got = {d: stats.comm_bytes.get(f"tree_move_kv/{d}", 0) for d in ("fwd", "bwd")}
@@ -39,7 +44,7 @@ def _lane_member(rank, world, lanes, prompt_len, response_lens):
 
 
 def _cases(rank, world):
-    _lane_member(rank, world, 2, 45, [7, 30])   # prompt-heavy lane next to a response-heavy lane
+    _lane_member(rank, world, 2, 45, [7, 30])  # prompt-heavy lane next to a response-heavy lane
     _lane_member(rank, world, 4, 9, [3, 12, 1, 6])  # lanes of one rank: no comm at all
 
 

@@ -28,8 +28,11 @@ def _branching(seed: int) -> list[Tree]:
     ids = lambda n: torch.randint(3, 128, (n,), generator=g)
     shared = ids(20)
     return random_trees([6, 11, 4], [[3, 5], [2], [7, 1, 4]], seed=seed) + [
-        Tree.of_tokens(ids(8), [torch.cat([shared, torch.tensor([1]), ids(3)]),
-                                torch.cat([shared, torch.tensor([2]), ids(5)]), ids(2)])]
+        Tree.of_tokens(
+            ids(8),
+            [torch.cat([shared, torch.tensor([1]), ids(3)]), torch.cat([shared, torch.tensor([2]), ids(5)]), ids(2)],
+        )
+    ]
 
 
 def _ranks_differ(rank, world):
@@ -38,7 +41,7 @@ def _ranks_differ(rank, world):
     trees = sharing_batch(**SHORT) if rank == 0 else _branching(5)
     g = torch.Generator().manual_seed(rank)
     adv = [torch.randn(len(t.responses), generator=g).tolist() for t in trees]
-    loss_fn = lambda t, i, logp: -(logp * adv[t][i]).mean() + 0.05 * (logp ** 2).sum()
+    loss_fn = lambda t, i, logp: -(logp * adv[t][i]).mean() + 0.05 * (logp**2).sum()
     options = dict(lockstep_group=dist.group.WORLD, micro_batch_tokens=12, min_shared_tokens=MIN_SHARED)
     forward = replay(model, StepPlan.build(trees, **options))
     _same_on_every_rank(events, "forward only")

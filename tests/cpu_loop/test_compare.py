@@ -14,8 +14,11 @@ def _write(path, steps):
 
 
 def _step(scale, reward=0.1):
-    return {**{key: scale * (i + 1) for i, key in enumerate(TIMINGS)}, "critic/score/mean": reward,
-            "actor/pg_loss": 0.0}
+    return {
+        **{key: scale * (i + 1) for i, key in enumerate(TIMINGS)},
+        "critic/score/mean": reward,
+        "actor/pg_loss": 0.0,
+    }
 
 
 def test_medians_skip_the_first_step_and_ratios_are_to_the_first_run(tmp_path, capsys):
@@ -31,12 +34,23 @@ def test_medians_skip_the_first_step_and_ratios_are_to_the_first_run(tmp_path, c
 def test_shown_metrics_per_step_and_run(tmp_path, capsys):
     stock = _write(tmp_path / "fsdp2.jsonl", [_step(1.0)])
     ours = _write(tmp_path / "augtree.jsonl", [{**_step(1.0), "actor/augtree/trie/nodes": 6.0}])
-    main(["--out", str(tmp_path / "c.png"), f"fsdp2={stock}", f"augtree={ours}", "--show",
-          "actor/augtree/trie/nodes", "critic/score/mean"])
+    main(
+        [
+            "--out",
+            str(tmp_path / "c.png"),
+            f"fsdp2={stock}",
+            f"augtree={ours}",
+            "--show",
+            "actor/augtree/trie/nodes",
+            "critic/score/mean",
+        ]
+    )
     rows = capsys.readouterr().out.splitlines()
     header = next(i for i, row in enumerate(rows) if row.startswith("step"))
-    assert rows[header + 1:header + 3] == [
-        f"{1:<6}{'fsdp2':<10}{'-':>18}{0.1:>18.6g}", f"{1:<6}{'augtree':<10}{6.0:>18.6g}{0.1:>18.6g}"]
+    assert rows[header + 1 : header + 3] == [
+        f"{1:<6}{'fsdp2':<10}{'-':>18}{0.1:>18.6g}",
+        f"{1:<6}{'augtree':<10}{6.0:>18.6g}{0.1:>18.6g}",
+    ]
 
 
 def test_read_steps_orders_by_step(tmp_path):

@@ -26,13 +26,15 @@ def task(tmp_path_factory):
 
 def test_verls_dataset_tokenizes_the_prompts_into_known_words(task, tmp_path):
     with initialize_config_dir(config_dir=str(REPO / "recipes"), version_base=None):
-        data_config = compose(config_name="grpo_augtree", overrides=[f"+data.cache_dir={tmp_path}",
-                                                                     "data.max_prompt_length=1024"]).data
+        data_config = compose(
+            config_name="grpo_augtree", overrides=[f"+data.cache_dir={tmp_path}", "data.max_prompt_length=1024"]
+        ).data
     tokenizer = AutoTokenizer.from_pretrained(task / "model")
     train = RLHFDataset(str(task / "data/train.parquet"), tokenizer, data_config)
     assert len(train) == SMALL["train_rows"]
-    ids = tokenizer.apply_chat_template(train[0]["raw_prompt"], add_generation_prompt=True, tokenize=True,
-                                        return_dict=False)
+    ids = tokenizer.apply_chat_template(
+        train[0]["raw_prompt"], add_generation_prompt=True, tokenize=True, return_dict=False
+    )
     assert tokenizer.unk_token_id not in ids
     assert SMALL["min_words"] < len(ids) < SMALL["max_words"] + KEYS_PER_PROMPT + 16
     assert tokenizer.decode(ids).startswith("<|im_start|> user key ")
@@ -64,14 +66,24 @@ def test_agent_rows_share_one_system_prompt_and_the_environment_marks_key_words(
 
 def test_other_data_sources_keep_verls_reward():
     gold = {"target": ["Paris"]}
-    assert compute_score("searchR1_musique", "<answer>Paris</answer>", gold) == default_compute_score(
-        "searchR1_musique", "<answer>Paris</answer>", gold) == 1.0
+    assert (
+        compute_score("searchR1_musique", "<answer>Paris</answer>", gold)
+        == default_compute_score("searchR1_musique", "<answer>Paris</answer>", gold)
+        == 1.0
+    )
 
 
-@pytest.mark.parametrize("bad, match", [(dict(max_words=10, min_words=20), "max_words"),
-                                        (dict(train_rows=0), "train_rows"), (dict(max_positions=100), "max_positions"),
-                                        (dict(hidden_size=40), "hidden_size"), (dict(system_words=-1), "system_words"),
-                                        (dict(system_words=1500), "system_words=1500")])
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (dict(max_words=10, min_words=20), "max_words"),
+        (dict(train_rows=0), "train_rows"),
+        (dict(max_positions=100), "max_positions"),
+        (dict(hidden_size=40), "hidden_size"),
+        (dict(system_words=-1), "system_words"),
+        (dict(system_words=1500), "system_words=1500"),
+    ],
+)
 def test_bad_sizes_are_named(bad, match):
     with pytest.raises(ValueError, match=match):
         TaskConfig(**bad)

@@ -34,8 +34,13 @@ def compared(assets, tmp_path_factory) -> Path:
     """OUT_DIR of ``examples/compare_engines.sh``: <engine>.jsonl, compare.png, wandb/, checkpoints/<engine>/,
     and log.txt (the script's output)."""
     out = tmp_path_factory.mktemp("compare")
-    log = run_script("compare_engines.sh", run_env(assets, out, OUT_DIR=str(out), WANDB_DIR=str(out)), out,
-                     f"actor_rollout_ref.actor.optim.lr={LR}", *SAVE_EVERY_STEP)
+    log = run_script(
+        "compare_engines.sh",
+        run_env(assets, out, OUT_DIR=str(out), WANDB_DIR=str(out)),
+        out,
+        f"actor_rollout_ref.actor.optim.lr={LR}",
+        *SAVE_EVERY_STEP,
+    )
     (out / "log.txt").write_text(log)
     return out
 
@@ -43,13 +48,13 @@ def compared(assets, tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def sync_run(compared) -> Run:
     """The augtree_sync run of the compare script (our engine; the recipes' default trainer mode)."""
-    return Run(compared, (f"actor_rollout_ref.actor.optim.lr={LR}", *SAVE_EVERY_STEP),
-               read_steps(compared / "augtree.jsonl"))
+    return Run(
+        compared, (f"actor_rollout_ref.actor.optim.lr={LR}", *SAVE_EVERY_STEP), read_steps(compared / "augtree.jsonl")
+    )
 
 
 def _mode_run(assets: Path, out: Path, mode: str, *extra: str) -> Run:
-    overrides = (f"trainer.v1.trainer_mode={mode}", f"actor_rollout_ref.actor.optim.lr={LR}", *SAVE_EVERY_STEP,
-                 *extra)
+    overrides = (f"trainer.v1.trainer_mode={mode}", f"actor_rollout_ref.actor.optim.lr={LR}", *SAVE_EVERY_STEP, *extra)
     log = out / "metrics.jsonl"
     run_script("run_cpu.sh", run_env(assets, out, VERL_FILE_LOGGER_PATH=str(log)), out, *overrides)
     return Run(out, overrides, read_steps(log))
@@ -67,5 +72,9 @@ def separate_async_run(assets, tmp_path_factory) -> Run:
     with the stock engine) and step 2's rollout shows the pushed weights. (With a warm-up batch, step 1 takes
     whichever of the two batches' groups verl's replay buffer lists first: uids sorted by step, ties in set
     order.) colocate_async_run keeps the warm-up batch."""
-    return _mode_run(assets, tmp_path_factory.mktemp("separate-async"), SEPARATE_ASYNC_MODE,
-                     "trainer.v1.separate_async.num_warmup_batches=0")
+    return _mode_run(
+        assets,
+        tmp_path_factory.mktemp("separate-async"),
+        SEPARATE_ASYNC_MODE,
+        "trainer.v1.separate_async.num_warmup_batches=0",
+    )

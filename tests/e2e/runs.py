@@ -24,17 +24,29 @@ SAVE_EVERY_STEP = ("trainer.save_freq=1", "trainer.default_local_dir=checkpoints
 def run_env(assets: Path, log_dir: Path, **overrides) -> dict:
     """The scripts' environment: our checkout first on the path, a local Ray, wandb offline."""
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "WANDB_API_KEY")}
-    env.update(ASSETS_DIR=str(assets), STEPS=str(STEPS), PYTHON=sys.executable,
-               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-               TORCHINDUCTOR_CACHE_DIR=str(log_dir / "inductor"), WANDB_MODE="offline", WANDB_SILENT="true")
+    env.update(
+        ASSETS_DIR=str(assets),
+        STEPS=str(STEPS),
+        PYTHON=sys.executable,
+        PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+        TORCHINDUCTOR_CACHE_DIR=str(log_dir / "inductor"),
+        WANDB_MODE="offline",
+        WANDB_SILENT="true",
+    )
     env.update(overrides)
     return env
 
 
 def run_script(script: str, env: dict, cwd: Path, *overrides: str) -> str:
     """The script's output (stdout and stderr) once it exited 0."""
-    run = subprocess.run(["bash", str(REPO / "examples" / script), *overrides], cwd=cwd, env=env,
-                         capture_output=True, text=True, timeout=1100)
+    run = subprocess.run(
+        ["bash", str(REPO / "examples" / script), *overrides],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1100,
+    )
     assert run.returncode == 0, (run.stdout + run.stderr)[-6000:]
     return run.stdout + run.stderr
 

@@ -20,16 +20,27 @@ from tests.e2e.test_cpu_loop import ROLLOUT_PROB_ATOL, assert_same_step_one
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 BATCH, N, TURNS, TURN_TOKENS, SYSTEM_WORDS = 2, 4, 3, 32, 256
-LEAVES = 4                                   # 2 branches after turn 1 and after turn 2
+LEAVES = 4  # 2 branches after turn 1 and after turn 2
 
 
 @pytest.fixture(scope="module")
 def agent_runs(tmp_path_factory) -> Path:
     """OUT_DIR of the script: <engine>.jsonl, agent_loops.yaml, rollouts/<engine>/1.jsonl."""
     out = tmp_path_factory.mktemp("train-agent")
-    env = run_env(out, out, OUT_DIR=str(out), ASSETS_DIR_AGENT=str(out / "assets"), ENGINES="fsdp2 augtree",
-                  STEPS="1", NPROC="1", BATCH=str(BATCH), N=str(N), TURNS=str(TURNS), TURN_TOKENS=str(TURN_TOKENS),
-                  SYSTEM_WORDS=str(SYSTEM_WORDS))
+    env = run_env(
+        out,
+        out,
+        OUT_DIR=str(out),
+        ASSETS_DIR_AGENT=str(out / "assets"),
+        ENGINES="fsdp2 augtree",
+        STEPS="1",
+        NPROC="1",
+        BATCH=str(BATCH),
+        N=str(N),
+        TURNS=str(TURNS),
+        TURN_TOKENS=str(TURN_TOKENS),
+        SYSTEM_WORDS=str(SYSTEM_WORDS),
+    )
     run_script("train_agent.sh", env, out, "trainer.rollout_data_dir=rollouts/${actor_rollout_ref.actor.strategy}")
     return out
 
@@ -46,16 +57,17 @@ def test_each_prompt_is_a_tree_of_multi_turn_leaves(agent_runs, step_one):
         uid, session, index = sample["uid"].rsplit("_", 2)
         leaves[uid][int(session)] = sample["output"].split()
     assert len(leaves) == BATCH and all(sorted(tree) == list(range(N)) for tree in leaves.values())
-    for metrics in step_one.values():      # every sample: 3 assistant turns, 2 environment replies, the prompt
+    for metrics in step_one.values():  # every sample: 3 assistant turns, 2 environment replies, the prompt
         assert metrics["num_turns/min"] == metrics["num_turns/max"] == 2 * TURNS
     for tree in leaves.values():
+
         def shared(a, b):
             return len(os.path.commonprefix([tree[a], tree[b]]))
 
         # leaves 0 and 2 branch after turn 1, leaves 0 and 1 after turn 2: each shares its turns up to there
         assert TURN_TOKENS // 2 < shared(0, 2) < shared(0, 1) < len(tree[0])
         assert shared(0, 2) == shared(0, 3) == shared(1, 2) and shared(2, 3) > shared(0, 2)
-        assert tree[0].count("user") >= TURNS - 1           # the environment's turns are in the response
+        assert tree[0].count("user") >= TURNS - 1  # the environment's turns are in the response
 
 
 def test_our_engine_replays_the_batch_as_one_deep_trie(step_one):

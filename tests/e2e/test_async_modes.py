@@ -14,8 +14,14 @@ from tests.e2e.test_cpu_loop import ROLLOUT_PROB_ATOL, assert_same_step_one
 pytestmark = pytest.mark.slow
 
 # The update's metrics: the policy loss and gradient, and our engine's replay counters.
-UPDATE = ("actor/pg_loss", "actor/grad_norm", "actor/augtree/logical_tokens", "actor/augtree/executed_tokens",
-          "actor/augtree/prefill_s", "actor/augtree/delayed_backward_s")
+UPDATE = (
+    "actor/pg_loss",
+    "actor/grad_norm",
+    "actor/augtree/logical_tokens",
+    "actor/augtree/executed_tokens",
+    "actor/augtree/prefill_s",
+    "actor/augtree/delayed_backward_s",
+)
 MODES = ["colocate_async_run", "separate_async_run"]
 
 

@@ -25,11 +25,19 @@ PG_LOSS_ATOL = 1e-6
 # max |p_rollout - p_trainer| over tokens). Same weights, float32, another kernel: rounding only.
 ROLLOUT_PROB_ATOL = 1e-5
 # Metrics our engine and trainer mode add (timing_s/balance: the trainer mode's group-aware balance).
-OURS = ("timing_s/balance", "actor/augtree/prefill_s", "actor/augtree/delayed_backward_s",
-        "actor/augtree/logical_tokens", "actor/augtree/executed_tokens", "actor/augtree/predicted_replay_s",
-        "augtree/planner/plans",
-        "augtree/planner/plans_from_rollout", "augtree/planner/plans_in_process", "augtree/planner/plan_wait_s",
-        "augtree/balance/groups")
+OURS = (
+    "timing_s/balance",
+    "actor/augtree/prefill_s",
+    "actor/augtree/delayed_backward_s",
+    "actor/augtree/logical_tokens",
+    "actor/augtree/executed_tokens",
+    "actor/augtree/predicted_replay_s",
+    "augtree/planner/plans",
+    "augtree/planner/plans_from_rollout",
+    "augtree/planner/plans_in_process",
+    "augtree/planner/plan_wait_s",
+    "augtree/balance/groups",
+)
 # The step-1 metrics two runs on the same batch from the same weights must share (means may be summed in
 # another row order).
 STEP_ONE = ("critic/score/mean", "response_length/mean", "prompt_length/mean", "actor/grad_norm", "actor/entropy")
@@ -88,15 +96,20 @@ def test_the_planner_plans_with_the_runs_own_profile(compared, steps, assets):
     (the client refuses a service with another profile, and the rollout's plans were taken)."""
     (line,) = [line for line in (compared / "log.txt").read_text().splitlines() if "augtree: planner profile" in line]
     config = json.loads((assets / "model" / "config.json").read_text())
-    shape = (f"model {config['num_hidden_layers']} layers, hidden {config['hidden_size']}, heads "
-             f"{config['num_attention_heads']}/{config['num_key_value_heads']}x")
+    shape = (
+        f"model {config['num_hidden_layers']} layers, hidden {config['hidden_size']}, heads "
+        f"{config['num_attention_heads']}/{config['num_key_value_heads']}x"
+    )
     assert shape in line and "model 28 layers" not in line, line
     assert "planner profile from calibrated now" in line or "planner profile from cache file" in line, line
     assert ", world 2," in line or "-w2-" in line, line
     (cached,) = Path(os.environ[CACHE_ENV]).glob("profile-cpu-*-w2-*.json")
     profile = ClusterProfile.load(cached)
     assert (profile.num_layers, profile.hidden_size, profile.vocab_size) == (
-        config["num_hidden_layers"], config["hidden_size"], config["vocab_size"])
+        config["num_hidden_layers"],
+        config["hidden_size"],
+        config["vocab_size"],
+    )
     assert f"dense {profile.flops_per_s:.3g} FLOP/s" in line
     assert sum(metrics["augtree/planner/plans_from_rollout"] for metrics in steps["augtree"]) > 0
 
@@ -123,8 +136,11 @@ def test_compare_engines_writes_the_picture_and_one_wandb_run_per_engine(compare
 def test_dapo_recipe_runs_a_step_on_our_engine(assets, tmp_path):
     """DAPO: no reference model, dynamic sampling (filter_groups), the dapo reward manager's overlong shaping."""
     log = tmp_path / "metrics.jsonl"
-    run_script("run_cpu.sh", run_env(assets, tmp_path, STEPS="1", RECIPE="dapo_augtree",
-                                      VERL_FILE_LOGGER_PATH=str(log)), cwd=tmp_path)
+    run_script(
+        "run_cpu.sh",
+        run_env(assets, tmp_path, STEPS="1", RECIPE="dapo_augtree", VERL_FILE_LOGGER_PATH=str(log)),
+        cwd=tmp_path,
+    )
     (metrics,) = read_steps(log)
     assert "timing_s/ref" not in metrics and "timing_s/update_actor" in metrics
     assert metrics["actor/grad_norm"] > 0 and "actor/augtree/logical_tokens" in metrics

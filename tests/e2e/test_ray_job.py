@@ -34,23 +34,42 @@ def head(tmp_path):
     """``ray start --head --block`` with its own temp dir (so no other ray.init() here joins it) and ports."""
     temp_dir = tempfile.mkdtemp(prefix="rayhead-", dir="/tmp")  # short: Ray's socket paths have a length limit
     dashboard = _free_port()
-    args = [str(BIN / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={_free_port()}",
-            "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}",
-            f"--dashboard-agent-listen-port={_free_port()}", f"--dashboard-agent-grpc-port={_free_port()}",
-            f"--ray-client-server-port={_free_port()}", f"--metrics-export-port={_free_port()}",
-            f"--runtime-env-agent-port={_free_port()}", f"--temp-dir={temp_dir}",
-            "--num-cpus=16", "--num-gpus=2", "--disable-usage-stats"]
+    args = [
+        str(BIN / "ray"),
+        "start",
+        "--head",
+        "--block",
+        "--node-ip-address=127.0.0.1",
+        f"--port={_free_port()}",
+        "--include-dashboard=true",
+        "--dashboard-host=127.0.0.1",
+        f"--dashboard-port={dashboard}",
+        f"--dashboard-agent-listen-port={_free_port()}",
+        f"--dashboard-agent-grpc-port={_free_port()}",
+        f"--ray-client-server-port={_free_port()}",
+        f"--metrics-export-port={_free_port()}",
+        f"--runtime-env-agent-port={_free_port()}",
+        f"--temp-dir={temp_dir}",
+        "--num-cpus=16",
+        "--num-gpus=2",
+        "--disable-usage-stats",
+    ]
     # Ray 2.60 turns token authentication on for `ray start` when ~/.ray/auth_token exists but leaves its CLI
     # clients off unless RAY_AUTH_MODE says so: set the mode explicitly (off: a head on 127.0.0.1 for a test).
     env = dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ['PATH']}", RAY_AUTH_MODE="disabled")
     env.pop("RAY_ADDRESS", None)
-    proc = subprocess.Popen(args, env=env, stdout=open(tmp_path / "head.log", "w"), stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        args, env=env, stdout=open(tmp_path / "head.log", "w"), stderr=subprocess.STDOUT, start_new_session=True
+    )
     address = f"http://127.0.0.1:{dashboard}"
     try:
         deadline = time.time() + HEAD_START_S
-        while subprocess.run([str(BIN / "ray"), "job", "list", "--address", address], env=env,
-                             capture_output=True, timeout=60).returncode != 0:
+        while (
+            subprocess.run(
+                [str(BIN / "ray"), "job", "list", "--address", address], env=env, capture_output=True, timeout=60
+            ).returncode
+            != 0
+        ):
             assert proc.poll() is None and time.time() < deadline, (tmp_path / "head.log").read_text()[-3000:]
             time.sleep(2)
         yield address, env
@@ -73,19 +92,41 @@ def test_a_submitted_cpu_job_resumes_the_sync_run(head, sync_run, assets, tmp_pa
     stopped_after(sync_run.dir, 1, tmp_path)
     checkpoints = next(tmp_path.glob("checkpoints/augtree"))
     log = tmp_path / "metrics.jsonl"
-    env = dict(env, RAY_ADDRESS=address, STEPS=str(STEPS), ASSETS_DIR=str(assets), VERL_FILE_LOGGER_PATH=str(log),
-               PYTHON=sys.executable, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    env = dict(
+        env,
+        RAY_ADDRESS=address,
+        STEPS=str(STEPS),
+        ASSETS_DIR=str(assets),
+        VERL_FILE_LOGGER_PATH=str(log),
+        PYTHON=sys.executable,
+        PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+    )
     # the job runs in Ray's copy of the repository: the checkpoint folder by its absolute path
-    run = subprocess.run(["bash", str(REPO / "examples/submit_cpu_job.sh"), *sync_run.overrides,
-                          f"trainer.default_local_dir={checkpoints}", "trainer.resume_mode=auto"],
-                         env=env, capture_output=True, text=True, timeout=1100)
+    run = subprocess.run(
+        [
+            "bash",
+            str(REPO / "examples/submit_cpu_job.sh"),
+            *sync_run.overrides,
+            f"trainer.default_local_dir={checkpoints}",
+            "trainer.resume_mode=auto",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1100,
+    )
     output = run.stdout + run.stderr
     assert run.returncode == 0, f"exit status {run.returncode}:\n{output[-6000:]}"
     assert "succeeded" in output.lower()
     # the job's logs, read back from the cluster
     job_id = next(line.split("'")[1] for line in output.splitlines() if "submitted successfully" in line)
-    logs = subprocess.run([str(BIN / "ray"), "job", "logs", job_id, "--address", address], env=env,
-                          capture_output=True, text=True, timeout=120).stdout
+    logs = subprocess.run(
+        [str(BIN / "ray"), "job", "logs", job_id, "--address", address],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    ).stdout
     assert f"step:{STEPS} - " in logs and "actor/augtree/logical_tokens" in logs
     (metrics,) = [json.loads(line)["data"] for line in log.read_text().splitlines()]
     assert_resumed(metrics, sync_run.steps[1], restored_groups=False)

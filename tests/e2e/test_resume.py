@@ -20,9 +20,19 @@ pytestmark = pytest.mark.slow
 # schedule, dataloader position, sampled tokens), in the same order: any difference is float32 rounding.
 RESUME_RTOL = 1e-5
 # Losses, gradient, reward and the batch that was trained.
-SAME = ("actor/loss", "actor/grad_norm", "actor/entropy", "actor/kl_loss", "actor/pg_clipfrac",
-        "critic/score/mean", "critic/score/max", "critic/score/min", "response_length/mean", "prompt_length/mean",
-        "augtree/balance/groups")
+SAME = (
+    "actor/loss",
+    "actor/grad_norm",
+    "actor/entropy",
+    "actor/kl_loss",
+    "actor/pg_clipfrac",
+    "critic/score/mean",
+    "critic/score/max",
+    "critic/score/min",
+    "response_length/mean",
+    "prompt_length/mean",
+    "augtree/balance/groups",
+)
 
 
 def assert_resumed(resumed: dict, straight: dict, *, restored_groups: bool) -> None:
@@ -32,8 +42,7 @@ def assert_resumed(resumed: dict, straight: dict, *, restored_groups: bool) -> N
     restart)."""
     assert resumed["training/global_step"] == straight["training/global_step"]
     for key in SAME:
-        assert abs(resumed[key] - straight[key]) <= RESUME_RTOL * abs(straight[key]), (key, resumed[key],
-                                                                                      straight[key])
+        assert abs(resumed[key] - straight[key]) <= RESUME_RTOL * abs(straight[key]), (key, resumed[key], straight[key])
     # on-policy GRPO's pg_loss is a sum of cancelling terms: rounding noise
     assert abs(resumed["actor/pg_loss"] - straight["actor/pg_loss"]) <= PG_LOSS_ATOL
     groups = resumed["augtree/balance/groups"]
@@ -49,8 +58,13 @@ def assert_resumed(resumed: dict, straight: dict, *, restored_groups: bool) -> N
 def resumed_step_two(straight: Run, assets, out) -> dict:
     stopped_after(straight.dir, 1, out)
     log = out / "metrics.jsonl"
-    run_script("run_cpu.sh", run_env(assets, out, VERL_FILE_LOGGER_PATH=str(log)), out, *straight.overrides,
-               "trainer.resume_mode=auto")
+    run_script(
+        "run_cpu.sh",
+        run_env(assets, out, VERL_FILE_LOGGER_PATH=str(log)),
+        out,
+        *straight.overrides,
+        "trainer.resume_mode=auto",
+    )
     (step,) = read_steps(log)
     return step
 

@@ -27,13 +27,25 @@ def test_planner_timeout_has_one_default():
     assert AugTreeEngineConfig().planner_timeout_s == client.timeout_s == DEFAULT_TIMEOUT_S
 
 
-@pytest.mark.parametrize("knob, bad", [
-    ("micro_batch_tokens", 0), ("micro_batch_tokens", 2.5), ("fallback_threshold_tokens", -1),
-    ("cp_degrees", []), ("cp_degrees", [2, 0]), ("cp_degrees", [2, 3]), ("force_primitive", "ulysses"),
-    ("use_planner", "yes"),
-    ("planner_name", ""), ("planner_timeout_s", 0), ("planner_ttl_s", -1.0),
-    ("planner_max_entries", 0), ("strategy", "megatron"), ("offload_prompt_activations", 1),
-])
+@pytest.mark.parametrize(
+    "knob, bad",
+    [
+        ("micro_batch_tokens", 0),
+        ("micro_batch_tokens", 2.5),
+        ("fallback_threshold_tokens", -1),
+        ("cp_degrees", []),
+        ("cp_degrees", [2, 0]),
+        ("cp_degrees", [2, 3]),
+        ("force_primitive", "ulysses"),
+        ("use_planner", "yes"),
+        ("planner_name", ""),
+        ("planner_timeout_s", 0),
+        ("planner_ttl_s", -1.0),
+        ("planner_max_entries", 0),
+        ("strategy", "megatron"),
+        ("offload_prompt_activations", 1),
+    ],
+)
 def test_bad_knob_raises_value_error_naming_it(knob, bad):
     with pytest.raises(ValueError, match=knob.split("_")[0]) as err:
         AugTreeEngineConfig(**{knob: bad})
@@ -45,12 +57,21 @@ def test_cp_degrees_are_sorted_and_deduplicated():
 
 
 def test_actor_config_selects_it_with_target_and_strategy():
-    actor = OmegaConf.create({
-        "_target_": "verl.workers.config.FSDPActorConfig", "strategy": "augtree", "rollout_n": 4,
-        "ppo_micro_batch_size_per_gpu": 2,
-        "fsdp_config": {"_target_": TARGET, "strategy": "fsdp", "micro_batch_tokens": 4096,
-                        "cp_degrees": [1, 2], "force_primitive": "move_q"},
-    })
+    actor = OmegaConf.create(
+        {
+            "_target_": "verl.workers.config.FSDPActorConfig",
+            "strategy": "augtree",
+            "rollout_n": 4,
+            "ppo_micro_batch_size_per_gpu": 2,
+            "fsdp_config": {
+                "_target_": TARGET,
+                "strategy": "fsdp",
+                "micro_batch_tokens": 4096,
+                "cp_degrees": [1, 2],
+                "force_primitive": "move_q",
+            },
+        }
+    )
     config = omega_conf_to_dataclass(actor)
     engine = config.engine
     assert type(engine) is AugTreeEngineConfig

@@ -31,9 +31,15 @@ WORKER_INIT = textwrap.dedent("""
 
 @pytest.mark.timeout(180)
 def test_worker_process_group_is_plain_gloo():
-    env = dict(os.environ, VERL_PLATFORM="cpu", RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(H.free_port()),
-               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    env = dict(
+        os.environ,
+        VERL_PLATFORM="cpu",
+        RANK="0",
+        WORLD_SIZE="1",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(H.free_port()),
+        PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+    )
     run = subprocess.run([sys.executable, "-c", WORKER_INIT], env=env, capture_output=True, text=True, timeout=170)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "backend gloo" in run.stdout

@@ -38,6 +38,8 @@ PLANS_DEGREE_4_AND_2 = [("move_q", 4), ONE_LANE, ("ring", 4), ("tree_move_kv", 2
 # Every group planned at degree 2 with 50% parallel efficiency: the engine's schedule runs them side by side
 # on one rank each instead.
 INEFFICIENT = [Plan(degree=2, est_time_s=float(p), est_single_s=float(p)) for p, _ in GROUPS]
+
+
 def _plan_entries(rows, specs):
     from augtree_verl.planner import plan_tree
     from augtree_verl.trainer import find_trees, plan_entries
@@ -46,8 +48,11 @@ def _plan_entries(rows, specs):
     plans = {}
     for tree in trees:
         plan = specs[int(tree.uid.split("-")[1])]
-        plans[tree.tree_id] = plan if isinstance(plan, Plan) else plan_tree(
-            tree.prompt_len, tree.response_lens, degrees=(plan[1],), force_primitive=plan[0])
+        plans[tree.tree_id] = (
+            plan
+            if isinstance(plan, Plan)
+            else plan_tree(tree.prompt_len, tree.response_lens, degrees=(plan[1],), force_primitive=plan[0])
+        )
     return plan_entries(trees, plans, len(rows))
 
 
@@ -79,8 +84,17 @@ def infer_both_and_set_old(stock, ours, stock_batch, batch, stock_idx, ours_idx,
         b["old_log_probs"] = torch.nested.as_nested_tensor([old[k] for k in idx], layout=torch.jagged)
 
 
-def _rank_main(rank: int, world: int, port: int, model_path: str, cp_degrees: list[int], specs: list,
-               cp_max: int, loss_agg_mode: str, entropy_coeff: float) -> None:
+def _rank_main(
+    rank: int,
+    world: int,
+    port: int,
+    model_path: str,
+    cp_degrees: list[int],
+    specs: list,
+    cp_max: int,
+    loss_agg_mode: str,
+    entropy_coeff: float,
+) -> None:
     """``cp_max``: the largest degree expected to run."""
     H.use_cpu_platform()  # a spawned process: select verl's CPU platform before building engines
     from verl.utils import tensordict_utils as tu
@@ -104,12 +118,14 @@ def _rank_main(rank: int, world: int, port: int, model_path: str, cp_degrees: li
         stock_idx = list(range(rank, len(rows), world))
         our_rows = [rows[k] for k in ours_idx]
         # A rank's whole share in one verl micro-batch.
-        batch = H.rows_to_batch(our_rows, micro_batch_size=len(our_rows),
-                                extra={"augtree_plan": _plan_entries(our_rows, specs)})
+        batch = H.rows_to_batch(
+            our_rows, micro_batch_size=len(our_rows), extra={"augtree_plan": _plan_entries(our_rows, specs)}
+        )
         stock_batch = H.rows_to_batch([rows[k] for k in stock_idx])
         for b in (batch, stock_batch):  # use_remove_padding as verl's worker sets it (False for hybrids)
-            tu.assign_non_tensor(b, global_batch_size=len(rows),
-                                 use_remove_padding=stock.model_config.use_remove_padding)
+            tu.assign_non_tensor(
+                b, global_batch_size=len(rows), use_remove_padding=stock.model_config.use_remove_padding
+            )
         infer_both_and_set_old(stock, ours, stock_batch, batch, stock_idx, ours_idx, len(rows), f"rank {rank}", step)
         for b in (batch, stock_batch):
             tu.assign_non_tensor(b, calculate_entropy=entropy_coeff != 0)
@@ -119,11 +135,13 @@ def _rank_main(rank: int, world: int, port: int, model_path: str, cp_degrees: li
         # a hybrid's CP plans run on one rank, counted (linear attention has no CP replay)
         cp_trees = {row["uid"] for row in our_rows if _degree(specs[int(row["uid"].split("-")[1])]) > 1}
         assert metrics["augtree/planner/cp_demoted_linear_attention"].aggregate() == (
-            len(cp_trees) if has_linear_attention(ours.module.config) else 0)
+            len(cp_trees) if has_linear_attention(ours.module.config) else 0
+        )
         # The CP group's totals on every rank: each tree once, whichever ranks replayed it.
         assert metrics["augtree/trees"].aggregate() == len({row["uid"] for row in our_rows})
-        assert metrics["augtree/logical_tokens"].aggregate() == sum(len(r["prompt"]) + len(r["response"])
-                                                                    for r in our_rows)
+        assert metrics["augtree/logical_tokens"].aggregate() == sum(
+            len(r["prompt"]) + len(r["response"]) for r in our_rows
+        )
         if rank < cp and cp_max > 1:  # the first CP group holds group 0 (MoveQ) and group 2 (ring) in these layouts
             assert metrics["augtree/cp_degree_max"].aggregate() == cp_max
             for primitive in ("move_q", "ring"):  # each ran context-parallel (it moved bytes)
@@ -132,16 +150,23 @@ def _rank_main(rank: int, world: int, port: int, model_path: str, cp_degrees: li
             assert metrics["augtree/cp_degree_max"].aggregate() == 1
             assert sum(v.aggregate() for k, v in metrics.items() if k.startswith("augtree/comm_bytes/")) == 0
         if rank == 0:  # verl adds grad_norm on the ranks whose outputs it collects
-            _assert_close(f"step {step} grad norm", torch.tensor(metrics["grad_norm"]),
-                          torch.tensor(out_stock["metrics"]["grad_norm"]))
+            _assert_close(
+                f"step {step} grad norm",
+                torch.tensor(metrics["grad_norm"]),
+                torch.tensor(out_stock["metrics"]["grad_norm"]),
+            )
         _assert_params_match(ours, stock, step)
     torch.distributed.destroy_process_group()
 
 
 def _run(tmp_path, world, cp_degrees, specs, cp_max, loss_agg_mode="token-mean", entropy_coeff=0.0):
     model_path = H.save_tiny_qwen2(str(tmp_path / "tiny-qwen2"))
-    H.spawn(_rank_main, (world, H.free_port(), model_path, cp_degrees, specs, cp_max, loss_agg_mode, entropy_coeff),
-            world, SPAWN_TIMEOUT_S[world])
+    H.spawn(
+        _rank_main,
+        (world, H.free_port(), model_path, cp_degrees, specs, cp_max, loss_agg_mode, entropy_coeff),
+        world,
+        SPAWN_TIMEOUT_S[world],
+    )
 
 
 @pytest.mark.timeout(420)

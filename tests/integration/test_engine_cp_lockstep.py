@@ -40,9 +40,11 @@ CP = max(CP_DEGREES)
 # token limit (MAX_SEQ_LEN, the longest sequence of these layouts) holds one sequence (two on our CP ranks:
 # verl multiplies the limit by the CP size, as for Ulysses).
 MAX_SEQ_LEN = 24
-SETTINGS = [dict(use_dynamic_bsz=False, micro_batch_size_per_gpu=1),
-            dict(use_dynamic_bsz=False, micro_batch_size_per_gpu=2),
-            dict(use_dynamic_bsz=True, max_token_len_per_gpu=MAX_SEQ_LEN)]
+SETTINGS = [
+    dict(use_dynamic_bsz=False, micro_batch_size_per_gpu=1),
+    dict(use_dynamic_bsz=False, micro_batch_size_per_gpu=2),
+    dict(use_dynamic_bsz=True, max_token_len_per_gpu=MAX_SEQ_LEN),
+]
 # A case: (gradient checkpointing, verl loss_agg_mode, entropy coefficient); each builds fresh engines.
 CASE_FIELDS = ("checkpointing", "loss_agg_mode", "entropy_coeff")
 
@@ -63,14 +65,16 @@ TWO_ROUNDS = Plan(degree=2, primitive="tree_move_kv", rounds=2, lanes=1, placeme
 WORLD_4 = _layout(
     groups=[(18, [2, 3, 2, 4, 1, 2]), (16, [3, 5]), (12, [6, 2]), (4, [9, 7]), (6, [4]), (3, [2, 1]), (8, [5])],
     specs=[("move_q", 2), ("move_q", 2), TWO_ROUNDS, ("ring", 2), (None, 1), (None, 1), (None, 1)],
-    dealt=[[0], [1, 2, 3, 4, 5, 6]])
+    dealt=[[0], [1, 2, 3, 4, 5, 6]],
+)
 # World 2: the degree-1 trees are placed heaviest first (``replay.step_plan.pack_subgroups``; ONE_LANE carries no
 # planner estimates, so by ``tree_workload``): group 0 (one response) outweighs groups 1 and 2 together, so one
 # rank replays it alone and the other rank both.
 WORLD_2 = _layout(
     groups=[(22, [2]), (2, [3, 2, 4]), (3, [1, 2, 1, 2]), (14, [3, 5, 2, 4, 1]), (10, [2, 6, 3, 4]), (3, [8, 6, 5])],
     specs=[(None, 1), (None, 1), (None, 1), ONE_LANE, ("move_q", 2), ("ring", 2)],
-    dealt=[list(range(6))])
+    dealt=[list(range(6))],
+)
 # Spawn timeouts: a deadlock (ranks issuing different collectives) fails the test rather than hanging it.
 SPAWN_TIMEOUT_S = {2: 240, 4: 360}
 
@@ -86,8 +90,9 @@ def _step_batches(layout, rank, world, step, setting):
     ours_idx = [k for k, g in enumerate(group_of) if g in layout["dealt"][rank // CP]]
     stock_idx = list(range(rank, len(rows), world))
     our_rows = [rows[k] for k in ours_idx]
-    batch = verl_batch.rows_to_batch(our_rows, extra={"augtree_plan": _plan_entries(our_rows, layout["specs"])},
-                                     **setting)
+    batch = verl_batch.rows_to_batch(
+        our_rows, extra={"augtree_plan": _plan_entries(our_rows, layout["specs"])}, **setting
+    )
     stock_batch = verl_batch.rows_to_batch([rows[k] for k in stock_idx], **setting)
     for b in (batch, stock_batch):
         tu.assign_non_tensor(b, global_batch_size=len(rows))
@@ -105,8 +110,9 @@ def _skewed_main(rank: int, world: int, port: int, model_path: str, layout: dict
     try:
         for case in cases:
             checkpointing, loss_agg_mode, entropy_coeff = case
-            common = dict(loss_agg_mode=loss_agg_mode, entropy_coeff=entropy_coeff,
-                          gradient_checkpointing=checkpointing)
+            common = dict(
+                loss_agg_mode=loss_agg_mode, entropy_coeff=entropy_coeff, gradient_checkpointing=checkpointing
+            )
             stock, stock_loss = H.build_engine("fsdp2", model_path, **common)
             ours, our_loss = H.build_engine("augtree", model_path, **common, engine_knobs={"cp_degrees": CP_DEGREES})
             for step, setting in enumerate(SETTINGS):
@@ -118,21 +124,27 @@ def _skewed_main(rank: int, world: int, port: int, model_path: str, layout: dict
                 out_stock, out_ours = _train(stock, stock_loss, stock_batch), _train(ours, our_loss, batch)
                 # verl scales each data-parallel rank's loss by the data-parallel size (FSDP averages gradients);
                 # every rank of a CP group reports its data-parallel rank's losses: count them once.
-                losses = torch.tensor([sum(out_ours["loss"]) / (world // CP) if rank % CP == 0 else 0.0,
-                                       sum(out_stock["loss"]) / world], dtype=torch.float64)
+                losses = torch.tensor(
+                    [sum(out_ours["loss"]) / (world // CP) if rank % CP == 0 else 0.0, sum(out_stock["loss"]) / world],
+                    dtype=torch.float64,
+                )
                 dist.all_reduce(losses)
                 _assert_close(f"{where} loss", losses[0], losses[1])
                 if "grad_norm" in out_ours["metrics"]:  # verl adds it on the ranks whose outputs it collects
-                    _assert_close(f"{where} grad norm", torch.tensor(out_ours["metrics"]["grad_norm"]),
-                                  torch.tensor(out_stock["metrics"]["grad_norm"]))
+                    _assert_close(
+                        f"{where} grad norm",
+                        torch.tensor(out_ours["metrics"]["grad_norm"]),
+                        torch.tensor(out_stock["metrics"]["grad_norm"]),
+                    )
                 # Every plan applied, whatever verl's micro-batch size: each CP primitive of this CP group's
                 # trees ran context-parallel (moved bytes both ways), and no plan fell back to one device.
                 metrics = out_ours["metrics"]
                 assert metrics["augtree/plan_fallbacks"].aggregate() == 0, where
                 for primitive in {_primitive(layout["specs"][g]) for g in layout["dealt"][rank // CP]} - {None}:
                     for direction in ("fwd", "bwd"):
-                        assert metrics[f"augtree/comm_bytes/{primitive}/{direction}"].aggregate() > 0, \
+                        assert metrics[f"augtree/comm_bytes/{primitive}/{direction}"].aggregate() > 0, (
                             f"{where}: {primitive} {direction}"
+                        )
                 _assert_params_match(ours, stock, where)
     finally:
         dist.destroy_process_group()
@@ -197,5 +209,6 @@ def test_cp_step_unshards_at_most_one_group_more_than_stock(tmp_path):
     for rank in range(2):
         with open(tmp_path / f"rank{rank}.json") as f:
             seen = json.load(f)
-        assert seen["ours"]["max_unsharded_groups"] <= seen["stock"]["max_unsharded_groups"] + EXTRA_UNSHARDED, \
+        assert seen["ours"]["max_unsharded_groups"] <= seen["stock"]["max_unsharded_groups"] + EXTRA_UNSHARDED, (
             f"rank {rank}: FSDP groups unsharded at once, ours vs stock: {seen}"
+        )

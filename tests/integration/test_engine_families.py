@@ -36,8 +36,7 @@ def _save(name: str, directory) -> str:
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("name", FAMILIES)
 def test_family_matches_stock_engine(name, tmp_path):
-    H.spawn(_rank_main, (H.free_port(), _save(name, tmp_path / name), GROUPS, PROBE_BOUND), nprocs=WORLD,
-            timeout_s=540)
+    H.spawn(_rank_main, (H.free_port(), _save(name, tmp_path / name), GROUPS, PROBE_BOUND), nprocs=WORLD, timeout_s=540)
 
 
 @pytest.fixture(scope="module")
@@ -57,8 +56,12 @@ def test_hybrid_micro_batch_settings_match_stock_engine(one_rank, tmp_path, sett
 def test_hybrid_cp_plans_run_on_one_rank(tmp_path):
     """World 2, one CP group of both ranks, plans of degree 2 (MoveQ, TreeMoveKV, ring): a hybrid's run on one
     rank each, counted, and the step still matches the stock engine (``test_engine_cp``'s rank)."""
-    H.spawn(cp_rank_main, (WORLD, H.free_port(), _save("qwen3.5", tmp_path / "qwen3.5"), [1, 2], PLANS_DEGREE_2, 1,
-                           "token-mean", 0.0), nprocs=WORLD, timeout_s=360)
+    H.spawn(
+        cp_rank_main,
+        (WORLD, H.free_port(), _save("qwen3.5", tmp_path / "qwen3.5"), [1, 2], PLANS_DEGREE_2, 1, "token-mean", 0.0),
+        nprocs=WORLD,
+        timeout_s=360,
+    )
 
 
 @pytest.mark.timeout(120)

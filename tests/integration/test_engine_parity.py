@@ -54,8 +54,9 @@ def _assert_params_match(ours, stock, step):
 
 def _run_steps(model_path, *, loss_agg_mode, order, entropy_coeff=0.0, knobs=None, gradient_checkpointing=False):
     """STEPS optimizer steps of both engines; ours sees the rows permuted by ``order``."""
-    common = dict(loss_agg_mode=loss_agg_mode, entropy_coeff=entropy_coeff,
-                  gradient_checkpointing=gradient_checkpointing)
+    common = dict(
+        loss_agg_mode=loss_agg_mode, entropy_coeff=entropy_coeff, gradient_checkpointing=gradient_checkpointing
+    )
     stock, stock_loss = H.build_engine("fsdp2", model_path, **common)
     ours, our_loss = H.build_engine("augtree", model_path, **common, engine_knobs=knobs)
     inverse = sorted(range(ROWS), key=lambda k: order[k])
@@ -71,15 +72,19 @@ def _run_steps(model_path, *, loss_agg_mode, order, entropy_coeff=0.0, knobs=Non
         current = H.response_logps(want, batch)
         H.set_old_log_probs(batch, current, seed=step)
         mine["old_log_probs"] = torch.nested.as_nested_tensor(
-            [batch["old_log_probs"][k] for k in order], layout=torch.jagged)
+            [batch["old_log_probs"][k] for k in order], layout=torch.jagged
+        )
         for b in (batch, mine):
             tu.assign_non_tensor(b, calculate_entropy=entropy_coeff != 0)
         out_stock = _train(stock, stock_loss, batch)
         out_ours = _train(ours, our_loss, mine)
         # Per-micro-batch losses are partial sums of the global loss: their total is order-independent.
         _assert_close(f"step {step} loss", torch.tensor(sum(out_ours["loss"])), torch.tensor(sum(out_stock["loss"])))
-        _assert_close(f"step {step} grad norm", torch.tensor(out_ours["metrics"]["grad_norm"]),
-                      torch.tensor(out_stock["metrics"]["grad_norm"]))
+        _assert_close(
+            f"step {step} grad norm",
+            torch.tensor(out_ours["metrics"]["grad_norm"]),
+            torch.tensor(out_stock["metrics"]["grad_norm"]),
+        )
         assert out_stock["metrics"]["actor/pg_clipfrac"].aggregate() == 0, "old log-probs must not clip"
         _assert_params_match(ours, stock, step)
     return out_ours, out_stock
@@ -90,8 +95,11 @@ def _run_steps(model_path, *, loss_agg_mode, order, entropy_coeff=0.0, knobs=Non
 def test_training_matches_stock_engine(model_path, loss_agg_mode):
     out_ours, out_stock = _run_steps(model_path, loss_agg_mode=loss_agg_mode, order=list(range(ROWS)))
     # Same micro-batches, same loss calls: verl's own metrics come out the same.
-    _assert_close("actor/pg_loss", torch.tensor(out_ours["metrics"]["actor/pg_loss"].aggregate()),
-                  torch.tensor(out_stock["metrics"]["actor/pg_loss"].aggregate()))
+    _assert_close(
+        "actor/pg_loss",
+        torch.tensor(out_ours["metrics"]["actor/pg_loss"].aggregate()),
+        torch.tensor(out_stock["metrics"]["actor/pg_loss"].aggregate()),
+    )
     kl = [out["metrics"]["actor/ppo_kl"].aggregate() for out in (out_ours, out_stock)]
     assert abs(kl[0] - kl[1]) <= KL_ATOL, f"actor/ppo_kl {kl[0]} vs stock {kl[1]}"
 
@@ -100,8 +108,7 @@ def test_training_matches_stock_engine(model_path, loss_agg_mode):
 def test_shuffled_rows_and_entropy_loss_match_stock_engine(model_path):
     order = list(range(ROWS))
     random.Random(7).shuffle(order)
-    _run_steps(model_path, loss_agg_mode="token-mean", order=order, entropy_coeff=0.01,
-               knobs={"micro_batch_tokens": 8})
+    _run_steps(model_path, loss_agg_mode="token-mean", order=order, entropy_coeff=0.01, knobs={"micro_batch_tokens": 8})
 
 
 @pytest.mark.timeout(300)
@@ -113,9 +120,14 @@ def test_gradient_checkpointing_matches_stock_engine(model_path, offload, monkey
     monkeypatch.setattr(offload_module, "MIN_OFFLOAD_BYTES", 0)
     order = list(range(ROWS))
     random.Random(3).shuffle(order)
-    out_ours, _ = _run_steps(model_path, loss_agg_mode="seq-mean-token-mean", order=order, entropy_coeff=0.01,
-                             knobs={"micro_batch_tokens": 8, "offload_prompt_activations": offload},
-                             gradient_checkpointing=True)
+    out_ours, _ = _run_steps(
+        model_path,
+        loss_agg_mode="seq-mean-token-mean",
+        order=order,
+        entropy_coeff=0.01,
+        knobs={"micro_batch_tokens": 8, "offload_prompt_activations": offload},
+        gradient_checkpointing=True,
+    )
     moved = out_ours["metrics"]["augtree/offload/offloaded_bytes"].aggregate()
     assert (moved > 0) == offload
     if offload:

@@ -33,18 +33,23 @@ def _rank_main(rank: int, port: int, model_path: str, groups=GROUPS, probe_bound
         rows = H.group_rows(groups, seed=step)[rank::WORLD]
         batch = H.rows_to_batch(rows)
         # as verl's worker does: the batch carries the model config's use_remove_padding (False for hybrids)
-        tu.assign_non_tensor(batch, global_batch_size=len(rows) * WORLD,
-                             use_remove_padding=stock.model_config.use_remove_padding)
+        tu.assign_non_tensor(
+            batch, global_batch_size=len(rows) * WORLD, use_remove_padding=stock.model_config.use_remove_padding
+        )
         want, got = _infer(stock, batch, entropy=True), _infer(ours, batch, entropy=True)
         for key in ("log_probs", "entropy"):
             for row, (g, w) in enumerate(zip(H.response_logps(got, batch, key), H.response_logps(want, batch, key))):
                 _assert_close(f"rank {rank} step {step} {key} row {row}", g, w)
         H.set_old_log_probs(batch, H.response_logps(want, batch), seed=step)
         out_stock, out_ours = _train(stock, stock_loss, batch), _train(ours, our_loss, batch)
-        _assert_close(f"rank {rank} step {step} loss", torch.tensor(sum(out_ours["loss"])),
-                      torch.tensor(sum(out_stock["loss"])))
-        _assert_close(f"rank {rank} step {step} grad norm", torch.tensor(out_ours["metrics"]["grad_norm"]),
-                      torch.tensor(out_stock["metrics"]["grad_norm"]))
+        _assert_close(
+            f"rank {rank} step {step} loss", torch.tensor(sum(out_ours["loss"])), torch.tensor(sum(out_stock["loss"]))
+        )
+        _assert_close(
+            f"rank {rank} step {step} grad norm",
+            torch.tensor(out_ours["metrics"]["grad_norm"]),
+            torch.tensor(out_stock["metrics"]["grad_norm"]),
+        )
         _assert_params_match(ours, stock, step)
     torch.distributed.destroy_process_group()
 

@@ -35,12 +35,23 @@ def made(model_path):
 def test_the_profile_is_the_trained_models(made, model_path):
     engine, profile, published = made
     config = AutoConfig.from_pretrained(model_path)
-    assert (profile.num_layers, profile.hidden_size, profile.intermediate_size, profile.vocab_size,
-            profile.num_heads, profile.num_kv_heads) == (
-        config.num_hidden_layers, config.hidden_size, config.intermediate_size, config.vocab_size,
-        config.num_attention_heads, config.num_key_value_heads)
-    assert profile.dtype_bytes == 4 and not profile.activation_checkpointing   # the harness: fp32, no checkpointing
-    assert profile.flops_per_s != ClusterProfile.default().flops_per_s          # measured here, not an H100's
+    assert (
+        profile.num_layers,
+        profile.hidden_size,
+        profile.intermediate_size,
+        profile.vocab_size,
+        profile.num_heads,
+        profile.num_kv_heads,
+    ) == (
+        config.num_hidden_layers,
+        config.hidden_size,
+        config.intermediate_size,
+        config.vocab_size,
+        config.num_attention_heads,
+        config.num_key_value_heads,
+    )
+    assert profile.dtype_bytes == 4 and not profile.activation_checkpointing  # the harness: fp32, no checkpointing
+    assert profile.flops_per_s != ClusterProfile.default().flops_per_s  # measured here, not an H100's
     assert engine.run_profile.source.startswith(("calibrated now", "cache file"))
     # what the trainer reads from the engine's worker process
     assert published == {"profile": profile.to_dict(), "source": engine.run_profile.source}
@@ -60,7 +71,7 @@ def test_planner_profile_is_the_users_file(made, model_path, tmp_path):
 
 
 def test_a_forward_only_engine_makes_none(made, model_path):
-    engine, _ = H.build_engine("augtree", model_path, forward_only=True)   # the reference model's engine
+    engine, _ = H.build_engine("augtree", model_path, forward_only=True)  # the reference model's engine
     assert not hasattr(engine, "run_profile")
 
 
@@ -71,8 +82,14 @@ def _fallbacks(engine, rows, plan: Plan) -> float:
     entries = []
     for row in rows:
         index = seen[row["uid"]] = seen.get(row["uid"], -1) + 1
-        entries.append({**plan.to_dict(), "tree_id": f"{row['uid']}|{len(row['prompt'])}", "response_index": index,
-                        "num_responses": count[row["uid"]]})
+        entries.append(
+            {
+                **plan.to_dict(),
+                "tree_id": f"{row['uid']}|{len(row['prompt'])}",
+                "response_index": index,
+                "num_responses": count[row["uid"]],
+            }
+        )
     with engine.eval_mode():
         out = engine.infer_batch(H.rows_to_batch(rows, extra={PLAN_FIELD: entries}))
     return float(reduce_metrics(out["metrics"])["augtree/plan_fallbacks"])
@@ -81,8 +98,8 @@ def _fallbacks(engine, rows, plan: Plan) -> float:
 def test_fallback_threshold_tokens_runs_short_trees_on_one_device(made, model_path):
     """A degree-2 plan on an engine without CP subgroups is a counted planner fallback, unless the tree is
     shorter than ``fallback_threshold_tokens``: then it runs on one device by configuration (not counted)."""
-    rows = H.group_rows([(4, [6, 2, 3, 5])])                    # prompt + longest response: 10 tokens
+    rows = H.group_rows([(4, [6, 2, 3, 5])])  # prompt + longest response: 10 tokens
     cp_plan = Plan(degree=2, est_time_s=0.25, est_single_s=0.4)
-    assert _fallbacks(made[0], rows, cp_plan) == 1.0            # the default threshold, 0
+    assert _fallbacks(made[0], rows, cp_plan) == 1.0  # the default threshold, 0
     engine, _ = H.build_engine("augtree", model_path, engine_knobs={"fallback_threshold_tokens": 11})
     assert _fallbacks(engine, rows, cp_plan) == 0.0

@@ -34,8 +34,15 @@ SETTINGS = {
 }
 # Skewed worlds: rank -> its groups (ours; an even number of rows each). 32 rows: the stock engine's even deal.
 # Group 0 is one response micro-batch (MICRO_BATCH_TOKENS), the others several each.
-SKEWED_GROUPS = [(20, [2, 2, 2, 1]), (4, [6, 2, 3, 1, 5, 2]), (6, [4, 3, 2, 1]), (3, [2, 1, 3, 2]),
-                 (5, [5, 4, 3, 2]), (7, [2, 2, 2, 2, 2]), (2, [3, 6, 4, 2, 5])]
+SKEWED_GROUPS = [
+    (20, [2, 2, 2, 1]),
+    (4, [6, 2, 3, 1, 5, 2]),
+    (6, [4, 3, 2, 1]),
+    (3, [2, 1, 3, 2]),
+    (5, [5, 4, 3, 2]),
+    (7, [2, 2, 2, 2, 2]),
+    (2, [3, 6, 4, 2, 5]),
+]
 SKEW = {2: [[0], [1, 2, 3, 4, 5, 6]], 4: [[0], [1, 2, 3], [4], [5, 6]]}
 MICRO_BATCH_TOKENS = 8
 # The stock engine holds one layer plus the root (and a prefetched neighbour) at once; we may hold the
@@ -46,8 +53,9 @@ EXTRA_UNSHARDED = 1
 def _batch(rows, setting: str, **extra):
     batch = verl_batch.rows_to_batch(rows, **SETTINGS[setting], **extra)
     if any("mask" in row for row in rows):  # tokens not trained (a tool's output inside a response)
-        mask = torch.nested.as_nested_tensor([row.get("mask", torch.ones(len(row["response"]), dtype=torch.int64))
-                                              for row in rows], layout=torch.jagged)
+        mask = torch.nested.as_nested_tensor(
+            [row.get("mask", torch.ones(len(row["response"]), dtype=torch.int64)) for row in rows], layout=torch.jagged
+        )
         batch["response_mask"], batch["loss_mask"] = mask, mask.clone()
     return batch
 
@@ -83,8 +91,11 @@ def _steps(stock, stock_loss, ours, our_loss, stock_rows, our_rows, setting, whe
             dist.all_reduce(losses)  # each rank's losses are its rows' share of the global loss
         _assert_close(f"{where} step {step} loss", losses[0], losses[1])
         if "grad_norm" in out_stock["metrics"]:
-            _assert_close(f"{where} step {step} grad norm", torch.tensor(out_ours["metrics"]["grad_norm"]),
-                          torch.tensor(out_stock["metrics"]["grad_norm"]))
+            _assert_close(
+                f"{where} step {step} grad norm",
+                torch.tensor(out_ours["metrics"]["grad_norm"]),
+                torch.tensor(out_stock["metrics"]["grad_norm"]),
+            )
         _assert_params_match(ours, stock, step)
     assert 0 < seen["ours"] <= seen["stock"] + EXTRA_UNSHARDED, f"{where}: unsharded groups at once {seen}"
     return out_ours["metrics"]
@@ -110,12 +121,20 @@ def shared_rows(step: int) -> list[dict]:
     adv = torch.randn(12, generator=g).tolist()
     tool = torch.ones(shared.shape[0] - 40 + 2, dtype=torch.int64)
     tool[:10] = 0
-    responses = [("group-0", p0, torch.cat([shared, torch.tensor([1]), ids(3)])),
-                 ("group-0", p0, torch.cat([shared, torch.tensor([2]), ids(5)])), ("group-0", p0, ids(4)),
-                 ("group-1", p1, ids(3)), ("group-1", p1, ids(6)), ("group-2", p1, ids(4)), ("group-2", p1, ids(2)),
-                 ("group-3", torch.cat([p0, shared[:40]]), torch.cat([shared[40:], torch.tensor([0]), ids(1)])),
-                 ("group-4", p4, ids(3)), ("group-4", p4, ids(2)), ("group-5", p0, shared.clone()),
-                 ("group-5", p0, ids(3))]
+    responses = [
+        ("group-0", p0, torch.cat([shared, torch.tensor([1]), ids(3)])),
+        ("group-0", p0, torch.cat([shared, torch.tensor([2]), ids(5)])),
+        ("group-0", p0, ids(4)),
+        ("group-1", p1, ids(3)),
+        ("group-1", p1, ids(6)),
+        ("group-2", p1, ids(4)),
+        ("group-2", p1, ids(2)),
+        ("group-3", torch.cat([p0, shared[:40]]), torch.cat([shared[40:], torch.tensor([0]), ids(1)])),
+        ("group-4", p4, ids(3)),
+        ("group-4", p4, ids(2)),
+        ("group-5", p0, shared.clone()),
+        ("group-5", p0, ids(3)),
+    ]
     rows = [dict(uid=uid, prompt=p, response=r, advantage=a) for (uid, p, r), a in zip(responses, adv)]
     rows[7]["mask"] = tool
     return rows
@@ -140,8 +159,9 @@ def test_shared_prefixes_across_uids_match_stock_engine(model_path, setting):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("setting,checkpointing", [("rows-1", False), ("rows-2", True), ("dynamic", False),
-                                                   ("dynamic", True)])
+@pytest.mark.parametrize(
+    "setting,checkpointing", [("rows-1", False), ("rows-2", True), ("dynamic", False), ("dynamic", True)]
+)
 def test_every_micro_batch_setting_matches_stock_engine(model_path, setting, checkpointing):
     compare_at_micro_batch_setting(model_path, setting, checkpointing)
 
@@ -153,8 +173,18 @@ def compare_at_micro_batch_setting(model_path, setting: str, checkpointing: bool
     stock, stock_loss = H.build_engine("fsdp2", model_path, **common)
     ours, our_loss = H.build_engine("augtree", model_path, **common)
     rows = list(range(sum(len(rs) for _, rs in GROUPS)))
-    _steps(stock, stock_loss, ours, our_loss, rows, rows, setting, setting,
-           lambda step: H.group_rows(GROUPS, seed=step), 0.01)
+    _steps(
+        stock,
+        stock_loss,
+        ours,
+        our_loss,
+        rows,
+        rows,
+        setting,
+        setting,
+        lambda step: H.group_rows(GROUPS, seed=step),
+        0.01,
+    )
 
 
 def _skewed_main(rank: int, world: int, port: int, model_path: str, setting: str, checkpointing: bool) -> None:
@@ -162,20 +192,33 @@ def _skewed_main(rank: int, world: int, port: int, model_path: str, setting: str
     H.init_process_group(rank=rank, world_size=world, port=port)
     common = dict(loss_agg_mode="token-mean", gradient_checkpointing=checkpointing)
     stock, stock_loss = H.build_engine("fsdp2", model_path, **common)
-    ours, our_loss = H.build_engine("augtree", model_path, **common,
-                                    engine_knobs={"micro_batch_tokens": MICRO_BATCH_TOKENS})
+    ours, our_loss = H.build_engine(
+        "augtree", model_path, **common, engine_knobs={"micro_batch_tokens": MICRO_BATCH_TOKENS}
+    )
     rows = H.group_rows(SKEWED_GROUPS)
     group_of = [int(row["uid"].split("-")[1]) for row in rows]
     our_rows = [k for k, g in enumerate(group_of) if g in SKEW[world][rank]]
     stock_rows = list(range(rank, len(rows), world))
-    _steps(stock, stock_loss, ours, our_loss, stock_rows, our_rows, setting, f"rank {rank}",
-           lambda step: H.group_rows(SKEWED_GROUPS, seed=step), 0.0)
+    _steps(
+        stock,
+        stock_loss,
+        ours,
+        our_loss,
+        stock_rows,
+        our_rows,
+        setting,
+        f"rank {rank}",
+        lambda step: H.group_rows(SKEWED_GROUPS, seed=step),
+        0.0,
+    )
     dist.destroy_process_group()
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("world,setting,checkpointing", [(2, "rows-1", False), (2, "rows-2", True),
-                                                         (4, "rows-2", False), (4, "rows-1", True)])
+@pytest.mark.parametrize(
+    "world,setting,checkpointing",
+    [(2, "rows-1", False), (2, "rows-2", True), (4, "rows-2", False), (4, "rows-1", True)],
+)
 def test_ranks_with_very_different_work_match_stock_engine(tmp_path, world, setting, checkpointing):
     model_path = H.save_tiny_qwen2(str(tmp_path / "tiny-qwen2"))
     H.spawn(_skewed_main, (world, H.free_port(), model_path, setting, checkpointing), world, SPAWN_TIMEOUT_S[world])

@@ -42,6 +42,9 @@ def test_real_multimodal_input_is_refused_naming_the_sample(engine):
     inputs[3] = {"pixel_values": torch.zeros(4, 8), "image_grid_thw": torch.tensor([[1, 2, 2]])}
     batch = H.rows_to_batch(rows, extra={"multi_modal_inputs": inputs})
     assert tu.get(batch, "uid")[3] == "group-1"
-    with pytest.raises(ValueError, match=r"row 3 \(uid 'group-1'\) has multi_modal_inputs \['image_grid_thw', "
-                                         r"'pixel_values'\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"row 3 \(uid 'group-1'\) has multi_modal_inputs \['image_grid_thw', "
+        r"'pixel_values'\]",
+    ):
         _logps(engine, batch)

@@ -128,7 +128,8 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 def test_no_import_cycle():
     graph = {name: _imported_modules(path) - {name} for name, path in MODULES.items()}
     assert not _cycles(graph), "modules that import each other (directly or through others):\n" + "\n".join(
-        " <-> ".join(c) for c in _cycles(graph))
+        " <-> ".join(c) for c in _cycles(graph)
+    )
 
 
 def test_the_cycle_scan_sees_a_cycle_through_a_function_level_import(tmp_path):
@@ -136,8 +137,11 @@ def test_the_cycle_scan_sees_a_cycle_through_a_function_level_import(tmp_path):
     a.write_text("from augtree_verl.integration.strategy import STRATEGY\n")
     b = tmp_path / "b.py"
     b.write_text("def f():\n    from augtree_verl.integration import config\n")
-    graph = {"augtree_verl.integration.config": _imported_modules(a) | {"augtree_verl.integration.registration"},
-             "augtree_verl.integration.registration": _imported_modules(b), "augtree_verl.integration.strategy": set()}
+    graph = {
+        "augtree_verl.integration.config": _imported_modules(a) | {"augtree_verl.integration.registration"},
+        "augtree_verl.integration.registration": _imported_modules(b),
+        "augtree_verl.integration.strategy": set(),
+    }
     assert _imported_modules(b) == {"augtree_verl.integration.config"}
     assert _cycles(graph) == [["augtree_verl.integration.config", "augtree_verl.integration.registration"]]
 

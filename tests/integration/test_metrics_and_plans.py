@@ -25,8 +25,9 @@ WANDB_FLUSH_WAIT_S = 30
 # group 0: a complete split plan (applies); group 1: ring; group 2: a split plan planned for 2 responses of
 # which this rank holds 1 (cannot apply: a fallback); group 3: ring.
 GROUPS = [(9, [3, 5, 4, 2]), (4, [6, 2, 3, 1, 5, 2]), (6, [4]), (1, [2, 1, 3])]
-SPLIT = Plan(degree=1, primitive="tree_move_kv", rounds=2, lanes=1, placement=((0, 0), (1, 0), (0, 0), (1, 0)),
-             est_time_s=0.5)
+SPLIT = Plan(
+    degree=1, primitive="tree_move_kv", rounds=2, lanes=1, placement=((0, 0), (1, 0), (0, 0), (1, 0)), est_time_s=0.5
+)
 RING = Plan(est_time_s=0.25)
 PARTIAL = Plan(degree=1, primitive="move_q", rounds=1, lanes=1, placement=((0, 0), (0, 0)), est_time_s=4.0)
 
@@ -43,8 +44,14 @@ def _plan_entries(rows):
         # Response 0 of group 0 in the planner's order is the batch's last response of that group.
         if uid == "group-0":
             index = (index + 1) % count
-        entries.append({**plans[uid].to_dict(), "tree_id": f"{uid}|{len(row['prompt'])}", "response_index": index,
-                        "num_responses": count})
+        entries.append(
+            {
+                **plans[uid].to_dict(),
+                "tree_id": f"{uid}|{len(row['prompt'])}",
+                "response_index": index,
+                "num_responses": count,
+            }
+        )
     return entries
 
 
@@ -81,8 +88,8 @@ def _logged_history(path: str) -> dict:
         if block - pos % block < 7:  # a block tail too short for a header is padding
             pos += block - pos % block
             continue
-        _, length, kind = struct.unpack("<IHB", raw[pos: pos + 7])
-        chunk += raw[pos + 7: pos + 7 + length]
+        _, length, kind = struct.unpack("<IHB", raw[pos : pos + 7])
+        chunk += raw[pos + 7 : pos + 7 + length]
         pos += 7 + length
         if kind in (1, 4):
             record = wandb_internal_pb2.Record()
@@ -116,10 +123,16 @@ def test_plans_reach_the_replay_and_metrics_reach_wandb(engine, wandb_offline):
     logical, executed = _expected_tokens(batch)
     expected = {
         # the fallback tree runs with the one-device plan (ring, degree 1)
-        "actor/augtree/plans/tree_move_kv": 1, "actor/augtree/plans/ring": 3, "actor/augtree/plans/single": 0,
-        "actor/augtree/plans/move_q": 0, "actor/augtree/plan_fallbacks": 1, "actor/augtree/trees": 4,
-        "actor/augtree/predicted_replay_s": 1.0, "actor/augtree/cp_degree_max": 1.0,
-        "actor/augtree/logical_tokens": logical, "actor/augtree/executed_tokens": executed,
+        "actor/augtree/plans/tree_move_kv": 1,
+        "actor/augtree/plans/ring": 3,
+        "actor/augtree/plans/single": 0,
+        "actor/augtree/plans/move_q": 0,
+        "actor/augtree/plan_fallbacks": 1,
+        "actor/augtree/trees": 4,
+        "actor/augtree/predicted_replay_s": 1.0,
+        "actor/augtree/cp_degree_max": 1.0,
+        "actor/augtree/logical_tokens": logical,
+        "actor/augtree/executed_tokens": executed,
         "actor/augtree/executed_per_logical_token": executed / logical,
         "actor/augtree/planner/cp_demoted_linear_attention": 0,  # a hybrid's CP plans (none here: Qwen2)
     }
@@ -128,10 +141,12 @@ def test_plans_reach_the_replay_and_metrics_reach_wandb(engine, wandb_offline):
     for key in ("prefill_s", "replay_s", "delayed_backward_s", "measured_replay_s"):
         assert metrics[f"actor/augtree/{key}"] > 0, key
     assert metrics["actor/augtree/measured_replay_s"] == pytest.approx(
-        sum(metrics[f"actor/augtree/{k}"] for k in ("prefill_s", "replay_s", "delayed_backward_s")))
+        sum(metrics[f"actor/augtree/{k}"] for k in ("prefill_s", "replay_s", "delayed_backward_s"))
+    )
 
     # Through verl's tracker to wandb (offline), then read back from the run's files.
     from verl.utils.tracking import Tracking
+
     tracker = Tracking(project_name="augtree-test", experiment_name="metrics", default_backend=["wandb"], config={})
     tracker.log(data={k: float(v) for k, v in metrics.items()}, step=1)
     tracker.finish()
@@ -162,8 +177,10 @@ def test_context_parallel_plans_apply_where_the_engine_has_that_degree():
     first counts as a planner fallback)."""
     rows = H.group_rows(GROUPS)
     cp_ring, one_device = Plan(degree=2, est_time_s=0.25, est_single_s=0.4), Plan(est_time_s=0.4)
-    entries = [{**entry, **cp_ring.to_dict()} if row["uid"] == "group-1" else entry
-               for row, entry in zip(rows, _plan_entries(rows))]
+    entries = [
+        {**entry, **cp_ring.to_dict()} if row["uid"] == "group-1" else entry
+        for row, entry in zip(rows, _plan_entries(rows))
+    ]
     micro_batches, _ = prepare_micro_batches(H.rows_to_batch(rows, extra={PLAN_FIELD: entries}))
     plans, fallbacks = _plans(micro_batches)
     assert (plans[1], plans[3], fallbacks) == (one_device, RING, 2)
@@ -204,10 +221,12 @@ def test_group_totals_and_metrics_keep_every_counter(single_process_group):
     from augtree_verl.replay.stats import PHASES
 
     counters = tuple(f.name for f in ReplayStats.counters())
-    assert {f.name for f in fields(ReplayStats) if f.type == "int"} == set(counters), \
+    assert {f.name for f in fields(ReplayStats) if f.type == "int"} == set(counters), (
         "an int field of ReplayStats that is not a counter(): nothing sums or reports it"
-    stats = ReplayStats(**{name: 0.5 + k for k, name in enumerate(PHASES)},
-                        **{name: 10 + k for k, name in enumerate(counters)})
+    )
+    stats = ReplayStats(
+        **{name: 0.5 + k for k, name in enumerate(PHASES)}, **{name: 10 + k for k, name in enumerate(counters)}
+    )
     keyed = [(f.name, key) for f in ReplayStats.keyed() for key in f.metadata["keys"]]
     for k, (name, key) in enumerate(keyed):
         getattr(stats, name)[key] += 100 + k

@@ -35,8 +35,7 @@ def _probe(platform: str | None) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("VERL_PLATFORM", "VERL_USE_EXTERNAL_MODULES")}
     if platform:
         env["VERL_PLATFORM"] = platform
-    done = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=240,
-                          cwd="/")
+    done = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=240, cwd="/")
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -44,7 +43,8 @@ def _probe(platform: str | None) -> dict:
 def test_entry_point_is_installed():
     names = {ep.name: ep.value for ep in entry_points(group="verl.plugins")}
     assert names.get("augtree") == "augtree_verl.integration", (
-        "the verl.plugins entry point is missing: install the package (pip install -e . --no-deps)")
+        "the verl.plugins entry point is missing: install the package (pip install -e . --no-deps)"
+    )
 
 
 @pytest.mark.timeout(300)

@@ -59,8 +59,9 @@ def test_import_has_no_side_effects_and_use_cpu_platform_selects_cpu():
 def test_use_cpu_platform_refuses_after_verl_fixed_another_device():
     done = _run(TOO_LATE)
     assert done.returncode != 0
-    assert "RuntimeError: verl resolved its device to 'cuda' before use_cpu_platform()" in done.stderr, \
-        done.stderr[-3000:]
+    assert "RuntimeError: verl resolved its device to 'cuda' before use_cpu_platform()" in done.stderr, done.stderr[
+        -3000:
+    ]
 
 
 def _sleepy_rank(rank: int, pid_dir: str, fail: bool) -> None:
@@ -80,8 +81,9 @@ def test_spawn_kills_every_rank_after_a_hang_or_an_error(tmp_path, fail):
 
     from augtree_verl.testing import harness
 
-    with pytest.raises(mp.ProcessRaisedException if fail else TimeoutError,
-                       match="rank 0 failed" if fail else "still running after"):
+    with pytest.raises(
+        mp.ProcessRaisedException if fail else TimeoutError, match="rank 0 failed" if fail else "still running after"
+    ):
         harness.spawn(_sleepy_rank, (str(tmp_path), fail), nprocs=2, timeout_s=60 if fail else 15)
     for rank in range(2):
         pid = int((tmp_path / f"rank{rank}").read_text())

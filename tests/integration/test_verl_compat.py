@@ -88,8 +88,12 @@ def _base_root(base: ast.AST) -> str | None:
 
 def _verl_subclasses(tree: ast.AST, verl_names: set[str]) -> list[ast.ClassDef]:
     """verl subclasses, and our mixins that some class of the package combines with a verl class."""
-    return [node for node in ast.walk(tree) if isinstance(node, ast.ClassDef)
-            and (node.name in _verl_mixins() or any(_base_root(base) in verl_names for base in node.bases))]
+    return [
+        node
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ClassDef)
+        and (node.name in _verl_mixins() or any(_base_root(base) in verl_names for base in node.bases))
+    ]
 
 
 @functools.cache
@@ -107,8 +111,12 @@ def _verl_mixins() -> frozenset[str]:
 def _overrides(tree: ast.AST, verl_private: set[str]) -> list[ast.FunctionDef]:
     """Methods of verl subclasses named like a verl private name."""
     verl_names = _verl_bound_names(tree)
-    return [item for cls in _verl_subclasses(tree, verl_names) for item in cls.body
-            if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)) and item.name in verl_private]
+    return [
+        item
+        for cls in _verl_subclasses(tree, verl_names)
+        for item in cls.body
+        if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)) and item.name in verl_private
+    ]
 
 
 # Roots whose attributes are never verl's, whatever verl names privately too (torch.ops.aten._flash_attention_*).
@@ -128,8 +136,9 @@ def _attributes(tree: ast.AST, function: str | None = None):
         yield from _attributes(child, inner)
 
 
-def private_verl_uses(tree: ast.AST, verl_private: set[str], own_private: set[str],
-                      overrides: set[str]) -> list[tuple[int, str]]:
+def private_verl_uses(
+    tree: ast.AST, verl_private: set[str], own_private: set[str], overrides: set[str]
+) -> list[tuple[int, str]]:
     """(line, what) for each use of a verl private name in one module (see the module docstring)."""
     verl_names = _verl_bound_names(tree)
     found = []
@@ -138,23 +147,35 @@ def private_verl_uses(tree: ast.AST, verl_private: set[str], own_private: set[st
             parts = node.module.split(".") + [alias.name for alias in node.names]
             found += [(node.lineno, f"imports verl private {p}") for p in parts if p.startswith("_")]
         elif isinstance(node, ast.Import):
-            found += [(node.lineno, f"imports verl private {alias.name}") for alias in node.names
-                      if alias.name.split(".")[0] == "verl" and any(p.startswith("_") for p in alias.name.split("."))]
+            found += [
+                (node.lineno, f"imports verl private {alias.name}")
+                for alias in node.names
+                if alias.name.split(".")[0] == "verl" and any(p.startswith("_") for p in alias.name.split("."))
+            ]
     for method in _overrides(tree, verl_private):
         if method.name not in overrides:
             found.append((method.lineno, f"overrides verl's {method.name} (not in PRIVATE_OVERRIDES)"))
     for node, function in _attributes(tree):
         if _root_name(node.value) in verl_names and node.attr.startswith("_") and node.attr not in METADATA_DUNDERS:
             found.append((node.lineno, f"{_root_name(node.value)}....{node.attr} of a verl import"))
-        elif (_is_private(node.attr) and node.attr in verl_private and node.attr not in own_private
-              and _root_name(node.value) not in NOT_VERL):
+        elif (
+            _is_private(node.attr)
+            and node.attr in verl_private
+            and node.attr not in own_private
+            and _root_name(node.value) not in NOT_VERL
+        ):
             # An override may call the method it overrides.
             if not (_is_super_call(node.value) and node.attr in overrides and function == node.attr):
                 found.append((node.lineno, f".{node.attr}: a verl private name"))
     if verl_names:
-        found += [(node.lineno, "object.__setattr__ around verl's frozen config fields") for node in ast.walk(tree)
-                  if isinstance(node, ast.Attribute) and node.attr == "__setattr__"
-                  and isinstance(node.value, ast.Name) and node.value.id == "object"]
+        found += [
+            (node.lineno, "object.__setattr__ around verl's frozen config fields")
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Attribute)
+            and node.attr == "__setattr__"
+            and isinstance(node.value, ast.Name)
+            and node.value.id == "object"
+        ]
     return sorted(set(found))
 
 
@@ -176,8 +197,11 @@ def verl_private(verl_trees) -> set[str]:
 
 
 def _package_modules() -> dict[Path, ast.AST]:
-    return {path: ast.parse(path.read_text(encoding="utf-8")) for path in sorted(PACKAGE.rglob("*.py"))
-            if not any(path == e or e in path.parents for e in EXEMPT)}
+    return {
+        path: ast.parse(path.read_text(encoding="utf-8"))
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if not any(path == e or e in path.parents for e in EXEMPT)
+    }
 
 
 def _own_private(modules: dict[Path, ast.AST], verl_private: set[str]) -> set[str]:
@@ -192,8 +216,11 @@ def test_no_module_but_verl_compat_touches_a_verl_private_name(verl_private):
     modules = _package_modules()
     own = _own_private(modules, verl_private)
     overrides = set(verl_compat.PRIVATE_OVERRIDES)
-    found = [f"{path.relative_to(PACKAGE.parent)}:{line}: {what}" for path, tree in modules.items()
-             for line, what in private_verl_uses(tree, verl_private, own, overrides)]
+    found = [
+        f"{path.relative_to(PACKAGE.parent)}:{line}: {what}"
+        for path, tree in modules.items()
+        for line, what in private_verl_uses(tree, verl_private, own, overrides)
+    ]
     assert not found, "verl private names outside integration/verl_compat.py:\n" + "\n".join(found)
     # The list of overrides stays honest: each is overridden somewhere, and each is a verl private name.
     overridden = {m.name for tree in modules.values() for m in _overrides(tree, verl_private)}
@@ -202,24 +229,26 @@ def test_no_module_but_verl_compat_touches_a_verl_private_name(verl_private):
 
 PLANTED = {
     "dunder of a verl class": "from verl.workers.config.engine import EngineConfig\n"
-                              "def f(self):\n    EngineConfig.__post_init__(self)\n",
+    "def f(self):\n    EngineConfig.__post_init__(self)\n",
     "registry dict": "def f(registry):\n    return registry._engines\n",
     "dispatch cache": "def f(wg):\n    return wg._dispatch_info['actor']\n",
     "private of a verl module": "import verl.utils.device as device\nx = device._hidden\n",
     "private import": "from verl.trainer.ppo.v1.trainer_base import _private_helper\n",
     "unlisted override": "from verl.trainer.ppo.v1 import PPOTrainerSync\n"
-                         "class T(PPOTrainerSync):\n"
-                         "    def _get_required_batch_multiple(self, dp_size):\n        return 1\n",
+    "class T(PPOTrainerSync):\n"
+    "    def _get_required_batch_multiple(self, dp_size):\n        return 1\n",
     "super() of a private name": "from verl.trainer.ppo.v1 import PPOTrainerSync\n"
-                                 "class T(PPOTrainerSync):\n    def f(self):\n"
-                                 "        return super()._get_required_batch_multiple(2)\n",
+    "class T(PPOTrainerSync):\n    def f(self):\n"
+    "        return super()._get_required_batch_multiple(2)\n",
     "frozen-field detour": "from verl.workers.config import FSDPEngineConfig\n"
-                           "def f(c):\n    object.__setattr__(c, 'strategy', 'x')\n",
+    "def f(c):\n    object.__setattr__(c, 'strategy', 'x')\n",
 }
-CLEAN = ("from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead\n"
-         "class E(FSDPEngineWithLMHead):\n"
-         "    def _build_fsdp_module(self, module):\n        return super()._build_fsdp_module(module)\n"
-         "    def _mine(self):\n        self._counts = 1\n        return self._counts, self.__class__.__name__\n")
+CLEAN = (
+    "from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead\n"
+    "class E(FSDPEngineWithLMHead):\n"
+    "    def _build_fsdp_module(self, module):\n        return super()._build_fsdp_module(module)\n"
+    "    def _mine(self):\n        self._counts = 1\n        return self._counts, self.__class__.__name__\n"
+)
 
 
 @pytest.mark.parametrize("what", sorted(PLANTED))
@@ -275,15 +304,18 @@ import augtree_verl.integration.verl_compat
 def test_importing_the_module_checks_the_version():
     env = {k: v for k, v in os.environ.items() if k != verl_compat.ALLOW_VERSION_ENV}
     env["PYTHONPATH"] = os.pathsep.join([str(PACKAGE.parent), env.get("PYTHONPATH", "")])
-    done = subprocess.run([sys.executable, "-c", IMPORT_WITH_OTHER_VERL], env=env, capture_output=True, text=True,
-                          timeout=240)
+    done = subprocess.run(
+        [sys.executable, "-c", IMPORT_WITH_OTHER_VERL], env=env, capture_output=True, text=True, timeout=240
+    )
     assert done.returncode != 0
-    assert "VerlVersionError: augtree-verl is tested with verl 0.9.1, but verl 0.9.2 is installed" in done.stderr, \
+    assert "VerlVersionError: augtree-verl is tested with verl 0.9.1, but verl 0.9.2 is installed" in done.stderr, (
         done.stderr[-3000:]
+    )
 
 
 # The verl internals verl_compat names exist in the installed verl (catches a changed verl even when the
 # version check is waived).
+
 
 @pytest.mark.slow  # a subprocess / verl's engines
 def test_engine_registry_keeps_its_dict_of_devices():
@@ -318,8 +350,14 @@ def test_the_frozen_field_and_the_overridden_methods_exist():
     from verl.trainer.ppo.v1.agent_loop_tq import AgentLoopWorkerTQ
 
     worker = AgentLoopWorkerTQ.__ray_actor_class__
-    owners = {"_build_fsdp_module": FSDPEngine, "_init_device_mesh": FSDPEngine, "_balance_batch": PPOTrainer,
-              "_run_prompt": worker, "_agent_loop_postprocess": worker, "_handle_generating_state": ToolAgentLoop}
+    owners = {
+        "_build_fsdp_module": FSDPEngine,
+        "_init_device_mesh": FSDPEngine,
+        "_balance_batch": PPOTrainer,
+        "_run_prompt": worker,
+        "_agent_loop_postprocess": worker,
+        "_handle_generating_state": ToolAgentLoop,
+    }
     assert set(owners) == set(verl_compat.PRIVATE_OVERRIDES)
     for name, owner in owners.items():
         assert callable(vars(owner).get(name)), f"verl's {owner.__name__} has no {name} any more"
@@ -337,9 +375,23 @@ def test_worker_groups_keep_their_dispatch_cache():
 
 # ---- verl internals that are not private names: monkeypatches and verl's own dunder keys -----------------
 # Dunder names of Python itself (and of the module system), which verl's source also spells as strings.
-PYTHON_DUNDERS = (set(dir(object)) | set(dir(type)) | set(dir(lambda: 0)) | set(dir(ast))
-                  | {"__main__", "__wrapped__", "__dataclass_fields__", "__version__", "__aiter__", "__anext__",
-                     "__path__", "__all__", "__file__"})
+PYTHON_DUNDERS = (
+    set(dir(object))
+    | set(dir(type))
+    | set(dir(lambda: 0))
+    | set(dir(ast))
+    | {
+        "__main__",
+        "__wrapped__",
+        "__dataclass_fields__",
+        "__version__",
+        "__aiter__",
+        "__anext__",
+        "__path__",
+        "__all__",
+        "__file__",
+    }
+)
 
 
 @pytest.fixture(scope="module")
@@ -362,8 +414,15 @@ def verl_keys(verl_trees) -> set[str]:
     """verl's own dunder string keys (``"__rollout_n__"``): dunder literals of verl's source that are not Python's."""
     keys = set()
     for tree in verl_trees:
-        keys |= {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)
-                 and n.value.startswith("__") and n.value.endswith("__") and n.value[2:-2].isidentifier()}
+        keys |= {
+            n.value
+            for n in ast.walk(tree)
+            if isinstance(n, ast.Constant)
+            and isinstance(n.value, str)
+            and n.value.startswith("__")
+            and n.value.endswith("__")
+            and n.value[2:-2].isidentifier()
+        }
     return keys - PYTHON_DUNDERS
 
 
@@ -372,12 +431,22 @@ def verl_internal_uses(tree: ast.AST, verl_module_names: set[str], verl_keys: se
     on anything but ``self``/``cls``, ``name`` a module-level name of verl) and each verl dunder key."""
     found = []
     for node in ast.walk(tree):
-        if isinstance(node, ast.Attribute) and isinstance(node.ctx, (ast.Store, ast.Del)) \
-                and _root_name(node.value) not in ("self", "cls") and node.attr in verl_module_names:
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.ctx, (ast.Store, ast.Del))
+            and _root_name(node.value) not in ("self", "cls")
+            and node.attr in verl_module_names
+        ):
             found.append((node.lineno, f"rebinds {node.attr}, a name verl's modules define (a monkeypatch)"))
-        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("setattr", "delattr") \
-                and len(node.args) >= 2 and _root_name(node.args[0]) not in ("self", "cls") \
-                and isinstance(node.args[1], ast.Constant) and node.args[1].value in verl_module_names:
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("setattr", "delattr")
+            and len(node.args) >= 2
+            and _root_name(node.args[0]) not in ("self", "cls")
+            and isinstance(node.args[1], ast.Constant)
+            and node.args[1].value in verl_module_names
+        ):
             found.append((node.lineno, f"{node.func.id} of {node.args[1].value}, a name verl's modules define"))
         elif isinstance(node, ast.Constant) and node.value in verl_keys:
             found.append((node.lineno, f"verl's key {node.value!r}"))
@@ -386,8 +455,11 @@ def verl_internal_uses(tree: ast.AST, verl_module_names: set[str], verl_keys: se
 
 def test_no_module_but_verl_compat_patches_verl_or_reads_its_keys(verl_module_names, verl_keys):
     assert "__rollout_n__" in verl_keys and "initialize_global_process_group_ray" in verl_module_names
-    found = [f"{path.relative_to(PACKAGE.parent)}:{line}: {what}" for path, tree in _package_modules().items()
-             for line, what in verl_internal_uses(tree, verl_module_names, verl_keys)]
+    found = [
+        f"{path.relative_to(PACKAGE.parent)}:{line}: {what}"
+        for path, tree in _package_modules().items()
+        for line, what in verl_internal_uses(tree, verl_module_names, verl_keys)
+    ]
     assert not found, "verl internals outside integration/verl_compat.py:\n" + "\n".join(found)
 
 
@@ -405,8 +477,10 @@ def test_the_internals_scan_catches_a_planted_one(verl_module_names, verl_keys, 
 
 
 def test_the_internals_scan_passes_our_own_attributes(verl_module_names, verl_keys):
-    clean = ("class A:\n    def f(self, x):\n        self.config = x\n        x.count = 1\n"
-             "if __name__ == '__main__':\n    setattr(A, 'count', 2)\n")
+    clean = (
+        "class A:\n    def f(self, x):\n        self.config = x\n        x.count = 1\n"
+        "if __name__ == '__main__':\n    setattr(A, 'count', 2)\n"
+    )
     assert verl_internal_uses(ast.parse(clean), verl_module_names, verl_keys) == []
 
 
@@ -456,18 +530,27 @@ def verl_names_used(tree: ast.AST) -> set[str]:
 
 def _verl_name_modules() -> dict[str, ast.AST]:
     """Every module of the package but verl_compat.py (testing/ included: it is shipped)."""
-    return {path.relative_to(PACKAGE).as_posix(): ast.parse(path.read_text(encoding="utf-8"))
-            for path in sorted(PACKAGE.rglob("*.py")) if path != EXEMPT[0]}
+    return {
+        path.relative_to(PACKAGE).as_posix(): ast.parse(path.read_text(encoding="utf-8"))
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if path != EXEMPT[0]
+    }
 
 
 def test_every_verl_name_outside_verl_compat_is_listed_there():
     used = {rel: frozenset(verl_names_used(tree)) for rel, tree in _verl_name_modules().items()}
     used = {rel: names for rel, names in used.items() if names}
     listed = {rel: frozenset(names) for rel, names in verl_compat.VERL_NAMES.items()}
-    unlisted = {rel: sorted(used[rel] - listed.get(rel, frozenset())) for rel in used
-                if used[rel] - listed.get(rel, frozenset())}
-    stale = {rel: sorted(listed[rel] - used.get(rel, frozenset())) for rel in listed
-             if listed[rel] - used.get(rel, frozenset())}
+    unlisted = {
+        rel: sorted(used[rel] - listed.get(rel, frozenset()))
+        for rel in used
+        if used[rel] - listed.get(rel, frozenset())
+    }
+    stale = {
+        rel: sorted(listed[rel] - used.get(rel, frozenset()))
+        for rel in listed
+        if listed[rel] - used.get(rel, frozenset())
+    }
     assert not unlisted, f"verl names used but not in verl_compat.VERL_NAMES: {unlisted}"
     assert not stale, f"verl_compat.VERL_NAMES lists names no module uses any more: {stale}"
 
@@ -500,9 +583,15 @@ def test_every_listed_verl_name_exists_in_the_installed_verl():
 
 
 def test_the_name_scan_sees_imports_and_module_attributes():
-    tree = ast.parse("from verl.utils import tensordict_utils as tu\nimport transfer_queue as tq\n"
-                     "from verl.workers.config import FSDPEngineConfig\n"
-                     "def f(td):\n    tq.kv_clear()\n    return tu.get(td, 'x'), FSDPEngineConfig.strategy\n")
-    assert verl_names_used(tree) == {"verl.utils.tensordict_utils", "verl.utils.tensordict_utils.get",
-                                     "transfer_queue", "transfer_queue.kv_clear",
-                                     "verl.workers.config.FSDPEngineConfig"}
+    tree = ast.parse(
+        "from verl.utils import tensordict_utils as tu\nimport transfer_queue as tq\n"
+        "from verl.workers.config import FSDPEngineConfig\n"
+        "def f(td):\n    tq.kv_clear()\n    return tu.get(td, 'x'), FSDPEngineConfig.strategy\n"
+    )
+    assert verl_names_used(tree) == {
+        "verl.utils.tensordict_utils",
+        "verl.utils.tensordict_utils.get",
+        "transfer_queue",
+        "transfer_queue.kv_clear",
+        "verl.workers.config.FSDPEngineConfig",
+    }

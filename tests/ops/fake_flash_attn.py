@@ -57,19 +57,56 @@ def varlen_reference_backward(dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_k, s
 
 
 def flash_attn_2_6():
-    def _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-                                   softmax_scale, causal, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                                   return_softmax=False, block_table=None, leftpad_k=None, seqused_k=None):
+    def _flash_attn_varlen_forward(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size=(-1, -1),
+        softcap=0.0,
+        alibi_slopes=None,
+        return_softmax=False,
+        block_table=None,
+        leftpad_k=None,
+        seqused_k=None,
+    ):
         assert tuple(window_size) == (-1, -1) and softcap == 0.0 and dropout_p == 0.0
         out, lse = varlen_reference_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal)
         return out, q, k, v, out, lse, None, torch.zeros(2, dtype=torch.int64)
 
-    def _flash_attn_varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
-                                    max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_size,
-                                    softcap, alibi_slopes, deterministic, rng_state=None):
+    def _flash_attn_varlen_backward(
+        dout,
+        q,
+        k,
+        v,
+        out,
+        softmax_lse,
+        dq,
+        dk,
+        dv,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        softcap,
+        alibi_slopes,
+        deterministic,
+        rng_state=None,
+    ):
         assert tuple(window_size) == (-1, -1) and softcap == 0.0 and dropout_p == 0.0
-        varlen_reference_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
-                                  softmax_scale, causal)
+        varlen_reference_backward(
+            dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal
+        )
         return dq, dk, dv, torch.empty(0)
 
     return _module("2.6.3", _flash_attn_varlen_forward, _flash_attn_varlen_backward)
@@ -78,30 +115,60 @@ def flash_attn_2_6():
 def _custom_op_release(version: str, namespace: str):
     @torch.library.custom_op(f"{namespace}::_flash_attn_varlen_forward", mutates_args=(), device_types="cpu")
     def _flash_attn_varlen_forward(
-            q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
-            cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, dropout_p: float,
-            softmax_scale: float, causal: bool, window_size_left: int = -1, window_size_right: int = -1,
-            softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None, return_softmax: bool = False,
-            block_table: torch.Tensor | None = None, leftpad_k: torch.Tensor | None = None,
-            seqused_k: torch.Tensor | None = None,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cu_seqlens_q: torch.Tensor,
+        cu_seqlens_k: torch.Tensor,
+        max_seqlen_q: int,
+        max_seqlen_k: int,
+        dropout_p: float,
+        softmax_scale: float,
+        causal: bool,
+        window_size_left: int = -1,
+        window_size_right: int = -1,
+        softcap: float = 0.0,
+        alibi_slopes: torch.Tensor | None = None,
+        return_softmax: bool = False,
+        block_table: torch.Tensor | None = None,
+        leftpad_k: torch.Tensor | None = None,
+        seqused_k: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         assert (window_size_left, window_size_right, softcap, dropout_p) == (-1, -1, 0.0, 0.0)
         out, lse = varlen_reference_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal)
         return out, lse, torch.empty(0, dtype=q.dtype), torch.zeros(2, dtype=torch.int64)
 
-    @torch.library.custom_op(f"{namespace}::_flash_attn_varlen_backward", mutates_args=("dq", "dk", "dv"),
-                             device_types="cpu")
+    @torch.library.custom_op(
+        f"{namespace}::_flash_attn_varlen_backward", mutates_args=("dq", "dk", "dv"), device_types="cpu"
+    )
     def _flash_attn_varlen_backward(
-            dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-            softmax_lse: torch.Tensor, dq: torch.Tensor | None, dk: torch.Tensor | None,
-            dv: torch.Tensor | None, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
-            max_seqlen_q: int, max_seqlen_k: int, dropout_p: float, softmax_scale: float, causal: bool,
-            window_size_left: int, window_size_right: int, softcap: float,
-            alibi_slopes: torch.Tensor | None, deterministic: bool, rng_state: torch.Tensor | None = None,
+        dout: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        softmax_lse: torch.Tensor,
+        dq: torch.Tensor | None,
+        dk: torch.Tensor | None,
+        dv: torch.Tensor | None,
+        cu_seqlens_q: torch.Tensor,
+        cu_seqlens_k: torch.Tensor,
+        max_seqlen_q: int,
+        max_seqlen_k: int,
+        dropout_p: float,
+        softmax_scale: float,
+        causal: bool,
+        window_size_left: int,
+        window_size_right: int,
+        softcap: float,
+        alibi_slopes: torch.Tensor | None,
+        deterministic: bool,
+        rng_state: torch.Tensor | None = None,
     ) -> torch.Tensor:
         assert (window_size_left, window_size_right, softcap, dropout_p) == (-1, -1, 0.0, 0.0)
-        varlen_reference_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
-                                  softmax_scale, causal)
+        varlen_reference_backward(
+            dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal
+        )
         return torch.empty(0)
 
     return _module(version, _flash_attn_varlen_forward, _flash_attn_varlen_backward)

@@ -31,7 +31,7 @@ def test_the_cuda_flash_calls_bind_and_run_their_meta_kernels():
     assert (out.shape, lse.shape, dq.shape, dk.shape, dv.shape) == (q.shape, (8, 9), q.shape, k.shape, v.shape)
     for call in (torch_flash.FORWARD, torch_flash.BACKWARD):
         positional, keyword = call.bind(call._names)
-        assert list(positional) == [a.name for a in call.op()._schema.arguments][:len(positional)]
+        assert list(positional) == [a.name for a in call.op()._schema.arguments][: len(positional)]
         assert "scale" in keyword  # keyword-only in every torch release that has these ops
 
 
@@ -64,6 +64,10 @@ def test_binding_follows_the_schema_and_refuses_by_name():
 def test_every_private_op_of_torch_goes_through_aten_call():
     """A direct ``torch.ops.aten.<op>`` or ``torch._C`` call would bypass the schema binding."""
     direct = re.compile(r"torch\.ops\.aten\.\w+\s*\(|torch\.ops\.aten\.\w+\.\w+\s*\(|torch\._C\b")
-    offenders = [f"{p.relative_to(PACKAGE)}:{i}" for p in PACKAGE.rglob("*.py") for i, line in
-                 enumerate(p.read_text().splitlines(), 1) if direct.search(line) and p.name != "aten_schema.py"]
+    offenders = [
+        f"{p.relative_to(PACKAGE)}:{i}"
+        for p in PACKAGE.rglob("*.py")
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        if direct.search(line) and p.name != "aten_schema.py"
+    ]
     assert not offenders, offenders

@@ -77,8 +77,16 @@ def test_blockwise_merge_and_backward_equal_plain_attention(dtype, rtol):
     merged_out = out.to(dtype)
     dq, dk, dv = torch.zeros_like(qd), torch.zeros_like(kd), torch.zeros_like(vd)
     for rows, cols, causal in blocks:
-        bq, bk, bv = attention_backward(dout[:, rows], qd[:, rows], kd[:, cols], vd[:, cols],
-                                        merged_out[:, rows], lse[:, rows], causal=causal, scale=0.3)
+        bq, bk, bv = attention_backward(
+            dout[:, rows],
+            qd[:, rows],
+            kd[:, cols],
+            vd[:, cols],
+            merged_out[:, rows],
+            lse[:, rows],
+            causal=causal,
+            scale=0.3,
+        )
         dq[:, rows] += bq
         dk[:, cols] += bk
         dv[:, cols] += bv

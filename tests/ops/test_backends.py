@@ -53,8 +53,12 @@ def per_block(q, k, v, dout, segments, causal, scale):
     return [torch.cat(x, 1) for x in (outs, lses, dqs, dks, dvs)]
 
 
-CASES = [(Segments.uniform(3, 5, 5), True), (Segments.uniform(3, 4, 9), False),
-         (Segments((3, 6, 1), (3, 6, 1)), True), (Segments((2, 7), (5, 3)), False)]
+CASES = [
+    (Segments.uniform(3, 5, 5), True),
+    (Segments.uniform(3, 4, 9), False),
+    (Segments((3, 6, 1), (3, 6, 1)), True),
+    (Segments((2, 7), (5, 3)), False),
+]
 
 
 @pytest.mark.parametrize("segments,causal", CASES)

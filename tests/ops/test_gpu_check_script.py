@@ -30,22 +30,37 @@ class Hide:
         return getattr(self.finder, name)
 sys.meta_path[:] = [Hide(f) for f in sys.meta_path]
 """
-CHECKS = ["ops h4/kv2 d16 causal", "ops h4/kv2 d16 single-query", "ops merge of 3", "prefix attention",
-          "replay bf16 vs fp32", "cp tree run world 1 ring", "cp tree run world 1 tree_move_kv",
-          "cp tree run world 1 move_q", "prefill peak memory", "host syncs", "speed prompt-heavy",
-          "speed response-heavy", "offload long prompt", "hybrid replay bf16 vs fp32"]
+CHECKS = [
+    "ops h4/kv2 d16 causal",
+    "ops h4/kv2 d16 single-query",
+    "ops merge of 3",
+    "prefix attention",
+    "replay bf16 vs fp32",
+    "cp tree run world 1 ring",
+    "cp tree run world 1 tree_move_kv",
+    "cp tree run world 1 move_q",
+    "prefill peak memory",
+    "host syncs",
+    "speed prompt-heavy",
+    "speed response-heavy",
+    "offload long prompt",
+    "hybrid replay bf16 vs fp32",
+]
 
 
 def run_hidden(code: str, timeout: int):
-    return subprocess.run([sys.executable, "-c", HIDE + code], capture_output=True, text=True, timeout=timeout,
-                          cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, "-c", HIDE + code], capture_output=True, text=True, timeout=timeout, cwd=ROOT
+    )
 
 
 def test_package_imports_without_verl_ray_tensordict_flash_attn():
-    code = ("import augtree_verl, augtree_verl.replay.cp_tree, augtree_verl.ops.attention\n"
-            "import augtree_verl.replay.baseline\n"
-            "import augtree_verl.replay.prefix_attention, augtree_verl.ops.flash_attn\n"
-            "assert not [m for m in sys.modules if m.split('.')[0] in ABSENT], sorted(sys.modules)\n")
+    code = (
+        "import augtree_verl, augtree_verl.replay.cp_tree, augtree_verl.ops.attention\n"
+        "import augtree_verl.replay.baseline\n"
+        "import augtree_verl.replay.prefix_attention, augtree_verl.ops.flash_attn\n"
+        "assert not [m for m in sys.modules if m.split('.')[0] in ABSENT], sorted(sys.modules)\n"
+    )
     done = run_hidden(code, 120)
     assert done.returncode == 0, done.stderr[-3000:]
     assert run_hidden("import verl", 60).returncode != 0  # the hiding works
@@ -53,11 +68,13 @@ def test_package_imports_without_verl_ray_tensordict_flash_attn():
 
 @pytest.mark.timeout(600)
 def test_cpu_smoke_passes_without_the_optional_stack():
-    code = (f"import runpy\nsys.argv = [{str(SCRIPT)!r}, '--cpu-smoke']\n"
-            f"try:\n    runpy.run_path({str(SCRIPT)!r}, run_name='__main__')\n"
-            "except SystemExit as e:\n"
-            "    assert not [m for m in sys.modules if m.split('.')[0] in ABSENT]\n"
-            "    raise\n")
+    code = (
+        f"import runpy\nsys.argv = [{str(SCRIPT)!r}, '--cpu-smoke']\n"
+        f"try:\n    runpy.run_path({str(SCRIPT)!r}, run_name='__main__')\n"
+        "except SystemExit as e:\n"
+        "    assert not [m for m in sys.modules if m.split('.')[0] in ABSENT]\n"
+        "    raise\n"
+    )
     done = run_hidden(code, 580)
     lines = done.stdout.strip().splitlines()
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]

@@ -15,22 +15,40 @@ from augtree_verl.replay.microbatch import DEFAULT_MICRO_BATCH_TOKENS
 from augtree_verl.replay.trie import build_trie
 
 # Round numbers, so that every term of a time can be told apart.
-UNIT = dataclasses.replace(ClusterProfile.default(), flops_per_s=1e12, attention_flops_per_s=1e12,
-                           causal_attention_flops_per_s=5e11, call_overhead_s=1e-3, slot_overhead_s=1e-2,
-                           launch_latency_s=1e-4, ring_hop_s=1e-5, all_to_all_s=1e-6, activation_checkpointing=False)
-NO_FIXED_COSTS = dataclasses.replace(UNIT, call_overhead_s=1e-300, slot_overhead_s=1e-300, launch_latency_s=1e-300,
-                                     ring_hop_s=1e-300, all_to_all_s=1e-300)
-REL = 1e-9   # the same float64 sums in another order
+UNIT = dataclasses.replace(
+    ClusterProfile.default(),
+    flops_per_s=1e12,
+    attention_flops_per_s=1e12,
+    causal_attention_flops_per_s=5e11,
+    call_overhead_s=1e-3,
+    slot_overhead_s=1e-2,
+    launch_latency_s=1e-4,
+    ring_hop_s=1e-5,
+    all_to_all_s=1e-6,
+    activation_checkpointing=False,
+)
+NO_FIXED_COSTS = dataclasses.replace(
+    UNIT,
+    call_overhead_s=1e-300,
+    slot_overhead_s=1e-300,
+    launch_latency_s=1e-300,
+    ring_hop_s=1e-300,
+    all_to_all_s=1e-300,
+)
+REL = 1e-9  # the same float64 sums in another order
 
 
 def test_one_device_runs_padded_micro_batches_one_call_each():
     cost = CostModel(UNIT)
-    P, R = 300, [2437, 1470, 1346, 1287]        # micro-batches [2437, 1470, 1346] (padded to 2437) and [1287]
+    P, R = 300, [2437, 1470, 1346, 1287]  # micro-batches [2437, 1470, 1346] (padded to 2437) and [1287]
     assert DEFAULT_MICRO_BATCH_TOKENS == 8192
     want = 2 * UNIT.call_overhead_s
     for n, longest in ((3, 2437), (1, 1287)):
-        want += 3 * ((cost.lin_flops + cost.head_flops) * n * longest / 1e12 + cost.attn_flops * n * longest * P / 1e12
-                     + cost.attn_flops * n * longest ** 2 / 2 / 5e11)
+        want += 3 * (
+            (cost.lin_flops + cost.head_flops) * n * longest / 1e12
+            + cost.attn_flops * n * longest * P / 1e12
+            + cost.attn_flops * n * longest**2 / 2 / 5e11
+        )
     assert cost.one_device(P, R) == pytest.approx(want, rel=REL)
 
 
@@ -74,7 +92,8 @@ def test_move_q_rounds_exchange_their_scores():
     _, free_comm = free.moveq_owners(8192, 400.0, rounds=3, d=2)
     # per round: three all-to-alls per layer and direction (x ceil(log2 2) = 1), and one score exchange
     assert comm - free_comm == pytest.approx(
-        3 * (cost.moveq_steps_per_round * UNIT.all_to_all_s + UNIT.launch_latency_s), rel=REL)
+        3 * (cost.moveq_steps_per_round * UNIT.all_to_all_s + UNIT.launch_latency_s), rel=REL
+    )
 
 
 def test_causal_blocks_run_at_the_causal_throughput():
@@ -115,11 +134,15 @@ def test_a_shared_system_prompt_is_one_prefill_each_prompt_attends_to_it():
     """Two trees whose prompts begin with one 600-token system prompt: the trie's root is the system prompt
     (one slot), each prompt's own 100 tokens a prefill against its 600 keys, then their responses."""
     system, own_a, own_b, *responses = _tokens(600, 100, 100, 50, 70, 60, 80)
-    trees = [Tree.of_tokens(torch.cat([system, own_a]), responses[:2]),
-             Tree.of_tokens(torch.cat([system, own_b]), responses[2:])]
+    trees = [
+        Tree.of_tokens(torch.cat([system, own_a]), responses[:2]),
+        Tree.of_tokens(torch.cat([system, own_b]), responses[2:]),
+    ]
     [root] = build_trie(trees)
     cost = CostModel(UNIT)
-    own = 3 * (cost.lin_flops * 100 / 1e12 + cost.attn_flops * 100 * 600 / 1e12
-               + cost.attn_flops * 100 * 100 / 2 / 5e11) + UNIT.slot_overhead_s
+    own = (
+        3 * (cost.lin_flops * 100 / 1e12 + cost.attn_flops * 100 * 600 / 1e12 + cost.attn_flops * 100 * 100 / 2 / 5e11)
+        + UNIT.slot_overhead_s
+    )
     want = cost.prefill(600, 1)[0] + 2 * own + cost.one_device(700, [50, 70]) + cost.one_device(700, [60, 80])
     assert root.length == 600 and cost.trie(root) == pytest.approx(want, rel=REL)

@@ -12,24 +12,43 @@ from augtree_verl.planner import ClusterProfile, plan_tree
 from augtree_verl.planner.cost import cost_model
 
 # qwen2-small (augtree_verl.models), the bench's default model, trained in float32 without checkpointing.
-SMALL = Qwen2Config(hidden_size=128, intermediate_size=352, num_hidden_layers=4, num_attention_heads=4,
-                    num_key_value_heads=2, vocab_size=512)
-BENCH_BASE = dataclasses.replace(ClusterProfile.default().with_model(SMALL), activation_checkpointing=False,
-                                 dtype_bytes=4)
+SMALL = Qwen2Config(
+    hidden_size=128,
+    intermediate_size=352,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=512,
+)
+BENCH_BASE = dataclasses.replace(
+    ClusterProfile.default().with_model(SMALL), activation_checkpointing=False, dtype_bytes=4
+)
 # calibrate(profile, model=qwen2-small) as `augtree bench` runs it, on 2 gloo ranks of the shared 2-core
 # CPU, twice in one minute: the machine's load moved the compute and latency figures by 2x and 7x.
 # Recorded before the causal attention throughput and the replay's call and slot overheads were measured: the
 # causal figure is the full one (the model of then), both overheads the pass overhead of then (L x per-layer),
 # ring hops and all-to-alls the latency of then (``_latency_everywhere``).
 RECORDED = {
-    "calm": dict(flops_per_s=1.143e11, attention_flops_per_s=3.178e10, causal_attention_flops_per_s=3.178e10,
-                 p2p_bytes_per_s=4.360e8,
-                 collective_bytes_per_s=5.800e8, launch_latency_s=5.016e-4, call_overhead_s=4 * 6.184e-3,
-                 slot_overhead_s=4 * 6.184e-3),
-    "loaded": dict(flops_per_s=5.841e10, attention_flops_per_s=3.627e10, causal_attention_flops_per_s=3.627e10,
-                   p2p_bytes_per_s=4.709e8,
-                   collective_bytes_per_s=6.219e8, launch_latency_s=3.459e-3, call_overhead_s=4 * 3.234e-3,
-                   slot_overhead_s=4 * 3.234e-3),
+    "calm": dict(
+        flops_per_s=1.143e11,
+        attention_flops_per_s=3.178e10,
+        causal_attention_flops_per_s=3.178e10,
+        p2p_bytes_per_s=4.360e8,
+        collective_bytes_per_s=5.800e8,
+        launch_latency_s=5.016e-4,
+        call_overhead_s=4 * 6.184e-3,
+        slot_overhead_s=4 * 6.184e-3,
+    ),
+    "loaded": dict(
+        flops_per_s=5.841e10,
+        attention_flops_per_s=3.627e10,
+        causal_attention_flops_per_s=3.627e10,
+        p2p_bytes_per_s=4.709e8,
+        collective_bytes_per_s=6.219e8,
+        launch_latency_s=3.459e-3,
+        call_overhead_s=4 * 3.234e-3,
+        slot_overhead_s=4 * 3.234e-3,
+    ),
 }
 # The bench's default trees (budget 32,768, G = 8, select_groups) and the fastest (primitive, lanes) at d = 2,
 # by median step time (2-3 interleaved repeats of every d = 2 candidate, seconds, same machine):
@@ -44,7 +63,7 @@ BENCH_TREES = {
     "chat": (630, [877, 943, 840, 823, 589, 272, 437, 576], ("tree_move_kv", 2)),
     "reasoning": (464, [4079, 4362, 4616, 2751, 2774, 3500, 4079, 4362], ("tree_move_kv", 2)),
 }
-BYTES_REL = 1e-12   # the same sums in another order
+BYTES_REL = 1e-12  # the same sums in another order
 
 
 @pytest.mark.parametrize("condition", sorted(RECORDED))
@@ -63,14 +82,17 @@ def _latency_everywhere(figures: dict) -> dict:
 
 def _byte_counting(profile: ClusterProfile) -> ClusterProfile:
     """Unit bandwidths and negligible fixed costs: the cost model's communication seconds are its bytes."""
-    return dataclasses.replace(profile, p2p_bytes_per_s=1.0, collective_bytes_per_s=1.0,
-                               **_latency_everywhere({"launch_latency_s": 1e-300}))
+    return dataclasses.replace(
+        profile, p2p_bytes_per_s=1.0, collective_bytes_per_s=1.0, **_latency_everywhere({"launch_latency_s": 1e-300})
+    )
 
 
 def _engine_mean_bytes(plan: Plan, prompt_len: int, response_lens: list[int]) -> float:
     shape = AttentionShape.of(SMALL, element_size=4)
-    return sum(sum(analytic_bytes(plan, prompt_len, response_lens, rank, shape).values())
-               for rank in range(plan.degree)) / plan.degree
+    return (
+        sum(sum(analytic_bytes(plan, prompt_len, response_lens, rank, shape).values()) for rank in range(plan.degree))
+        / plan.degree
+    )
 
 
 @pytest.mark.parametrize("degree", [2, 4])
@@ -88,8 +110,13 @@ def test_move_q_bytes_are_what_the_engine_sends(degree):
     """MoveQ with one rank per lane: prefill ring over all d + every fed query to the d - 1 other owners."""
     cost = cost_model(_byte_counting(BENCH_BASE))
     P, R = 1000, [201, 301, 57, 90]
-    plan = Plan(degree=degree, primitive="move_q", rounds=-(-len(R) // degree), lanes=degree,
-                placement=tuple((i // degree, i % degree) for i in range(len(R))))
+    plan = Plan(
+        degree=degree,
+        primitive="move_q",
+        rounds=-(-len(R) // degree),
+        lanes=degree,
+        placement=tuple((i // degree, i % degree) for i in range(len(R))),
+    )
     queries = sum(r - 1 for r in R)
     planner = cost.ring_comm(P, degree) + cost.moveq_owners(P, queries, plan.rounds, degree)[1]
     assert float(planner) == pytest.approx(_engine_mean_bytes(plan, P, R), rel=BYTES_REL)

@@ -24,7 +24,7 @@ def brute_force_makespan(weights, lanes):
 
 
 def lpt_bound(lanes):
-    return 4 / 3 - 1 / (3 * lanes)   # Graham (1969)
+    return 4 / 3 - 1 / (3 * lanes)  # Graham (1969)
 
 
 @pytest.mark.parametrize("seed", range(12))
@@ -51,7 +51,7 @@ def test_lpt_within_graham_bound_of_optimum(seed):
 
 
 def test_lpt_bound_is_tight_on_grahams_example():
-    weights = np.array([3.0, 3.0, 2.0, 2.0, 2.0])   # LPT: {3,2,2}=7, {3,2}=5; optimum {3,3}, {2,2,2} = 6
+    weights = np.array([3.0, 3.0, 2.0, 2.0, 2.0])  # LPT: {3,2,2}=7, {3,2}=5; optimum {3,3}, {2,2,2} = 6
     assert lane_makespan(weights, lpt_lanes(weights, 2), 2) == 7
     assert lane_makespan(weights, subset_dp_lanes(weights, 2), 2) == 6
     assert 7 / 6 == pytest.approx(lpt_bound(2))

@@ -96,8 +96,10 @@ def test_pruned_search_equals_exhaustive(seed, efficiency):
 
 def test_more_ranks_never_slower_when_efficiency_is_ignored():
     profile = dataclasses.replace(ClusterProfile.default(), min_parallel_efficiency=0.0)
-    times = [plan_tree(65536, [4096] * 8, degrees=CLUSTER[:k], profile=profile).est_time_s
-             for k in range(1, len(CLUSTER) + 1)]
+    times = [
+        plan_tree(65536, [4096] * 8, degrees=CLUSTER[:k], profile=profile).est_time_s
+        for k in range(1, len(CLUSTER) + 1)
+    ]
     assert all(a >= b for a, b in zip(times, times[1:]))
 
 
@@ -105,8 +107,12 @@ def test_plans_report_the_best_one_rank_time():
     """``est_single_s``: the tree's best one-rank plan time (what a CP group weighs CP against)."""
     for prompt_len, response_lens in ((131072, [256] * 8), (4096, [64] * 8), (64, [32] * 8)):
         plan = plan_tree(prompt_len, response_lens, degrees=CLUSTER)
-        alone = plan_tree(prompt_len, response_lens, degrees=(1,),
-                          profile=dataclasses.replace(ClusterProfile.default(), min_parallel_efficiency=0.0))
+        alone = plan_tree(
+            prompt_len,
+            response_lens,
+            degrees=(1,),
+            profile=dataclasses.replace(ClusterProfile.default(), min_parallel_efficiency=0.0),
+        )
         assert plan.est_single_s == pytest.approx(alone.est_time_s)
         assert plan.est_single_s >= plan.est_time_s
         assert Plan.from_dict(plan.to_dict()) == plan
@@ -115,29 +121,35 @@ def test_plans_report_the_best_one_rank_time():
 
 
 def test_memory_error_says_what_the_smallest_plan_needs():
-    with pytest.raises(ValueError, match=r"no plan fits in memory: the smallest plan \(.*\) needs "
-                                         r"[0-9.]+ GiB per rank but a rank has 46.57 GiB"):
+    with pytest.raises(
+        ValueError,
+        match=r"no plan fits in memory: the smallest plan \(.*\) needs "
+        r"[0-9.]+ GiB per rank but a rank has 46.57 GiB",
+    ):
         plan_tree(1_000_000, [1000] * 8, degrees=(1, 2))
 
 
 def test_topology_rules_drop_straddling_groups():
     with pytest.raises(ValueError, match="every degree breaks the topology rules"):
-        plan_tree(100, [10, 10], degrees=(3, 12))   # 3 does not tile an 8-rank node, 12 is not whole nodes
+        plan_tree(100, [10, 10], degrees=(3, 12))  # 3 does not tile an 8-rank node, 12 is not whole nodes
     assert plan_tree(100, [10, 10], degrees=(3, 2)).degree in (1, 2)
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(prompt_len=0, response_lens=[5]), "prompt_len must be a positive int, got 0"),
-    (dict(prompt_len=-3, response_lens=[5]), "prompt_len must be a positive int, got -3"),
-    (dict(prompt_len=2.5, response_lens=[5]), "prompt_len must be a positive int, got 2.5"),
-    (dict(prompt_len=10, response_lens=[]), "response_lens is empty"),
-    (dict(prompt_len=10, response_lens=[5, 0]), r"response_lens\[1\] must be a positive int, got 0"),
-    (dict(prompt_len=10, response_lens=[5, -1, 3]), r"response_lens\[1\] must be a positive int, got -1"),
-    (dict(prompt_len=10, response_lens=[5], degrees=()), "degrees is empty"),
-    (dict(prompt_len=10, response_lens=[5], degrees=(2, 0)), r"degrees\[1\] must be a positive int"),
-    (dict(prompt_len=10, response_lens=[5], force_primitive="zigzag"), "force_primitive must be one of"),
-    (dict(prompt_len=10, response_lens=[5], profile="h100"), "profile must be a ClusterProfile"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(prompt_len=0, response_lens=[5]), "prompt_len must be a positive int, got 0"),
+        (dict(prompt_len=-3, response_lens=[5]), "prompt_len must be a positive int, got -3"),
+        (dict(prompt_len=2.5, response_lens=[5]), "prompt_len must be a positive int, got 2.5"),
+        (dict(prompt_len=10, response_lens=[]), "response_lens is empty"),
+        (dict(prompt_len=10, response_lens=[5, 0]), r"response_lens\[1\] must be a positive int, got 0"),
+        (dict(prompt_len=10, response_lens=[5, -1, 3]), r"response_lens\[1\] must be a positive int, got -1"),
+        (dict(prompt_len=10, response_lens=[5], degrees=()), "degrees is empty"),
+        (dict(prompt_len=10, response_lens=[5], degrees=(2, 0)), r"degrees\[1\] must be a positive int"),
+        (dict(prompt_len=10, response_lens=[5], force_primitive="zigzag"), "force_primitive must be one of"),
+        (dict(prompt_len=10, response_lens=[5], profile="h100"), "profile must be a ClusterProfile"),
+    ],
+)
 def test_bad_input_names_the_problem(kwargs, message):
     kwargs.setdefault("degrees", NODE)
     with pytest.raises(ValueError, match=message):

@@ -21,9 +21,15 @@ from augtree_verl.planner.calibrate import (
 COMM_FIELDS = ("p2p_bytes_per_s", "collective_bytes_per_s")
 COMPUTE_FIELDS = ("flops_per_s", "attention_flops_per_s")
 OVERHEAD_FIELDS = ("call_overhead_s", "slot_overhead_s")
-FIT_REL = 1e-9     # float64 least squares on exact data
-TINY_CFG = Qwen2Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                       intermediate_size=128, vocab_size=256)
+FIT_REL = 1e-9  # float64 least squares on exact data
+TINY_CFG = Qwen2Config(
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=128,
+    vocab_size=256,
+)
 
 
 def test_default_is_an_h100_node_with_a_qwen7b_shape():
@@ -32,12 +38,24 @@ def test_default_is_an_h100_node_with_a_qwen7b_shape():
     assert 300e12 < p.flops_per_s < 989e12
 
 
-@pytest.mark.parametrize("field, value", [
-    ("flops_per_s", 0), ("p2p_bytes_per_s", -1.0), ("launch_latency_s", float("nan")),
-    ("attention_flops_per_s", -2.0), ("call_overhead_s", 0.0), ("slot_overhead_s", -1e-3),
-    ("memory_per_rank_bytes", float("inf")), ("num_layers", 0), ("head_dim", 2.0), ("ranks_per_node", True),
-    ("num_kv_heads", 3), ("min_parallel_efficiency", 1.5), ("activation_checkpointing", 1),
-])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("flops_per_s", 0),
+        ("p2p_bytes_per_s", -1.0),
+        ("launch_latency_s", float("nan")),
+        ("attention_flops_per_s", -2.0),
+        ("call_overhead_s", 0.0),
+        ("slot_overhead_s", -1e-3),
+        ("memory_per_rank_bytes", float("inf")),
+        ("num_layers", 0),
+        ("head_dim", 2.0),
+        ("ranks_per_node", True),
+        ("num_kv_heads", 3),
+        ("min_parallel_efficiency", 1.5),
+        ("activation_checkpointing", 1),
+    ],
+)
 def test_validation_names_the_field(field, value):
     with pytest.raises(ValueError, match=f"ClusterProfile.{field}"):
         dataclasses.replace(ClusterProfile.default(), **{field: value})
@@ -80,28 +98,47 @@ def test_the_tiny_trees_count_what_the_replay_runs():
     all-to-alls per round, one exchange per CP step (and per MoveQ round), one lane share."""
     profile = dataclasses.replace(ClusterProfile.default().with_model(TINY_CFG), activation_checkpointing=False)
     gen = torch.Generator().manual_seed(0)
-    ids = lambda n: torch.randint(0, 256, (n,), generator=gen)   # noqa: E731
+    ids = lambda n: torch.randint(0, 256, (n,), generator=gen)  # noqa: E731
     trees = _tiny_trees(profile, ids(OVERHEAD_PROMPT), ids, cp_world=2)
-    got = {(None if plan is None else (plan.primitive, plan.lanes), len(tree.responses)): counts
-           for tree, plan, counts, _ in trees}
+    got = {
+        (None if plan is None else (plan.primitive, plan.lanes), len(tree.responses)): counts
+        for tree, plan, counts, _ in trees
+    }
     n = 1 + OVERHEAD_CALLS
-    want = {(None, 1): [1, 1, 0, 0, 0], (None, n): [n, 1, 0, 0, 0],
-            (("ring", 1), 1): [1, 1, 6, 0, 1], (("ring", 1), n): [n, 1, 6 * n, 0, n],
-            (("tree_move_kv", 1), n): [n, 1, 6 + 6 * n, 0, n],
-            (("tree_move_kv", 2), 2 * n): [n, 1, 0, 0, 1],
-            (("move_q", 1), n): [n, 1, 6 + 6 * n, 12 * n, n],
-            (("move_q", 2), 2 * n): [n, 1, 6, 12 * n, n]}
+    want = {
+        (None, 1): [1, 1, 0, 0, 0],
+        (None, n): [n, 1, 0, 0, 0],
+        (("ring", 1), 1): [1, 1, 6, 0, 1],
+        (("ring", 1), n): [n, 1, 6 * n, 0, n],
+        (("tree_move_kv", 1), n): [n, 1, 6 + 6 * n, 0, n],
+        (("tree_move_kv", 2), 2 * n): [n, 1, 0, 0, 1],
+        (("move_q", 1), n): [n, 1, 6 + 6 * n, 12 * n, n],
+        (("move_q", 2), 2 * n): [n, 1, 6, 12 * n, n],
+    }
     for key, counts in want.items():
         assert got[key] == pytest.approx(counts, rel=FIT_REL), key
     assert len(got) == 12
 
 
 def test_with_model_reads_a_hugging_face_config():
-    cfg = Qwen2Config(hidden_size=256, num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=2,
-                      intermediate_size=512, vocab_size=1000)
+    cfg = Qwen2Config(
+        hidden_size=256,
+        num_hidden_layers=3,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        intermediate_size=512,
+        vocab_size=1000,
+    )
     p = ClusterProfile.default().with_model(cfg)
-    assert (p.num_layers, p.num_heads, p.num_kv_heads, p.head_dim, p.hidden_size, p.intermediate_size,
-            p.vocab_size) == (3, 8, 2, 32, 256, 512, 1000)
+    assert (
+        p.num_layers,
+        p.num_heads,
+        p.num_kv_heads,
+        p.head_dim,
+        p.hidden_size,
+        p.intermediate_size,
+        p.vocab_size,
+    ) == (3, 8, 2, 32, 256, 512, 1000)
 
 
 @pytest.mark.slow
@@ -111,8 +148,10 @@ def test_calibrate_without_process_group_measures_compute_and_keeps_comm():
     p = calibrate.calibrate(base)
     assert all(getattr(p, f) != getattr(base, f) for f in COMPUTE_FIELDS)
     assert 1e8 < p.flops_per_s < 1e13 and 1e8 < p.attention_flops_per_s < 1e13
-    assert all(getattr(p, f) == getattr(base, f)    # without a model, the replay's overheads stay too
-               for f in COMM_FIELDS + OVERHEAD_FIELDS + ("launch_latency_s", "memory_per_rank_bytes"))
+    assert all(
+        getattr(p, f) == getattr(base, f)  # without a model, the replay's overheads stay too
+        for f in COMM_FIELDS + OVERHEAD_FIELDS + ("launch_latency_s", "memory_per_rank_bytes")
+    )
     assert p.num_layers == base.num_layers
 
 
@@ -120,29 +159,41 @@ def test_calibrate_without_process_group_measures_compute_and_keeps_comm():
 @pytest.mark.timeout(60)
 def test_calibrate_with_a_model_measures_the_replays_call_and_slot_overheads():
     """The fixed costs come from replaying tiny trees on the model itself; its gradients are left untouched."""
-    cfg = Qwen2Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                      intermediate_size=128, vocab_size=256)
+    cfg = Qwen2Config(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=256,
+    )
     model = Qwen2ForCausalLM(cfg).train()
     grad = model.lm_head.weight.grad = torch.ones_like(model.lm_head.weight)
     base = ClusterProfile.default().with_model(cfg)
     p = calibrate.calibrate(base, model=model)
-    for f in OVERHEAD_FIELDS:   # measured (the slot's rest may come out at the floor on a loaded machine)
+    for f in OVERHEAD_FIELDS:  # measured (the slot's rest may come out at the floor on a loaded machine)
         assert getattr(p, f) != getattr(base, f) and MIN_OVERHEAD_S <= getattr(p, f) < 1.0, (f, getattr(p, f))
     assert model.lm_head.weight.grad is grad and all(
-        param.grad is None for name, param in model.named_parameters() if name != "lm_head.weight")
+        param.grad is None for name, param in model.named_parameters() if name != "lm_head.weight"
+    )
 
 
 def _added_seconds(p: ClusterProfile, n: int, context: int, dense: float, causal: float, full: float) -> float:
     """What a response of n tokens adds to a replay after ``context`` prompt tokens (the cost model's terms)."""
     pair = p.train_factor * p.attention_pair_flops
-    return (n * p.train_factor * (p.linear_flops + p.head_flops) / dense + n * n / 2 * pair / causal
-            + n * context * pair / full)
+    return (
+        n * p.train_factor * (p.linear_flops + p.head_flops) / dense
+        + n * n / 2 * pair / causal
+        + n * context * pair / full
+    )
 
 
 def _measured(p: ClusterProfile, dense: float, causal: float, full: float) -> list[float]:
     """The three times ``_replay_throughputs`` reads (responses of 512 and 2048 tokens, 512 after 2048)."""
-    return [_added_seconds(p, n, context, dense, causal, full)
-            for n, context in ((512, OVERHEAD_PROMPT), (2048, OVERHEAD_PROMPT), (512, 2048))]
+    return [
+        _added_seconds(p, n, context, dense, causal, full)
+        for n, context in ((512, OVERHEAD_PROMPT), (2048, OVERHEAD_PROMPT), (512, 2048))
+    ]
 
 
 MICROBENCHMARKS = dict(attention_flops_per_s=2e10, causal_attention_flops_per_s=1e10)
@@ -152,8 +203,9 @@ MICROBENCHMARKS = dict(attention_flops_per_s=2e10, causal_attention_flops_per_s=
 def test_the_replays_throughputs_are_solved_from_three_replay_times(causal, expected):
     """Exact times give every figure back; a causal figure above the full blocks' is capped there (and the
     dense one follows from the shorter response)."""
-    p = dataclasses.replace(ClusterProfile.default().with_model(TINY_CFG), activation_checkpointing=False,
-                            **MICROBENCHMARKS)
+    p = dataclasses.replace(
+        ClusterProfile.default().with_model(TINY_CFG), activation_checkpointing=False, **MICROBENCHMARKS
+    )
     added = _measured(p, 4e10, causal, 5e10)
     fitted = _replay_throughputs(p, (512, 2048), added)
     assert fitted["attention_flops_per_s"] == pytest.approx(5e10, rel=FIT_REL)
@@ -164,10 +216,11 @@ def test_the_replays_throughputs_are_solved_from_three_replay_times(causal, expe
 
 
 def test_a_noisy_solution_keeps_the_microbenchmarks_figures():
-    p = dataclasses.replace(ClusterProfile.default().with_model(TINY_CFG), activation_checkpointing=False,
-                            **MICROBENCHMARKS)
+    p = dataclasses.replace(
+        ClusterProfile.default().with_model(TINY_CFG), activation_checkpointing=False, **MICROBENCHMARKS
+    )
     short = _measured(p, 4e10, 3e10, 5e10)[0]
-    fitted = _replay_throughputs(p, (512, 2048), [short, 2 * short, short])   # far too fast for longer work
+    fitted = _replay_throughputs(p, (512, 2048), [short, 2 * short, short])  # far too fast for longer work
     assert fitted["causal_attention_flops_per_s"] == 1e10 and fitted["attention_flops_per_s"] == 2e10
 
 
@@ -202,7 +255,7 @@ def test_calibrate_on_gloo_agrees_across_ranks():
 
 
 def _calibrate_model_worker(rank, world, port, results):
-    torch.set_num_threads(1)                      # the ranks share the cores
+    torch.set_num_threads(1)  # the ranks share the cores
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         torch.manual_seed(0)
@@ -210,8 +263,12 @@ def _calibrate_model_worker(rank, world, port, results):
         rows = []
         fit = calibrate._fit_fixed_costs
         calibrate._fit_fixed_costs = lambda counts, seconds: rows.append(len(counts)) or fit(counts, seconds)
-        profile = calibrate.calibrate(dataclasses.replace(ClusterProfile.default().with_model(TINY_CFG),
-                                                          activation_checkpointing=False, dtype_bytes=4), model=model)
+        profile = calibrate.calibrate(
+            dataclasses.replace(
+                ClusterProfile.default().with_model(TINY_CFG), activation_checkpointing=False, dtype_bytes=4
+            ),
+            model=model,
+        )
         results[rank] = (profile.to_dict(), rows, all(p.grad is None for p in model.parameters()))
     finally:
         dist.destroy_process_group()

@@ -12,10 +12,17 @@ from augtree_verl.planner import ClusterProfile
 from augtree_verl.planner.startup import cache_file, startup_profile
 from augtree_verl.testing import harness
 
-TINY = Qwen2Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                   intermediate_size=128, vocab_size=256)
-BASE = dataclasses.replace(ClusterProfile.default().with_model(TINY), dtype_bytes=4, activation_checkpointing=False,
-                           ranks_per_node=2)
+TINY = Qwen2Config(
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=128,
+    vocab_size=256,
+)
+BASE = dataclasses.replace(
+    ClusterProfile.default().with_model(TINY), dtype_bytes=4, activation_checkpointing=False, ranks_per_node=2
+)
 CPU = torch.device("cpu")
 
 
@@ -30,10 +37,13 @@ def test_calibrates_once_then_reads_the_cache(tmp_path):
 
 def test_the_cache_key_is_model_shape_dtype_checkpointing_device_and_world(tmp_path):
     path = cache_file(BASE, CPU, 1, tmp_path)
-    others = [cache_file(BASE, CPU, 2, tmp_path), cache_file(dataclasses.replace(BASE, num_layers=3), CPU, 1, tmp_path),
-              cache_file(dataclasses.replace(BASE, dtype_bytes=2), CPU, 1, tmp_path),
-              cache_file(dataclasses.replace(BASE, activation_checkpointing=True), CPU, 1, tmp_path),
-              cache_file(dataclasses.replace(BASE, ranks_per_node=8), CPU, 1, tmp_path)]
+    others = [
+        cache_file(BASE, CPU, 2, tmp_path),
+        cache_file(dataclasses.replace(BASE, num_layers=3), CPU, 1, tmp_path),
+        cache_file(dataclasses.replace(BASE, dtype_bytes=2), CPU, 1, tmp_path),
+        cache_file(dataclasses.replace(BASE, activation_checkpointing=True), CPU, 1, tmp_path),
+        cache_file(dataclasses.replace(BASE, ranks_per_node=8), CPU, 1, tmp_path),
+    ]
     assert path not in others and len(set(others)) == len(others)
     # hardware figures are not part of the key: they are what the file holds
     assert cache_file(dataclasses.replace(BASE, flops_per_s=1.0), CPU, 1, tmp_path) == path
@@ -42,7 +52,7 @@ def test_the_cache_key_is_model_shape_dtype_checkpointing_device_and_world(tmp_p
 def test_a_cache_file_of_another_model_is_calibrated_over(tmp_path):
     path = cache_file(BASE, CPU, 1, tmp_path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    dataclasses.replace(BASE, vocab_size=999).save(path)      # what a hand-edited or colliding file could hold
+    dataclasses.replace(BASE, vocab_size=999).save(path)  # what a hand-edited or colliding file could hold
     run = startup_profile(BASE, user_file=None, device=CPU, cache_dir=tmp_path)
     assert run.source.startswith("calibrated now") and ClusterProfile.load(path).vocab_size == 256
 
@@ -52,12 +62,12 @@ def test_the_users_file_is_taken_as_it_is(tmp_path):
     dataclasses.replace(BASE, flops_per_s=1.25e12).save(mine)
     run = startup_profile(BASE, user_file=str(mine), device=CPU, cache_dir=tmp_path / "cache")
     assert run.profile.flops_per_s == 1.25e12 and run.source == f"the user's file {mine}"
-    assert not (tmp_path / "cache").exists()                   # nothing calibrated, nothing cached
+    assert not (tmp_path / "cache").exists()  # nothing calibrated, nothing cached
 
 
 def test_a_users_file_for_another_model_or_unreadable_is_refused_by_name(tmp_path):
     other = tmp_path / "other.json"
-    ClusterProfile.default().save(other)                       # a Qwen2.5-7B shape in bf16
+    ClusterProfile.default().save(other)  # a Qwen2.5-7B shape in bf16
     with pytest.raises(ValueError, match=r"planner_profile=.*other model: num_layers=28 \(this run: 2\)"):
         startup_profile(BASE, user_file=str(other), device=CPU)
     broken = tmp_path / "broken.json"

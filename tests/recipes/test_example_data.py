@@ -22,9 +22,21 @@ PARAGRAPHS = 120  # ~14k tokens: long, but quick to tokenize here
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory):
     out = tmp_path_factory.mktemp("musique_longctx")
-    run = subprocess.run([sys.executable, str(REPO / "examples/prepare_musique_longctx.py"), "--input", MUSIQUE_SAMPLE,
-                          "--output", str(out), "--total-paragraphs", str(PARAGRAPHS)],
-                         capture_output=True, text=True, timeout=120)
+    run = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "examples/prepare_musique_longctx.py"),
+            "--input",
+            MUSIQUE_SAMPLE,
+            "--output",
+            str(out),
+            "--total-paragraphs",
+            str(PARAGRAPHS),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert run.returncode == 0, run.stderr
     return out
 
@@ -40,8 +52,14 @@ def test_verls_dataset_loads_long_prompts_within_the_recipe_limit(prepared, tmp_
     row = train[0]
     assert row["data_source"] == "searchR1_musique" and row["extra_info"]["num_paragraphs"] == PARAGRAPHS
     assert row["raw_prompt"][0]["role"] == "user" and "<answer>" in row["raw_prompt"][0]["content"]
-    lengths = [len(tokenizer.apply_chat_template(train[i]["raw_prompt"], add_generation_prompt=True,
-                                                 tokenize=True, return_dict=False)) for i in range(5)]
+    lengths = [
+        len(
+            tokenizer.apply_chat_template(
+                train[i]["raw_prompt"], add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+        )
+        for i in range(5)
+    ]
     assert all(10_000 < n < data_config.max_prompt_length for n in lengths), lengths
 
 
@@ -59,7 +77,18 @@ def test_built_in_exact_match_reward_scores_the_answers(prepared):
 def test_bad_input_is_a_clear_error(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text('[{"id": "x", "question": "q?"}]')
-    run = subprocess.run([sys.executable, str(REPO / "examples/prepare_musique_longctx.py"), "--input", str(bad),
-                          "--output", str(tmp_path / "out")], capture_output=True, text=True, timeout=120)
+    run = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "examples/prepare_musique_longctx.py"),
+            "--input",
+            str(bad),
+            "--output",
+            str(tmp_path / "out"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert run.returncode != 0
     assert "record 0 of" in run.stderr and "lacks ['answer', 'paragraphs']" in run.stderr

@@ -25,7 +25,8 @@ ENGINE_TARGET = "augtree_verl.integration.config.AugTreeEngineConfig"
 STOCK_TARGET = "verl.workers.config.FSDPEngineConfig"
 # What base/augtree_engine.yaml sets, the only difference between a recipe and its stock-engine variant.
 AUGTREE_KNOBS = {f.name for f in dataclasses.fields(AugTreeEngineConfig)} - {
-    f.name for f in dataclasses.fields(FSDPEngineConfig)}
+    f.name for f in dataclasses.fields(FSDPEngineConfig)
+}
 
 
 def compose_recipe(name, overrides=()):
@@ -124,10 +125,15 @@ def test_dapo_recipe_is_verls_dapo():
 
 
 def test_overrides_work_as_on_any_verl_config():
-    cfg = compose_recipe("grpo_augtree", ["actor_rollout_ref.rollout.n=4",
-                                          "actor_rollout_ref.actor.fsdp_config.cp_degrees=[1,2]",
-                                          "actor_rollout_ref.actor.fsdp_config.use_planner=false",
-                                          "actor_rollout_ref.actor.fsdp_config.fallback_threshold_tokens=4096"])
+    cfg = compose_recipe(
+        "grpo_augtree",
+        [
+            "actor_rollout_ref.rollout.n=4",
+            "actor_rollout_ref.actor.fsdp_config.cp_degrees=[1,2]",
+            "actor_rollout_ref.actor.fsdp_config.use_planner=false",
+            "actor_rollout_ref.actor.fsdp_config.fallback_threshold_tokens=4096",
+        ],
+    )
     OmegaConf.resolve(cfg)
     assert cfg.actor_rollout_ref.rollout.n == 4
     ref = cfg.actor_rollout_ref.ref.fsdp_config  # the ref follows the actor's knobs
@@ -139,8 +145,13 @@ def test_overrides_work_as_on_any_verl_config():
 
 def main_ppo_cfg_job(args, cwd):
     """verl's real CLI entry point, asked to print the composed job config instead of training."""
-    out = subprocess.run([sys.executable, "-m", "verl.trainer.main_ppo", *args, "--cfg", "job"],
-                         capture_output=True, text=True, timeout=280, cwd=cwd)
+    out = subprocess.run(
+        [sys.executable, "-m", "verl.trainer.main_ppo", *args, "--cfg", "job"],
+        capture_output=True,
+        text=True,
+        timeout=280,
+        cwd=cwd,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     return yaml.safe_load(out.stdout)
 
@@ -150,8 +161,14 @@ def main_ppo_cfg_job(args, cwd):
 def test_single_node_script_composes_through_main_ppo(tmp_path):
     """examples/run_grpo_single_node.sh, extra arguments passed through to hydra: here --cfg job."""
     env = dict(os.environ, MODEL="/models/qwen2.5-7b-instruct", DATA_DIR=str(tmp_path), NGPUS="4")
-    out = subprocess.run(["bash", str(REPO / "examples/run_grpo_single_node.sh"), "--cfg", "job"],
-                         capture_output=True, text=True, timeout=280, cwd=tmp_path, env=env)
+    out = subprocess.run(
+        ["bash", str(REPO / "examples/run_grpo_single_node.sh"), "--cfg", "job"],
+        capture_output=True,
+        text=True,
+        timeout=280,
+        cwd=tmp_path,
+        env=env,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     cfg = yaml.safe_load(out.stdout)
     assert cfg["actor_rollout_ref"]["actor"]["strategy"] == "augtree"
@@ -165,14 +182,20 @@ def test_single_node_script_composes_through_main_ppo(tmp_path):
 def test_ray_job_script_submits_a_command_that_composes_on_the_cluster_side(tmp_path):
     """DRY_RUN=1 prints the ``ray job submit`` command; its entrypoint runs from the uploaded working_dir."""
     env = dict(os.environ, DRY_RUN="1", RAY_ADDRESS="http://head:8265", NNODES="2", DATA_DIR="/shared/musique")
-    out = subprocess.run(["bash", str(REPO / "examples/run_dapo_ray_job.sh")], capture_output=True, text=True,
-                         timeout=60, cwd=tmp_path, env=env)
+    out = subprocess.run(
+        ["bash", str(REPO / "examples/run_dapo_ray_job.sh")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+        env=env,
+    )
     assert out.returncode == 0, out.stderr
     argv = shlex.split(out.stdout.strip().splitlines()[-1])
     assert argv[:3] == ["ray", "job", "submit"] and argv[argv.index("--address") + 1] == "http://head:8265"
     runtime_env = yaml.safe_load(argv[argv.index("--runtime-env-json") + 1])  # JSON is YAML
     assert Path(runtime_env["working_dir"]) == REPO
-    entrypoint = argv[argv.index("--") + 1:]
+    entrypoint = argv[argv.index("--") + 1 :]
     assert entrypoint[:3] == ["python", "-m", "verl.trainer.main_ppo"]
     # Ray runs the entrypoint with the uploaded working_dir as the current directory.
     cfg = main_ppo_cfg_job(entrypoint[3:], cwd=runtime_env["working_dir"])

@@ -14,17 +14,20 @@ def model():
     return tiny_model()
 
 
-@pytest.mark.parametrize("tree,message", [
-    (Tree.of_tokens(torch.tensor([], dtype=torch.long), [ok]), "tree 1 prompt is empty"),
-    (Tree.of_tokens(ok, []), "tree 1 has no responses"),
-    (Tree.of_tokens(ok, [ok, torch.tensor([], dtype=torch.long)]), "tree 1 response 1 is empty"),
-    (Tree.of_tokens(ok[None], [ok]), r"tree 1 prompt must be 1-D"),
-    (Tree.of_tokens(ok, [ok, ok, torch.ones(2, 2, dtype=torch.long)]), r"tree 1 response 2 must be 1-D"),
-    (Tree.of_tokens(ok, [torch.tensor([1, VOCAB])]), rf"tree 1 response 0 has token id {VOCAB} outside"),
-    (Tree.of_tokens(torch.tensor([-1, 2]), [ok]), r"tree 1 prompt has token id -1 outside"),
-    (Tree.of_tokens(ok, [ok.float()]), r"tree 1 response 0 must hold integer token ids"),
-    (Tree.of_tokens(ok, [ok.to("meta")]), r"tree 1 response 0 is on meta but the model is on cpu"),
-])
+@pytest.mark.parametrize(
+    "tree,message",
+    [
+        (Tree.of_tokens(torch.tensor([], dtype=torch.long), [ok]), "tree 1 prompt is empty"),
+        (Tree.of_tokens(ok, []), "tree 1 has no responses"),
+        (Tree.of_tokens(ok, [ok, torch.tensor([], dtype=torch.long)]), "tree 1 response 1 is empty"),
+        (Tree.of_tokens(ok[None], [ok]), r"tree 1 prompt must be 1-D"),
+        (Tree.of_tokens(ok, [ok, ok, torch.ones(2, 2, dtype=torch.long)]), r"tree 1 response 2 must be 1-D"),
+        (Tree.of_tokens(ok, [torch.tensor([1, VOCAB])]), rf"tree 1 response 0 has token id {VOCAB} outside"),
+        (Tree.of_tokens(torch.tensor([-1, 2]), [ok]), r"tree 1 prompt has token id -1 outside"),
+        (Tree.of_tokens(ok, [ok.float()]), r"tree 1 response 0 must hold integer token ids"),
+        (Tree.of_tokens(ok, [ok.to("meta")]), r"tree 1 response 0 is on meta but the model is on cpu"),
+    ],
+)
 @pytest.mark.parametrize("train", [False, True])
 def test_bad_tree_is_named(model, tree, message, train):
     trees = [random_trees([4], [[2]])[0], tree]

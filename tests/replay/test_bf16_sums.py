@@ -31,13 +31,16 @@ def test_bf16_replay_is_as_accurate_as_the_flattened_bf16_baseline():
     bf16 = tiny_model().to(torch.bfloat16)
     reference = copy.deepcopy(bf16).float()
     g = torch.Generator().manual_seed(0)
-    tree = Tree.of_tokens(prompt=torch.randint(0, VOCAB, (PROMPT,), generator=g),
-                      responses=[torch.randint(0, VOCAB, (RESPONSE,), generator=g) for _ in range(G)])
+    tree = Tree.of_tokens(
+        prompt=torch.randint(0, VOCAB, (PROMPT,), generator=g),
+        responses=[torch.randint(0, VOCAB, (RESPONSE,), generator=g) for _ in range(G)],
+    )
     advantages = torch.randn(G, generator=g)
     stats = {}
 
     def ours(model, trees, loss_fn):
         from augtree_verl.replay import ReplayStats
+
         stats["replay"] = ReplayStats()
         step_plan = StepPlan.build(trees, micro_batch_tokens=RESPONSE, stats=stats["replay"])
         return replay(model, step_plan, per_response(loss_fn))

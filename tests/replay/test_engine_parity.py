@@ -10,7 +10,7 @@ from tests.parity import MODELS, assert_grads_match, assert_logps_match, grads, 
 
 def grpo_like_loss(advantages):
     """Policy-gradient term plus a non-linear term so dL/dlogp differs per token."""
-    return lambda t, i, logp: -(logp * advantages[t][i]).mean() + 0.05 * (logp ** 2).sum()
+    return lambda t, i, logp: -(logp * advantages[t][i]).mean() + 0.05 * (logp**2).sum()
 
 
 def run_both(model, trees, loss_fn, **kw):
@@ -33,12 +33,15 @@ def test_prompt_heavy_and_response_heavy(name):
     assert_grads_match(gg, gw)
 
 
-@pytest.mark.parametrize("prompt_lens,response_lens", [
-    ([1], [[1, 1, 1]]),          # one-token prompt, one-token responses
-    ([13], [[6]]),               # G = 1
-    ([7], [[3, 9, 1, 4, 12, 2, 5]]),  # G = 7, mixed lengths
-    ([1], [[17]]),
-])
+@pytest.mark.parametrize(
+    "prompt_lens,response_lens",
+    [
+        ([1], [[1, 1, 1]]),  # one-token prompt, one-token responses
+        ([13], [[6]]),  # G = 1
+        ([7], [[3, 9, 1, 4, 12, 2, 5]]),  # G = 7, mixed lengths
+        ([1], [[17]]),
+    ],
+)
 def test_odd_lengths(prompt_lens, response_lens):
     model = tiny_model("qwen2-gqa", seed=1)
     trees = random_trees(prompt_lens, response_lens, seed=3)
@@ -53,8 +56,9 @@ def test_temperature_and_micro_batch_budgets(micro_batch_tokens):
     model = tiny_model("llama-mha", seed=2)
     trees = random_trees([21, 50], [[4, 9, 2], [6, 6, 15, 1]], seed=4)
     adv = [[1.0, -1.0, 0.5], [0.2, -0.4, 1.5, -2.0]]
-    got, gg, want, gw = run_both(model, trees, grpo_like_loss(adv), temperature=0.6,
-                                 micro_batch_tokens=micro_batch_tokens)
+    got, gg, want, gw = run_both(
+        model, trees, grpo_like_loss(adv), temperature=0.6, micro_batch_tokens=micro_batch_tokens
+    )
     assert_logps_match(got, want)
     assert_grads_match(gg, gw)
 
@@ -116,7 +120,7 @@ def test_stats_count_prompt_once():
     stats = ReplayStats()
     replay(model, StepPlan.build(trees, micro_batch_tokens=100, stats=stats), per_response(lambda t, i, lp: lp.sum()))
     assert stats.logical_tokens == 4 * (50 + 4)
-    assert stats.executed_tokens == 50 + 4 * 3   # prompt once; each response feeds R - 1 tokens
+    assert stats.executed_tokens == 50 + 4 * 3  # prompt once; each response feeds R - 1 tokens
     assert stats.trees == 1 and stats.micro_batches == 1
 
 

@@ -16,7 +16,7 @@ def entropy(logits):
 
 def loss(t, i, logp, ent):
     """Per-response terms (verl's losses are sums of these under batch-level normalisers)."""
-    return -(logp * (1.0 + t - 0.5 * i)).mean() + 0.05 * (logp ** 2).sum() - 0.01 * ent.mean()
+    return -(logp * (1.0 + t - 0.5 * i)).mean() + 0.05 * (logp**2).sum() - 0.01 * ent.mean()
 
 
 @pytest.mark.parametrize("checkpointing", [False, True])
@@ -35,15 +35,24 @@ def test_entropy_scores_and_micro_batch_loss_match_flattened(checkpointing):
     step_plan = StepPlan.build(trees, temperature=0.8, micro_batch_tokens=10, entropy_fn=entropy)
     got = replay(model, step_plan, micro_batch_loss)
     got_grads = grads(model)
-    assert all(s.shape == (n, 2) and not s.requires_grad for tree, row in zip(trees, got)
-               for s, n in zip(row, tree.response_lens))
+    assert all(
+        s.shape == (n, 2) and not s.requires_grad
+        for tree, row in zip(trees, got)
+        for s, n in zip(row, tree.response_lens)
+    )
     assert len(seen) > len(trees)  # several micro-batches per tree
     model.zero_grad(set_to_none=True)
     entropies = {}
-    want = flattened_replay(model, trees, keep_graph=True, temperature=0.8,
-                            on_logits=lambda t, i, logits: entropies.__setitem__((t, i), entropy(logits)))
-    sum(loss(t, i, want[t][i], entropies[(t, i)]) for t in range(len(trees))
-        for i in range(len(trees[t].responses))).backward()
+    want = flattened_replay(
+        model,
+        trees,
+        keep_graph=True,
+        temperature=0.8,
+        on_logits=lambda t, i, logits: entropies.__setitem__((t, i), entropy(logits)),
+    )
+    sum(
+        loss(t, i, want[t][i], entropies[(t, i)]) for t in range(len(trees)) for i in range(len(trees[t].responses))
+    ).backward()
     assert_logps_match([[s[:, 0] for s in row] for row in got], [[x.detach() for x in row] for row in want])
     for t, row in enumerate(got):
         for i, s in enumerate(row):

@@ -20,7 +20,7 @@ def _trees():
 
 
 def _loss(t, i, logp):
-    return -(logp * (i - 1.5)).mean() + 0.05 * (logp ** 2).sum()
+    return -(logp * (i - 1.5)).mean() + 0.05 * (logp**2).sum()
 
 
 @pytest.mark.parametrize("name", sorted(PARITY))

@@ -35,10 +35,13 @@ def _trees(seed: int = 0) -> list[Tree]:
     return [Tree.of_tokens(ids(p), [ids(r) for r in rs]) for p, rs in zip(PROMPTS, RESPONSES)]
 
 
-@pytest.mark.parametrize("name,checkpointing,micro_batch_tokens", [
-    ("qwen3.5", False, 1),           # one row per call
-    ("qwen3-next", True, 16),        # several rows per call, right padded; prompt activations offloaded
-])
+@pytest.mark.parametrize(
+    "name,checkpointing,micro_batch_tokens",
+    [
+        ("qwen3.5", False, 1),  # one row per call
+        ("qwen3-next", True, 16),  # several rows per call, right padded; prompt activations offloaded
+    ],
+)
 def test_optimizer_steps_match_flattened(name, checkpointing, micro_batch_tokens):
     """Before each of 2 SGD steps, replay and the flattened baseline on the same weights agree."""
     model = family_model(name)
@@ -47,8 +50,7 @@ def test_optimizer_steps_match_flattened(name, checkpointing, micro_batch_tokens
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     for step in range(2):
         offload = Offload(ReplayStats(), min_bytes=0) if checkpointing else None
-        got, gg, want, gw = run_both(model, _trees(step), LOSS, micro_batch_tokens=micro_batch_tokens,
-                                     offload=offload)
+        got, gg, want, gw = run_both(model, _trees(step), LOSS, micro_batch_tokens=micro_batch_tokens, offload=offload)
         assert_logps_match(got, want)
         assert_grads_match(gg, gw)
         for p, g in zip(model.parameters(), gg.values()):
@@ -73,8 +75,11 @@ def test_linear_state_leaves_take_the_responses_gradients(monkeypatch):
     linear = model.model.layers[0].linear_attn
     kv_shape = (1, model.config.num_key_value_heads, PROMPTS[0], attn.head_dim)
     assert [shape for shape, _ in seen[0]] == [
-        (1, linear.conv_dim, linear.conv_kernel_size), (1, linear.num_v_heads, linear.head_k_dim, linear.head_v_dim),
-        kv_shape, kv_shape]
+        (1, linear.conv_dim, linear.conv_kernel_size),
+        (1, linear.num_v_heads, linear.head_k_dim, linear.head_v_dim),
+        kv_shape,
+        kv_shape,
+    ]
     for _, grad in seen[0]:
         assert grad is not None and grad.dtype == torch.float32 and grad.abs().max() > 0
 

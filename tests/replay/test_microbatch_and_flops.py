@@ -18,8 +18,14 @@ def test_micro_batches_group_similar_lengths():
 
 
 def test_flops_reuse_removes_the_repeated_prompt():
-    cfg = Qwen2Config(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2)
+    cfg = Qwen2Config(
+        vocab_size=1000,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     # One response: the schedules differ only by the response's last token (not fed in replay).
     assert step_flops(cfg, 50, [10], True) < step_flops(cfg, 50, [10], False)
     assert ideal_speedup(cfg, 50, [10]) == pytest.approx(1.0, abs=0.05)

@@ -14,9 +14,17 @@ from tests.replay.test_engine_parity import grpo_like_loss, run_both
 def deep_model(layers: int, seed: int):
     """tests.parity's qwen2-gqa shape with ``layers`` decoder layers, gradient checkpointing on."""
     torch.manual_seed(seed)
-    config = Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-                         tie_word_embeddings=False, attn_implementation="sdpa")
+    config = Qwen2Config(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        attn_implementation="sdpa",
+    )
     model = Qwen2ForCausalLM(config).float().train()
     model.gradient_checkpointing_enable()
     return model
@@ -30,16 +38,18 @@ def offloaded_run(model, trees, loss_fn, **kw):
     return result, stats, offload
 
 
-@pytest.mark.parametrize("name,checkpointing", [("qwen2-gqa", True), ("qwen2-gqa", False), ("llama-mha", True),
-                                                ("qwen3-gqa", False)])
+@pytest.mark.parametrize(
+    "name,checkpointing", [("qwen2-gqa", True), ("qwen2-gqa", False), ("llama-mha", True), ("qwen3-gqa", False)]
+)
 def test_parity_with_offload(name, checkpointing):
     model = tiny_model(name, seed=5)
     if checkpointing:
         model.gradient_checkpointing_enable()
     trees = random_trees([40, 9, 1], [[7, 12, 3], [5, 2], [3, 1]], seed=5)
     adv = [[1.0, -0.5, 2.0], [0.3, -1.0], [0.7, 1.1]]
-    (got, gg, want, gw), stats, offload = offloaded_run(model, trees, grpo_like_loss(adv), micro_batch_tokens=20,
-                                                        temperature=0.8)
+    (got, gg, want, gw), stats, offload = offloaded_run(
+        model, trees, grpo_like_loss(adv), micro_batch_tokens=20, temperature=0.8
+    )
     assert_logps_match(got, want)
     assert_grads_match(gg, gw)
     assert stats.offloaded_bytes > 0 and stats.offload_copies > 0 and offload.peak_host_bytes > 0
@@ -67,18 +77,21 @@ def test_parity_with_offload_over_several_optimizer_steps():
 def _saved_storages(model, trees):
     """(storage bytes the prefill saves (every saved tensor's storage once), those of parameters)."""
     from augtree_verl.replay.attention import PrefillContext, use_augtree_attention
+
     use_augtree_attention(model)
     seen, params = {}, {}
 
     def pack(x):
         storage = x.untyped_storage()
         (params if isinstance(x, torch.nn.Parameter) or isinstance(x._base, torch.nn.Parameter) else seen)[
-            storage.data_ptr()] = storage.nbytes()
+            storage.data_ptr()
+        ] = storage.nbytes()
         return x
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
-        model.get_decoder()(input_ids=trees[0].prompt[None], attention_mask=None, use_cache=False,
-                            augtree_ctx=PrefillContext())
+        model.get_decoder()(
+            input_ids=trees[0].prompt[None], attention_mask=None, use_cache=False, augtree_ctx=PrefillContext()
+        )
     return seen, params
 
 

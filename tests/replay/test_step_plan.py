@@ -21,7 +21,10 @@ def test_without_a_cp_group_every_tree_is_a_slot_here_most_micro_batches_first()
     trees = random_trees([4, 4, 4], [[2], [3, 3, 3], [2, 2]])
     plan = StepPlan.build(trees, micro_batch_tokens=3)  # rows x longest row <= 3: [3] [3] [3], [2] [2], [2]
     assert [(s.tree, s.degree, s.calls, s.micro_batches) for s in plan.slots] == [
-        (1, 1, 3, [[0], [1], [2]]), (2, 1, 2, [[0], [1]]), (0, 1, 1, [[0]])]
+        (1, 1, 3, [[0], [1], [2]]),
+        (2, 1, 2, [[0], [1]]),
+        (0, 1, 1, [[0]]),
+    ]
     assert (plan.plans, plan.mesh, plan.subgroups, plan.fallbacks) == ([None] * 3, None, None, 0)
 
 
@@ -114,7 +117,7 @@ def test_the_trees_of_one_trie_go_to_one_rank():
     (5 + 1 = 6, then 6 on the other rank, then 4 on the first, the lower on a tie), where alone they part."""
     assert pack_subgroups([5.0, 6.0, 4.0, 1.0], [1, 1, 1, 1], 2, tries=[[0, 3], [1], [2]]) == ([0, 1, 0, 0], 10.0)
     assert pack_subgroups([5.0, 6.0, 4.0, 1.0], [1, 1, 1, 1], 2) == ([1, 0, 1, 0], 9.0)
-    trees = random_trees([6, 5, 7], [[2, 3], [40], [1, 2]], seed=2)   # the trie of 0 and 2 within a share
+    trees = random_trees([6, 5, 7], [[2, 3], [40], [1, 2]], seed=2)  # the trie of 0 and 2 within a share
     trees[2] = Tree.of_tokens(trees[0].prompt, list(trees[2].responses))
     _, subgroups = assign_subgroups(trees, [None] * 3, 2, rebalance=False)
     assert subgroups[0] == subgroups[2] != subgroups[1]
@@ -134,12 +137,15 @@ def test_a_step_reads_its_token_ids_to_the_host_once(monkeypatch):
     copies = []
     monkeypatch.setattr(trie, "host_token_ids", lambda ids: copies.append(len(ids)) or ids.numpy())
     system = torch.arange(3, 3 + MIN_SHARED_TOKENS)
-    trees = [Tree.of_tokens(torch.cat([system, t.prompt]), t.responses, uid=str(k), samples=range(2 * k, 2 * k + 2))
-             for k, t in enumerate(random_trees([6, 5, 7, 4], [[2, 3], [4, 1], [1, 2], [3, 3]], seed=1))]
+    trees = [
+        Tree.of_tokens(torch.cat([system, t.prompt]), t.responses, uid=str(k), samples=range(2 * k, 2 * k + 2))
+        for k, t in enumerate(random_trees([6, 5, 7, 4], [[2, 3], [4, 1], [1, 2], [3, 3]], seed=1))
+    ]
     plan = Plan(degree=2, est_time_s=0.6, est_single_s=1.0)
     entries = plan_entries(trees, {t.tree_id: plan for t in trees}, 8)
-    step_plan = StepPlan.from_batch(trees, entries, mesh=CPMesh.layout((1, 2), 0),
-                                    model_config=transformers.Qwen2Config())
+    step_plan = StepPlan.from_batch(
+        trees, entries, mesh=CPMesh.layout((1, 2), 0), model_config=transformers.Qwen2Config()
+    )
     assert len(copies) == 1
     assert step_plan.stats.trie_demoted == 4 and sorted(step_plan.subgroups) == [0, 0, 1, 1]
     StepPlan.build(trees)

@@ -47,12 +47,20 @@ def sharing_batch(seed: int = 0, system: int = SYSTEM, shared: int = SHARED) -> 
     p1, p2 = torch.cat([system, torch.tensor([1]), _ids(g, 9)]), torch.cat([system, torch.tensor([2]), _ids(g, 6)])
     twice = _ids(g, 3)
     return [
-        Tree.of_tokens(p1, [torch.cat([shared, torch.tensor([1]), _ids(g, 4)]),
-                            torch.cat([shared, torch.tensor([2]), _ids(g, 8)]), _ids(g, 6)], uid="a"),
+        Tree.of_tokens(
+            p1,
+            [
+                torch.cat([shared, torch.tensor([1]), _ids(g, 4)]),
+                torch.cat([shared, torch.tensor([2]), _ids(g, 8)]),
+                _ids(g, 6),
+            ],
+            uid="a",
+        ),
         Tree.of_tokens(p2, [_ids(g, 2), twice, twice.clone(), twice[:2].clone()], uid="b"),
         Tree.of_tokens(p2, [_ids(g, 5)], uid="c"),
-        Tree.of_tokens(torch.cat([p1, shared[:turn]]), [torch.cat([shared[turn:], torch.tensor([0]), _ids(g, 2)])],
-                       uid="d"),
+        Tree.of_tokens(
+            torch.cat([p1, shared[:turn]]), [torch.cat([shared[turn:], torch.tensor([0]), _ids(g, 2)])], uid="d"
+        ),
         Tree.of_tokens(p1, [shared.clone()], uid="e"),
         Tree.of_tokens(_ids(g, 9), [_ids(g, 4), _ids(g, 6)], uid="f"),
     ]
@@ -72,7 +80,8 @@ def test_a_group_is_todays_depth_1_tree():
     roots = build_trie(trees)
     assert [_shape(r) for r in roots] == [
         (0, 7, [(0, 0), (0, 1), (0, 2)], [], None, [_leaf(7, 10, (0, 0)), _leaf(7, 16, (0, 1)), _leaf(7, 8, (0, 2))]),
-        (0, 12, [(1, 0), (1, 1)], [], None, [_leaf(12, 17, (1, 0)), _leaf(12, 17, (1, 1))])]
+        (0, 12, [(1, 0), (1, 1)], [], None, [_leaf(12, 17, (1, 0)), _leaf(12, 17, (1, 1))]),
+    ]
     assert all(r.depth() == 1 for r in roots)
 
 
@@ -80,17 +89,60 @@ def test_the_trie_of_a_batch_is_found_from_its_tokens():
     roots = build_trie(sharing_batch())
     p1, p2, x = SYSTEM + 10, SYSTEM + 7, SYSTEM + 10 + SHARED
     turn = p1 + SHARED // 3  # d's prompt ends inside a's shared response stretch
-    first_turn = (p1, turn, [(0, 0), (0, 1), (3, 0), (4, 0)], [], p1, [
-        (turn, x, [(0, 0), (0, 1), (3, 0), (4, 0)], [(4, 0)], turn, [  # e ends here; every row scores it
-            _leaf(x, x + 5, (0, 0)), _leaf(x, x + 9, (0, 1)), _leaf(x, x + 3, (3, 0))])])
+    first_turn = (
+        p1,
+        turn,
+        [(0, 0), (0, 1), (3, 0), (4, 0)],
+        [],
+        p1,
+        [
+            (
+                turn,
+                x,
+                [(0, 0), (0, 1), (3, 0), (4, 0)],
+                [(4, 0)],
+                turn,
+                [  # e ends here; every row scores it
+                    _leaf(x, x + 5, (0, 0)),
+                    _leaf(x, x + 9, (0, 1)),
+                    _leaf(x, x + 3, (3, 0)),
+                ],
+            )
+        ],
+    )
     assert [_shape(r) for r in roots] == [
-        (0, SYSTEM, [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2), (1, 3), (2, 0), (3, 0), (4, 0)], [], None, [
-            (SYSTEM, p1, [(0, 0), (0, 1), (0, 2), (3, 0), (4, 0)], [], None, [
-                first_turn, _leaf(p1, p1 + 6, (0, 2))]),
-            (SYSTEM, p2, [(1, 0), (1, 1), (1, 2), (1, 3), (2, 0)], [], None, [  # b and c: one prompt node
-                _leaf(p2, p2 + 2, (1, 0)), _leaf(p2, p2 + 3, (1, 1), (1, 2)), _leaf(p2, p2 + 2, (1, 3)),
-                _leaf(p2, p2 + 5, (2, 0))])]),
-        (0, 9, [(5, 0), (5, 1)], [], None, [_leaf(9, 13, (5, 0)), _leaf(9, 15, (5, 1))])]
+        (
+            0,
+            SYSTEM,
+            [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2), (1, 3), (2, 0), (3, 0), (4, 0)],
+            [],
+            None,
+            [
+                (
+                    SYSTEM,
+                    p1,
+                    [(0, 0), (0, 1), (0, 2), (3, 0), (4, 0)],
+                    [],
+                    None,
+                    [first_turn, _leaf(p1, p1 + 6, (0, 2))],
+                ),
+                (
+                    SYSTEM,
+                    p2,
+                    [(1, 0), (1, 1), (1, 2), (1, 3), (2, 0)],
+                    [],
+                    None,
+                    [  # b and c: one prompt node
+                        _leaf(p2, p2 + 2, (1, 0)),
+                        _leaf(p2, p2 + 3, (1, 1), (1, 2)),
+                        _leaf(p2, p2 + 2, (1, 3)),
+                        _leaf(p2, p2 + 5, (2, 0)),
+                    ],
+                ),
+            ],
+        ),
+        (0, 9, [(5, 0), (5, 1)], [], None, [_leaf(9, 13, (5, 0)), _leaf(9, 15, (5, 1))]),
+    ]
     assert [r.depth() for r in roots] == [4, 1]
 
 
@@ -100,12 +152,15 @@ def test_a_node_not_worth_its_call_is_dissolved_into_its_children():
     g = torch.Generator().manual_seed(1)
     for shared, nodes in [(1, 2), (MIN_SHARED_TOKENS - 1, 2), (MIN_SHARED_TOKENS, 1)]:
         head = _ids(g, shared)
-        trees = [Tree.of_tokens(torch.cat([head, torch.tensor([1]), _ids(g, 4)]), [_ids(g, 3)]),
-                 Tree.of_tokens(torch.cat([head, torch.tensor([2]), _ids(g, 5)]), [_ids(g, 2)])]
+        trees = [
+            Tree.of_tokens(torch.cat([head, torch.tensor([1]), _ids(g, 4)]), [_ids(g, 3)]),
+            Tree.of_tokens(torch.cat([head, torch.tensor([2]), _ids(g, 5)]), [_ids(g, 2)]),
+        ]
         roots = build_trie(trees)
         assert len(roots) == nodes, shared
-        assert sorted(n.end for r in roots for n in ([r] + r.children if nodes == 1 else [r])) == \
-            ([shared + 5, shared + 6] if nodes == 2 else [shared, shared + 5, shared + 6])
+        assert sorted(n.end for r in roots for n in ([r] + r.children if nodes == 1 else [r])) == (
+            [shared + 5, shared + 6] if nodes == 2 else [shared, shared + 5, shared + 6]
+        )
 
 
 STEPS = 2
@@ -124,15 +179,18 @@ def run_both(model, trees, loss_fn, **kw):
 def _loss(trees, seed):
     g = torch.Generator().manual_seed(seed)
     adv = [torch.randn(len(t.responses), generator=g).tolist() for t in trees]
-    return lambda t, i, logp: -(logp * adv[t][i]).mean() + 0.05 * (logp ** 2).sum()
+    return lambda t, i, logp: -(logp * adv[t][i]).mean() + 0.05 * (logp**2).sum()
 
 
 @pytest.mark.slow  # several optimizer steps, three models (the quick lane has the one-step tests below)
-@pytest.mark.parametrize("name,checkpointing,micro_batch_tokens", [
-    ("qwen2-gqa", False, 16),
-    ("qwen2-gqa", True, 1),    # one row per call; prompt activations offloaded
-    ("qwen3.5", True, 16),     # hybrid: nodes continue their parent's linear-attention state
-])
+@pytest.mark.parametrize(
+    "name,checkpointing,micro_batch_tokens",
+    [
+        ("qwen2-gqa", False, 16),
+        ("qwen2-gqa", True, 1),  # one row per call; prompt activations offloaded
+        ("qwen3.5", True, 16),  # hybrid: nodes continue their parent's linear-attention state
+    ],
+)
 def test_tries_match_flattened_over_optimizer_steps(name, checkpointing, micro_batch_tokens):
     model = family_model(name) if name in ("qwen3.5",) else tiny_model(name, seed=1)
     if checkpointing:
@@ -142,8 +200,9 @@ def test_tries_match_flattened_over_optimizer_steps(name, checkpointing, micro_b
     for step in range(STEPS):
         stats = ReplayStats()
         offload = Offload(stats, min_bytes=0) if checkpointing else None
-        got, gg, want, gw = run_both(model, trees, _loss(trees, step), micro_batch_tokens=micro_batch_tokens,
-                                     offload=offload, stats=stats)
+        got, gg, want, gw = run_both(
+            model, trees, _loss(trees, step), micro_batch_tokens=micro_batch_tokens, offload=offload, stats=stats
+        )
         assert_logps_match(got, want)
         assert_grads_match(gg, gw)
         assert stats.nodes == 6 and stats.trees == len(trees)
@@ -168,15 +227,24 @@ def test_entropies_and_forward_only():
     forward = replay(model, StepPlan.build(trees, **options))
     model.zero_grad(set_to_none=True)
     entropies = {}
-    want = flattened_replay(model, trees, keep_graph=True, temperature=0.8,
-                            on_logits=lambda t, i, logits: entropies.__setitem__((t, i), entropy(logits)))
-    sum(loss_fn(t, i, torch.stack([want[t][i], entropies[(t, i)]], dim=-1))
-        for t in range(len(trees)) for i in range(len(trees[t].responses))).backward()
+    want = flattened_replay(
+        model,
+        trees,
+        keep_graph=True,
+        temperature=0.8,
+        on_logits=lambda t, i, logits: entropies.__setitem__((t, i), entropy(logits)),
+    )
+    sum(
+        loss_fn(t, i, torch.stack([want[t][i], entropies[(t, i)]], dim=-1))
+        for t in range(len(trees))
+        for i in range(len(trees[t].responses))
+    ).backward()
     want_entropy = [[entropies[(t, i)] for i in range(len(tree.responses))] for t, tree in enumerate(trees)]
     for scores in (got, forward):
         assert_logps_match([[s[:, 0] for s in row] for row in scores], [[w.detach() for w in row] for row in want])
-        assert_logps_match([[s[:, 1] for s in row] for row in scores],
-                           [[w.detach() for w in row] for row in want_entropy])
+        assert_logps_match(
+            [[s[:, 1] for s in row] for row in scores], [[w.detach() for w in row] for row in want_entropy]
+        )
     assert_grads_match(got_grads, grads(model))
 
 
@@ -190,8 +258,9 @@ def test_cp_plans_of_trees_sharing_more_than_their_prompt_run_on_one_device():
     assert demoted == 4
     alone_but_branching = random_trees([9], [[4]])[0]
     shared = _ids(torch.Generator().manual_seed(0), MIN_SHARED_TOKENS)
-    alone_but_branching = Tree.of_tokens(alone_but_branching.prompt, [torch.cat([shared, torch.tensor([1])]),
-                                                                      torch.cat([shared, torch.tensor([2])])])
+    alone_but_branching = Tree.of_tokens(
+        alone_but_branching.prompt, [torch.cat([shared, torch.tensor([1])]), torch.cat([shared, torch.tensor([2])])]
+    )
     assert demote_shared_plans([alone_but_branching], [cp]) == ([Plan(est_time_s=1.5)], 1)
 
 
@@ -206,18 +275,40 @@ def prompt_inside_a_node(seed: int = 0) -> list[Tree]:
     prompt = _ids(g, 8)
     shared, other = torch.cat([torch.tensor([1]), _ids(g, 20)]), torch.cat([torch.tensor([5]), _ids(g, 20)])
     branch = lambda head, token, n: torch.cat([head, torch.tensor([token]), _ids(g, n)])
-    return [Tree.of_tokens(prompt, [branch(shared, 1, 3), branch(torch.tensor([2]), 2, 3)]),
-            Tree.of_tokens(torch.cat([prompt, shared[:1]]), [branch(shared[1:], 2, 2), branch(shared[1:], 3, 5),
-                                                             branch(torch.tensor([4]), 1, 2)]),
-            Tree.of_tokens(torch.cat([prompt, other[:1]]), [branch(other[1:], 1, 1), branch(other[1:], 2, 3)])]
+    return [
+        Tree.of_tokens(prompt, [branch(shared, 1, 3), branch(torch.tensor([2]), 2, 3)]),
+        Tree.of_tokens(
+            torch.cat([prompt, shared[:1]]),
+            [branch(shared[1:], 2, 2), branch(shared[1:], 3, 5), branch(torch.tensor([4]), 1, 2)],
+        ),
+        Tree.of_tokens(torch.cat([prompt, other[:1]]), [branch(other[1:], 1, 1), branch(other[1:], 2, 3)]),
+    ]
 
 
 def test_a_prompt_ending_inside_a_node_scores_from_there():
     roots = build_trie(prompt_inside_a_node(), min_shared_tokens=MIN_SHARED)
-    assert [_shape(r) for r in roots] == [(0, 8, [(0, 0), (0, 1), (1, 0), (1, 1), (1, 2), (2, 0), (2, 1)], [], None, [
-        (8, 29, [(0, 0), (1, 0), (1, 1)], [], 8, [_leaf(29, 33, (0, 0)), _leaf(29, 32, (1, 0)), _leaf(29, 35, (1, 1))]),
-        _leaf(8, 13, (0, 1)), _leaf(8, 13, (1, 2)),
-        (8, 29, [(2, 0), (2, 1)], [], 9, [_leaf(29, 31, (2, 0)), _leaf(29, 33, (2, 1))])])]
+    assert [_shape(r) for r in roots] == [
+        (
+            0,
+            8,
+            [(0, 0), (0, 1), (1, 0), (1, 1), (1, 2), (2, 0), (2, 1)],
+            [],
+            None,
+            [
+                (
+                    8,
+                    29,
+                    [(0, 0), (1, 0), (1, 1)],
+                    [],
+                    8,
+                    [_leaf(29, 33, (0, 0)), _leaf(29, 32, (1, 0)), _leaf(29, 35, (1, 1))],
+                ),
+                _leaf(8, 13, (0, 1)),
+                _leaf(8, 13, (1, 2)),
+                (8, 29, [(2, 0), (2, 1)], [], 9, [_leaf(29, 31, (2, 0)), _leaf(29, 33, (2, 1))]),
+            ],
+        )
+    ]
     model = tiny_model("qwen2-gqa", seed=6)
     trees = prompt_inside_a_node()
     got, gg, want, gw = run_both(model, trees, _loss(trees, 0), micro_batch_tokens=8)
@@ -228,8 +319,15 @@ def test_a_prompt_ending_inside_a_node_scores_from_there():
 def _renamed(node: TrieNode, trees: list[int]):
     """``_shape`` with each node's tokens, rows (tree positions in ``trees``) named by tree index."""
     rows = lambda rs: [(trees[t], i) for t, i in rs]
-    return (node.start, node.end, node.tokens.tolist(), rows(node.rows), rows(node.ends), node.score_from,
-            [_renamed(c, trees) for c in node.children])
+    return (
+        node.start,
+        node.end,
+        node.tokens.tolist(),
+        rows(node.rows),
+        rows(node.ends),
+        node.score_from,
+        [_renamed(c, trees) for c in node.children],
+    )
 
 
 @pytest.mark.parametrize("batch", [sharing_batch, prompt_inside_a_node])

@@ -10,8 +10,16 @@ from transformers import Gemma2Config, Gemma2ForCausalLM, GptOssConfig, GptOssFo
 
 from augtree_verl import StepPlan, Tree, per_response, replay
 
-TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=8, max_position_embeddings=128)
+TINY = dict(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    max_position_embeddings=128,
+)
 
 
 def _trees():
@@ -23,17 +31,35 @@ def _loss(t, i, logp):
     return -logp.mean()
 
 
-@pytest.mark.parametrize("model,train,match", [
-    (lambda: Gemma2ForCausalLM(Gemma2Config(**TINY, attn_logit_softcapping=50.0, sliding_window=4)), False,
-     r"model 'gemma2', layer 0: .*logit soft-capping \(softcap=50.0\).*sliding-window attention"),
-    (lambda: GptOssForCausalLM(GptOssConfig(**TINY, num_local_experts=2, num_experts_per_tok=1,
-                                            sliding_window=4)), False,
-     r"model 'gpt_oss', layer 0: .*attention sinks \(s_aux=tensor \(4,\)\)"),
-    (lambda: Qwen2ForCausalLM(Qwen2Config(**TINY, attention_dropout=0.1)), True,
-     r"model 'qwen2', layer 0: .*attention dropout \(dropout=0.1\)"),
-    (lambda: Qwen2ForCausalLM(Qwen2Config(**TINY, use_sliding_window=True, sliding_window=4, max_window_layers=0)),
-     False, r"model 'qwen2', layer 0: .*sliding-window attention \(sliding_window=4\)"),
-])
+@pytest.mark.parametrize(
+    "model,train,match",
+    [
+        (
+            lambda: Gemma2ForCausalLM(Gemma2Config(**TINY, attn_logit_softcapping=50.0, sliding_window=4)),
+            False,
+            r"model 'gemma2', layer 0: .*logit soft-capping \(softcap=50.0\).*sliding-window attention",
+        ),
+        (
+            lambda: GptOssForCausalLM(
+                GptOssConfig(**TINY, num_local_experts=2, num_experts_per_tok=1, sliding_window=4)
+            ),
+            False,
+            r"model 'gpt_oss', layer 0: .*attention sinks \(s_aux=tensor \(4,\)\)",
+        ),
+        (
+            lambda: Qwen2ForCausalLM(Qwen2Config(**TINY, attention_dropout=0.1)),
+            True,
+            r"model 'qwen2', layer 0: .*attention dropout \(dropout=0.1\)",
+        ),
+        (
+            lambda: Qwen2ForCausalLM(
+                Qwen2Config(**TINY, use_sliding_window=True, sliding_window=4, max_window_layers=0)
+            ),
+            False,
+            r"model 'qwen2', layer 0: .*sliding-window attention \(sliding_window=4\)",
+        ),
+    ],
+)
 def test_unsupported_attention_features_are_refused(model, train, match):
     torch.manual_seed(0)
     m = model().train(train)

@@ -20,10 +20,22 @@ class FixedAgentLoop(AgentLoopBase):
             raise RuntimeError(f"session {session} failed")
         leaves = int(kwargs.get("test_leaves", 0))
         if leaves:
-            return Leaves(AgentLoopOutput(prompt_ids=[1] * prompt_len, response_ids=[2] * (response_len + j),
-                                          response_mask=[1] * (response_len + j), metrics=AgentLoopMetrics())
-                          for j in range(leaves if session % leaves == 0 else 0))
-        outputs = [AgentLoopOutput(prompt_ids=[1] * (prompt_len + 5 * k), response_ids=[2] * response_len,
-                                   response_mask=[1] * response_len, metrics=AgentLoopMetrics())
-                   for k in range(int(kwargs.get("test_outputs", 1)))]
+            return Leaves(
+                AgentLoopOutput(
+                    prompt_ids=[1] * prompt_len,
+                    response_ids=[2] * (response_len + j),
+                    response_mask=[1] * (response_len + j),
+                    metrics=AgentLoopMetrics(),
+                )
+                for j in range(leaves if session % leaves == 0 else 0)
+            )
+        outputs = [
+            AgentLoopOutput(
+                prompt_ids=[1] * (prompt_len + 5 * k),
+                response_ids=[2] * response_len,
+                response_mask=[1] * response_len,
+                metrics=AgentLoopMetrics(),
+            )
+            for k in range(int(kwargs.get("test_outputs", 1)))
+        ]
         return outputs if len(outputs) > 1 else outputs[0]

@@ -35,8 +35,15 @@ def model_dir(tmp_path) -> str:
     if path.exists():
         return str(path)
     shutil.copytree(TOKENIZER, path)
-    Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                num_key_value_heads=1, vocab_size=151936, architectures=["Qwen2ForCausalLM"]).save_pretrained(path)
+    Qwen2Config(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=151936,
+        architectures=["Qwen2ForCausalLM"],
+    ).save_pretrained(path)
     return str(path)
 
 
@@ -44,10 +51,16 @@ def worker_config(tmp_path, planner_name, *overrides):
     loops = tmp_path / "agent_loops.yaml"
     loops.write_text("- name: fixed\n  _target_: tests.rollout.fixed_agent_loop.FixedAgentLoop\n")
     with initialize_config_dir(config_dir=str(REPO / "recipes"), version_base=None):
-        return compose(config_name="grpo_augtree", overrides=[
-            f"actor_rollout_ref.model.path={model_dir(tmp_path)}", f"actor_rollout_ref.rollout.n={N}",
-            f"actor_rollout_ref.rollout.agent.agent_loop_config_path={loops}",
-            f"actor_rollout_ref.actor.fsdp_config.planner_name={planner_name}", *overrides])
+        return compose(
+            config_name="grpo_augtree",
+            overrides=[
+                f"actor_rollout_ref.model.path={model_dir(tmp_path)}",
+                f"actor_rollout_ref.rollout.n={N}",
+                f"actor_rollout_ref.rollout.agent.agent_loop_config_path={loops}",
+                f"actor_rollout_ref.actor.fsdp_config.planner_name={planner_name}",
+                *overrides,
+            ],
+        )
 
 
 def prompts(groups, validate=False, leaves=0):
@@ -84,7 +97,7 @@ def test_group_lengths_report_in_session_then_index_order():
     assert group.report() == (10, [5, 7, 3])
     multi = GroupLengths(1)
     multi.add(0, [(10, 5), (15, 4)])
-    assert multi.report() is None         # two prompt lengths: two trees, the trainer plans them
+    assert multi.report() is None  # two prompt lengths: two trees, the trainer plans them
 
 
 def test_manager_runs_the_feed_worker():
@@ -100,8 +113,7 @@ def test_finished_training_groups_reach_the_planner_in_session_order(ray_tq, tmp
     config = worker_config(tmp_path, name)
     worker = ray.remote(PlannerFeedWorker).remote(config, None)
     ok_a, ok_b, failed = (f"{kind}-{uuid.uuid4().hex[:6]}" for kind in ("ok", "ok", "failed"))
-    groups = {ok_a: (300, [40, 900, 15]), ok_b: (9100, [120, 64, 33]),
-              failed: (50, [3, 0, 4])}     # one session raises
+    groups = {ok_a: (300, [40, 900, 15]), ok_b: (9100, [120, 64, 33]), failed: (50, [3, 0, 4])}  # one session raises
     ray.get(worker.generate_sequences.remote(prompts(groups)), timeout=ACTOR_START_TIMEOUT_S)
     status = wait_until_settled(list(groups), "train")
     assert [s for s in status.values()] == ["finished", "finished", "failure"]
@@ -110,9 +122,9 @@ def test_finished_training_groups_reach_the_planner_in_session_order(ray_tq, tmp
     wait_until_settled(list(val), "val")
 
     state = ray.get(planner.state.remote(), timeout=30)
-    assert state["reported"] == 2 and state["queue_depth"] == 2      # not the failed group, not validation
+    assert state["reported"] == 2 and state["queue_depth"] == 2  # not the failed group, not validation
     ok = {u: g for u, g in groups.items() if u.startswith("ok")}
-    reply = ray.get(planner.take.remote(ok, [], 0.0), timeout=30)    # the lengths exactly as the rollout made them
+    reply = ray.get(planner.take.remote(ok, [], 0.0), timeout=30)  # the lengths exactly as the rollout made them
     assert set(reply["results"]) == set(ok) and all("plan" in r for r in reply["results"].values())
     # the samples the trainer will read carry the same lengths, under keys {uid}_{session}_{index}
     for uid, (p, rs) in ok.items():
@@ -132,14 +144,14 @@ def test_a_branching_loops_leaves_are_samples_of_their_own_in_leaf_order(ray_tq,
     ray.get(planner.config.remote(), timeout=ACTOR_START_TIMEOUT_S)
     worker = ray.remote(PlannerFeedWorker).remote(worker_config(tmp_path, name), None)
     uid = f"tree-{uuid.uuid4().hex[:6]}"
-    ray.get(worker.generate_sequences.remote(prompts({uid: (200, [30] * N)}, leaves=N)),
-            timeout=ACTOR_START_TIMEOUT_S)
+    ray.get(worker.generate_sequences.remote(prompts({uid: (200, [30] * N)}, leaves=N)), timeout=ACTOR_START_TIMEOUT_S)
     assert wait_until_settled([uid], "train") == {uid: "finished"}
     keys = [f"{uid}_{s}_0" for s in range(N)]
     data = tq.kv_batch_get(keys=keys, partition_id="train", select_fields=["responses"])
     assert [data["responses"][i].numel() for i in range(N)] == [30 + j for j in range(N)]
-    assert not [key for key in tq.kv_list(partition_id="train")["train"] if key.startswith(uid + "_")
-                and key not in keys]
+    assert not [
+        key for key in tq.kv_list(partition_id="train")["train"] if key.startswith(uid + "_") and key not in keys
+    ]
     reply = ray.get(planner.take.remote({uid: (200, [30 + j for j in range(N)])}, [], 0.0), timeout=30)
     assert "plan" in reply["results"][uid]
     ray.kill(worker)
@@ -154,7 +166,8 @@ def test_no_planner_no_report_and_the_rollout_still_finishes(ray_tq, tmp_path):
     assert list(wait_until_settled(list(groups), "train").values()) == ["finished"]
     assert ray.get(worker.__ray_call__.remote(lambda w: w.planner_feed.not_sent), timeout=30) == 1
     off = ray.remote(PlannerFeedWorker).remote(
-        worker_config(tmp_path, absent, "actor_rollout_ref.actor.fsdp_config.use_planner=false"), None)
+        worker_config(tmp_path, absent, "actor_rollout_ref.actor.fsdp_config.use_planner=false"), None
+    )
     assert ray.get(off.__ray_call__.remote(lambda w: w.planner_feed), timeout=ACTOR_START_TIMEOUT_S) is None
     ray.kill(worker)
     ray.kill(off)

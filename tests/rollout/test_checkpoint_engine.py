@@ -20,11 +20,13 @@ BUCKET = 4096  # bytes: the 40 x 40 float32 weight (6,400 bytes) goes in two chu
 
 def _weights() -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(0)
-    return {"embed.weight": torch.randn(40, 40, generator=gen),            # larger than a bucket
-            "layers.0.norm.weight": torch.randn(7, generator=gen).to(torch.bfloat16),
-            "layers.0.q.weight": torch.randn(20, 20, generator=gen),       # 1,600 bytes
-            "layers.0.count": torch.arange(5, dtype=torch.int64),
-            "head.weight": torch.randn(30, 17, generator=gen)}             # 2,040 bytes
+    return {
+        "embed.weight": torch.randn(40, 40, generator=gen),  # larger than a bucket
+        "layers.0.norm.weight": torch.randn(7, generator=gen).to(torch.bfloat16),
+        "layers.0.q.weight": torch.randn(20, 20, generator=gen),  # 1,600 bytes
+        "layers.0.count": torch.arange(5, dtype=torch.int64),
+        "head.weight": torch.randn(30, 17, generator=gen),
+    }  # 2,040 bytes
 
 
 def _sync(actor_ranks: int, rollout_ranks: int, weights: dict[str, torch.Tensor], bucket: int = BUCKET):

@@ -27,31 +27,40 @@ SMALL = TaskConfig(hidden_size=32, num_layers=1, max_positions=1024, max_words=5
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf-rollout")
-    return (save_model(root / "a", SMALL),
-            save_model(root / "b", TaskConfig(**{**SMALL.__dict__, "seed": 1})))
+    return (save_model(root / "a", SMALL), save_model(root / "b", TaskConfig(**{**SMALL.__dict__, "seed": 1})))
 
 
 @pytest.fixture(scope="module")
 def server(models):
     ray.init(num_cpus=2, include_dashboard=False)
-    config = RolloutConfig(name="hf", prompt_length=PROMPT_LENGTH, response_length=RESPONSE_LENGTH,
-                           tensor_model_parallel_size=1)
-    handle = ray.remote(HFRolloutServer).options(name=server_name(0), num_cpus=0).remote(
-        config=config, model_config=OmegaConf.create({"path": str(models[0])}), replica_rank=0)
+    config = RolloutConfig(
+        name="hf", prompt_length=PROMPT_LENGTH, response_length=RESPONSE_LENGTH, tensor_model_parallel_size=1
+    )
+    handle = (
+        ray.remote(HFRolloutServer)
+        .options(name=server_name(0), num_cpus=0)
+        .remote(config=config, model_config=OmegaConf.create({"path": str(models[0])}), replica_rank=0)
+    )
     ray.get(handle.wake_up.remote())
     yield handle
     ray.shutdown()
 
 
 def _generate(server, prompt=PROMPT, **params):
-    return ray.get(server.generate.remote(prompt_ids=prompt, sampling_params={"temperature": 1.0, **params},
-                                          request_id="r"))
+    return ray.get(
+        server.generate.remote(prompt_ids=prompt, sampling_params={"temperature": 1.0, **params}, request_id="r")
+    )
 
 
 def _greedy(model_dir, max_tokens):
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    return decode(model, prefill(model, PROMPT), SamplingConfig(max_tokens=max_tokens, temperature=0), stop_ids=set(),
-                  generator=torch.Generator())[0]
+    return decode(
+        model,
+        prefill(model, PROMPT),
+        SamplingConfig(max_tokens=max_tokens, temperature=0),
+        stop_ids=set(),
+        generator=torch.Generator(),
+    )[0]
 
 
 def test_generate_answers_the_token_output_contract(server):
@@ -82,8 +91,11 @@ def test_adapter_ships_the_actors_weights_and_step(server, models, monkeypatch):
     assert out.extra_fields["global_steps"] == 3
     assert out.token_ids == _greedy(models[1], len(out.token_ids))
     assert out.token_ids != _greedy(models[0], len(out.token_ids))
-    asyncio.run(adapter.update_weights(iter(AutoModelForCausalLM.from_pretrained(models[0]).state_dict().items()),
-                                       global_steps=0))
+    asyncio.run(
+        adapter.update_weights(
+            iter(AutoModelForCausalLM.from_pretrained(models[0]).state_dict().items()), global_steps=0
+        )
+    )
 
 
 def test_incomplete_weights_are_refused(server, models):

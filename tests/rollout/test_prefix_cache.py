@@ -31,28 +31,34 @@ def _server(model_dir, n=GROUP):
 
 
 def _generate(server, prompt):
-    return asyncio.run(server.generate(prompt_ids=prompt, sampling_params={"temperature": 1.0, "logprobs": True},
-                                       request_id="r"))
+    return asyncio.run(
+        server.generate(prompt_ids=prompt, sampling_params={"temperature": 1.0, "logprobs": True}, request_id="r")
+    )
 
 
 def _own_prefill(server, prompt, global_steps, index):
     """The request's response as a prefill per request gives it (the server's seed for it)."""
     config = server._sampling_config(len(prompt), {"temperature": 1.0})
     seed = request_seed(server.config.seed, global_steps, prompt, index)
-    return decode(server.model, prefill(server.model, prompt), config, stop_ids=server.stop_ids,
-                  generator=torch.Generator().manual_seed(seed))
+    return decode(
+        server.model,
+        prefill(server.model, prompt),
+        config,
+        stop_ids=server.stop_ids,
+        generator=torch.Generator().manual_seed(seed),
+    )
 
 
 def test_interleaved_groups_get_the_tokens_of_a_prefill_per_request(model_dir):
     server = _server(model_dir)
-    order = [0, 1, 0, 0, 1, 1, 0, 1]    # two groups' requests, interleaved as the agent loop's tasks run
+    order = [0, 1, 0, 0, 1, 1, 0, 1]  # two groups' requests, interleaved as the agent loop's tasks run
     got = {0: [], 1: []}
     for p in order:
         out = _generate(server, PROMPTS[p])
         got[p].append((out.token_ids, out.log_probs))
     for p, responses in got.items():
         want = [_own_prefill(server, PROMPTS[p], 0, i) for i in range(GROUP)]
-        assert responses == want      # the tokens and their log-probs, bit for bit
+        assert responses == want  # the tokens and their log-probs, bit for bit
     stats = asyncio.run(server.prefix_cache_stats())
     assert stats == {"misses": 2, "hits": 6, "completed": 2, "entries": 0, "prompts_counted": 2}
 
@@ -73,16 +79,21 @@ def test_the_least_recently_used_prompt_leaves_beyond_the_bound_and_is_prefilled
     model = tiny_model("llama-mha").eval()
     cache = PrefixCache(max_entries=1, group_size=3)
     first = cache.get(model, PROMPTS[0])
-    cache.get(model, PROMPTS[1])                       # evicts prompt 0
-    again = cache.get(model, PROMPTS[0])               # a miss: prefilled again, the same prefill
+    cache.get(model, PROMPTS[1])  # evicts prompt 0
+    again = cache.get(model, PROMPTS[0])  # a miss: prefilled again, the same prefill
     assert dict(cache.counts) == {"misses": 3, "evicted": 2} and len(cache) == 1
     assert torch.equal(first.last_logits, again.last_logits)
     cache.clear()
     assert len(cache) == 0
 
 
-@pytest.mark.parametrize("bad, match", [(dict(max_entries=0, group_size=2), "max_entries must be at least 1, got 0"),
-                                        (dict(max_entries=2, group_size=0), "group_size must be at least 1, got 0")])
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (dict(max_entries=0, group_size=2), "max_entries must be at least 1, got 0"),
+        (dict(max_entries=2, group_size=0), "group_size must be at least 1, got 0"),
+    ],
+)
 def test_bad_bounds_are_named(bad, match):
     with pytest.raises(ValueError, match=match):
         PrefixCache(**bad)

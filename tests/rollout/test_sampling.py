@@ -16,18 +16,20 @@ def model():
 
 def _sample(model, config, seed=0, stop_ids=frozenset()):
     """One response with its own prefill of PROMPT."""
-    return decode(model, prefill(model, PROMPT), config, stop_ids=set(stop_ids),
-                  generator=torch.Generator().manual_seed(seed))
+    return decode(
+        model, prefill(model, PROMPT), config, stop_ids=set(stop_ids), generator=torch.Generator().manual_seed(seed)
+    )
 
 
 def test_greedy_is_hugging_faces_greedy(model):
     tokens, logps = _sample(model, SamplingConfig(max_tokens=12, temperature=0))
-    want = model.generate(torch.tensor([PROMPT]), max_new_tokens=12, do_sample=False, eos_token_id=None,
-                          pad_token_id=0)[0, len(PROMPT):].tolist()
+    want = model.generate(
+        torch.tensor([PROMPT]), max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0
+    )[0, len(PROMPT) :].tolist()
     assert tokens == want
     # the log-probs are those of a full forward over prompt + response (position j scores token j + 1)
     full = torch.log_softmax(model(torch.tensor([PROMPT + tokens])).logits[0].float(), -1)
-    expected = full[len(PROMPT) - 1:-1].gather(-1, torch.tensor(tokens)[:, None])[:, 0]
+    expected = full[len(PROMPT) - 1 : -1].gather(-1, torch.tensor(tokens)[:, None])[:, 0]
     torch.testing.assert_close(torch.tensor(logps), expected, rtol=0, atol=1e-5)
 
 
@@ -54,12 +56,17 @@ def test_stops_after_a_stop_token_and_keeps_it(model):
     tokens, _ = _sample(model, SamplingConfig(max_tokens=12, temperature=0))
     stop = tokens[3]
     got, logps = _sample(model, SamplingConfig(max_tokens=12, temperature=0), stop_ids={stop})
-    assert got == tokens[:tokens.index(stop) + 1] and len(logps) == len(got)
+    assert got == tokens[: tokens.index(stop) + 1] and len(logps) == len(got)
 
 
-@pytest.mark.parametrize("bad, match", [(dict(max_tokens=0), "max_tokens"),
-                                        (dict(max_tokens=4, temperature=-1), "temperature"),
-                                        (dict(max_tokens=4, top_p=0), "top_p")])
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(max_tokens=4, temperature=-1), "temperature"),
+        (dict(max_tokens=4, top_p=0), "top_p"),
+    ],
+)
 def test_bad_sampling_knobs_are_named(bad, match):
     with pytest.raises(ValueError, match=match):
         SamplingConfig(**bad)
@@ -73,13 +80,14 @@ def test_empty_prompt_is_refused(model):
 def test_responses_from_one_shared_prefill_are_those_of_a_prefill_each(model):
     """A group's responses decoded from one prefill (each from its own copy of the cache) are, token by token,
     the responses of a prefill per request with the same seeds; decoding leaves the shared prefill as it was."""
-    config = SamplingConfig(max_tokens=10, temperature=0.5)   # sharp enough that a wrong context changes tokens
+    config = SamplingConfig(max_tokens=10, temperature=0.5)  # sharp enough that a wrong context changes tokens
     seeds = range(4)
     each = [_sample(model, config, seed=seed) for seed in seeds]
     shared = prefill(model, PROMPT)
     keys = [layer.keys.clone() for layer in shared.cache.layers]
-    got = [decode(model, shared, config, stop_ids=set(), generator=torch.Generator().manual_seed(seed))
-           for seed in seeds]
+    got = [
+        decode(model, shared, config, stop_ids=set(), generator=torch.Generator().manual_seed(seed)) for seed in seeds
+    ]
     assert [tokens for tokens, _ in got] == [tokens for tokens, _ in each]
     assert [logps for _, logps in got] == [logps for _, logps in each]
     assert len({tuple(tokens) for tokens, _ in got}) > 1

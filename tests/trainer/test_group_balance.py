@@ -47,9 +47,9 @@ def test_grpo_groups_stay_whole_and_work_is_balanced(num_ranks, num_mini_batches
     slot = len(uids) // (num_ranks * num_mini_batches)
     for rank in ranks:
         for k in range(num_mini_batches):
-            slot_uids = {uids[i] for i in rank[k * slot:(k + 1) * slot]}
+            slot_uids = {uids[i] for i in rank[k * slot : (k + 1) * slot]}
             assert all(sum(uids[i] == u for i in rank) == 8 for u in slot_uids)
-            assert sum(sum(uids[i] == u for i in rank[k * slot:(k + 1) * slot]) for u in slot_uids) == slot
+            assert sum(sum(uids[i] == u for i in rank[k * slot : (k + 1) * slot]) for u in slot_uids) == slot
 
 
 def test_group_balance_beats_verls_sample_balance_on_prompt_once_work():
@@ -58,7 +58,8 @@ def test_group_balance_beats_verls_sample_balance_on_prompt_once_work():
     work = WorkModel(uids, pl, rl)
     ours = balance_groups(uids, pl, rl, num_ranks=4)
     stock = get_seqlen_balanced_partitions(
-        calculate_workload(torch.tensor([p + r for p, r in zip(pl, rl)])).tolist(), k_partitions=4, equal_size=True)
+        calculate_workload(torch.tensor([p + r for p, r in zip(pl, rl)])).tolist(), k_partitions=4, equal_size=True
+    )
     assert split_groups(uids, stock) > 0
     ours_max, stock_max = max(work(r) for r in ours), max(work(r) for r in stock)
     assert ours_max < 0.8 * stock_max, (ours_max, stock_max)
@@ -109,8 +110,7 @@ def test_samples_of_one_uid_with_different_prompts_are_separate_trees_on_one_ran
     pl = [300, 300, 900, 900, 500, 500, 500, 500]  # "m": a multi-turn group, two prompts
     rl = [10, 20, 30, 40, 50, 60, 70, 80]
     trees = find_trees(uids, pl, rl)
-    assert [(t.tree_id, t.samples) for t in trees] == [("m|300", (0, 1)), ("m|900", (2, 3)),
-                                                      ("s|500", (4, 5, 6, 7))]
+    assert [(t.tree_id, t.samples) for t in trees] == [("m|300", (0, 1)), ("m|900", (2, 3)), ("s|500", (4, 5, 6, 7))]
     ranks = balance_groups(uids, pl, rl, num_ranks=2)
     assert split_groups(uids, ranks) == 0
     assert WorkModel(uids, pl, rl)([0, 1, 2, 3]) == tree_workload(300, [10, 20]) + tree_workload(900, [30, 40])

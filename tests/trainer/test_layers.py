@@ -14,8 +14,11 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[2] / "augtree_verl"
 # integration modules that name verl things without importing the engine; the trainer may use them (and the
 # package itself, verl's plugin entry point: the CPU platform and the engine's registration hook).
-TRAINER_MAY_USE = {"augtree_verl.integration.strategy", "augtree_verl.integration.import_hooks",
-                   "augtree_verl.integration.verl_compat"}
+TRAINER_MAY_USE = {
+    "augtree_verl.integration.strategy",
+    "augtree_verl.integration.import_hooks",
+    "augtree_verl.integration.verl_compat",
+}
 TRAINER_MAY_IMPORT_FROM = {"augtree_verl.integration"}
 
 
@@ -35,8 +38,11 @@ def violations(layer: str, other: str, allowed=frozenset(), allowed_exactly=froz
     found = []
     for path in sorted((PACKAGE / layer).rglob("*.py")):
         for name in imported_modules(path):
-            if (name == f"augtree_verl.{other}" or name.startswith(f"augtree_verl.{other}.")) and not any(
-                    name == a or name.startswith(a + ".") for a in allowed) and name not in allowed_exactly:
+            if (
+                (name == f"augtree_verl.{other}" or name.startswith(f"augtree_verl.{other}."))
+                and not any(name == a or name.startswith(a + ".") for a in allowed)
+                and name not in allowed_exactly
+            ):
                 found.append(f"{path.relative_to(PACKAGE.parent)} imports {name}")
     return found
 
@@ -49,11 +55,14 @@ def test_trainer_imports_no_engine_code_from_integration():
     assert violations("trainer", "integration", TRAINER_MAY_USE, TRAINER_MAY_IMPORT_FROM) == []
 
 
-@pytest.mark.parametrize("source, expected", [
-    ("from augtree_verl.trainer.plan_field import PLAN_FIELD\n", ["augtree_verl.trainer.plan_field"]),
-    ("import augtree_verl.trainer.group_balance as gb\n", ["augtree_verl.trainer.group_balance"]),
-    ("from augtree_verl.trainer import plan_field\n", ["augtree_verl.trainer", "augtree_verl.trainer.plan_field"]),
-])
+@pytest.mark.parametrize(
+    "source, expected",
+    [
+        ("from augtree_verl.trainer.plan_field import PLAN_FIELD\n", ["augtree_verl.trainer.plan_field"]),
+        ("import augtree_verl.trainer.group_balance as gb\n", ["augtree_verl.trainer.group_balance"]),
+        ("from augtree_verl.trainer import plan_field\n", ["augtree_verl.trainer", "augtree_verl.trainer.plan_field"]),
+    ],
+)
 def test_the_scan_sees_every_import_form(tmp_path, source, expected):
     layer = tmp_path / "integration"
     layer.mkdir()

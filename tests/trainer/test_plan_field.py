@@ -14,8 +14,15 @@ UIDS = ["b", "a", "b", "a", "a", "b", "c"]
 PROMPTS = [700, 300, 700, 300, 300, 700, 50]
 RESPONSES = [11, 12, 13, 14, 15, 16, 17]
 PLANS = {
-    "a|300": Plan(degree=2, primitive="move_q", rounds=1, lanes=2, placement=((0, 0), (0, 1), (0, 0)),
-                  est_time_s=0.25, est_parts={"prefill": 0.1, "replay": 0.15}),
+    "a|300": Plan(
+        degree=2,
+        primitive="move_q",
+        rounds=1,
+        lanes=2,
+        placement=((0, 0), (0, 1), (0, 0)),
+        est_time_s=0.25,
+        est_parts={"prefill": 0.1, "replay": 0.15},
+    ),
     "b|700": Plan(degree=4, primitive="tree_move_kv", rounds=3, lanes=1, placement=((0, 0), (1, 0), (2, 0))),
     "c|50": Plan(),
 }
@@ -49,8 +56,9 @@ def test_bad_plans_and_entries_are_clear_errors():
     trees = find_trees(UIDS, PROMPTS, RESPONSES)
     with pytest.raises(ValueError, match="no plan for tree 'c\\|50'"):
         plan_entries(trees, {k: v for k, v in PLANS.items() if k != "c|50"}, len(UIDS))
-    short = dict(PLANS, **{"b|700": Plan(degree=2, primitive="tree_move_kv", rounds=1, lanes=2,
-                                          placement=((0, 0), (0, 1)))})
+    short = dict(
+        PLANS, **{"b|700": Plan(degree=2, primitive="tree_move_kv", rounds=1, lanes=2, placement=((0, 0), (0, 1)))}
+    )
     with pytest.raises(ValueError, match="for tree b\\|700 has 2 cells but the tree has 3 responses"):
         plan_entries(trees, short, len(UIDS))
     with pytest.raises(ValueError, match="samples \\[7\\] belong to no tree"):
@@ -66,8 +74,7 @@ def _engine_trees(order, prompt_of=lambda row: 0):
     """The engine's trees of the batch rows ``order`` (the trainer's sample indices, in the worker's order):
     token ids with the trainer's lengths; ``prompt_of(sample)`` seeds the prompt's tokens."""
     sequences = [torch.cat([torch.full((PROMPTS[i],), prompt_of(i)), torch.arange(RESPONSES[i])]) for i in order]
-    return find_trees([UIDS[i] for i in order], [PROMPTS[i] for i in order], [RESPONSES[i] for i in order],
-                      sequences)
+    return find_trees([UIDS[i] for i in order], [PROMPTS[i] for i in order], [RESPONSES[i] for i in order], sequences)
 
 
 def test_the_engine_finds_the_trainers_plans_under_the_trainers_tree_ids():
@@ -97,8 +104,12 @@ def test_a_row_planned_as_another_tree_is_refused_by_name():
 def test_prompts_that_differ_under_one_tree_id_replay_apart_on_one_device():
     entries = plan_entries(find_trees(UIDS, PROMPTS, RESPONSES), PLANS, len(UIDS))
     trees = _engine_trees(range(len(UIDS)), prompt_of=lambda i: int(i == 4))  # sample 4's prompt differs
-    assert [(t.tree_id, t.samples) for t in trees] == [("b|700", (0, 2, 5)), ("a|300", (1, 3)), ("a|300", (4,)),
-                                                       ("c|50", (6,))]
+    assert [(t.tree_id, t.samples) for t in trees] == [
+        ("b|700", (0, 2, 5)),
+        ("a|300", (1, 3)),
+        ("a|300", (4,)),
+        ("c|50", (6,)),
+    ]
     plans, fallbacks = tree_plans(trees, entries, (1, 2, 4))
     assert plans[1] == plans[2] == Plan(est_time_s=PLANS["a|300"].est_single_s)  # part of a split plan: no plan
     assert fallbacks == 2
