@@ -108,6 +108,13 @@ class StepPlan:
         plans = _check_plans(plans, trees)
         if trie is None:
             trie = StepTrie(trees, min_shared_tokens=min_shared_tokens)
+        elif len(trie.trees) != len(trees) or any(a is not b for a, b in zip(trie.trees, trees)):
+            raise ValueError(f"the trie given was found for other trees ({len(trie.trees)}) than these ({len(trees)})")
+        elif trie.min_shared_tokens != min_shared_tokens:
+            raise ValueError(
+                f"the trie given was found with min_shared_tokens={trie.min_shared_tokens}, "
+                f"the plan asks for {min_shared_tokens}"
+            )
         if mesh is None and any(plan is not None and plan.degree > 1 for plan in plans):
             mesh = _world_mesh()
         if mesh is not None:

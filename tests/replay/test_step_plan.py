@@ -150,3 +150,11 @@ def test_a_step_reads_its_token_ids_to_the_host_once(monkeypatch):
     assert step_plan.stats.trie_demoted == 4 and sorted(step_plan.subgroups) == [0, 0, 1, 1]
     StepPlan.build(trees)
     assert len(copies) == 2
+
+
+def test_a_trie_found_for_other_trees_or_another_threshold_is_refused():
+    trees = random_trees([6, 5], [[2, 3], [4, 1]], seed=1)
+    with pytest.raises(ValueError, match="other trees"):
+        StepPlan.build(trees, trie=trie.StepTrie(trees[:1]))
+    with pytest.raises(ValueError, match=f"min_shared_tokens=0, the plan asks for {trie.MIN_SHARED_TOKENS}"):
+        StepPlan.build(trees, trie=trie.StepTrie(trees, min_shared_tokens=0))
