@@ -5,9 +5,9 @@
 The batch: ``--groups`` prompts of 2k-4k tokens with ``--responses`` responses of 0.5k-2k tokens each (seeded
 draws, the engine's ``find_trees`` of the batch's sequences); ``system``: the same with a batch-wide 1k-token
 system prompt in front of every prompt (the whole batch one trie). Each tree carries a degree-2 plan with the
-planner's estimates. Planned with no CP group and as rank 0 of a CP group of 2 (degree-1 trees placed by
-``assign_subgroups``, which a CP plan of a trie's tree cannot keep: ``demote_shared_plans``); the table
-reports the median wall and process CPU time of ``--repeats`` builds.
+planner's estimates. Planned with no CP group and as rank 0 of a CP group of 2 (trees placed by
+``assign_subgroups``; with the system prompt the batch is one trie whose root runs context-parallel:
+``shared_root_plans``); the table reports the median wall and process CPU time of ``--repeats`` builds.
 
 Measured on the 2-core dev machine under load (median of five alternating runs' medians, 21 builds each):
 finding the step's tries once (``replay.trie.StepTrie``) instead of in each of the CP demotion, the placement

@@ -15,9 +15,9 @@
 - verl-fsdp2 (CPU): verl's stock FSDP2 engine as users run it today, one sequence per verl micro-batch, data
   parallel over the step's responses at d ranks (``verl_fsdp2.py``).
 
-The AugTree methods' CP plans of trees whose trie is more than their own group run on one device, as the
-engine runs them (``step_plan.demote_shared_plans``); MegaN and MegaR keep their fixed CP plans (no
-sharing beyond the tree).
+The AugTree methods' trees whose trie is more than their own group run in their trie, as the engine runs
+them (``StepPlan.build``: the trie's root context-parallel where one of its trees has a CP plan); MegaN and
+MegaR keep their fixed CP plans (no sharing beyond the tree).
 """
 
 from __future__ import annotations
@@ -29,8 +29,7 @@ from augtree_verl.groups import Tree
 from augtree_verl.plan import Plan
 from augtree_verl.planner import plan_tree
 from augtree_verl.planner.cost import step_seconds
-from augtree_verl.replay.step_plan import demote_shared_plans
-from augtree_verl.replay.trie import MIN_SHARED_TOKENS, StepTrie
+from augtree_verl.replay.trie import MIN_SHARED_TOKENS
 
 SPLIT_PRIMITIVES = ("tree_move_kv", "move_q")
 # No trie node saves this many token passes, so only the nodes that end a prompt stay: depth-1 reuse.
@@ -63,11 +62,10 @@ class Method:
                 )
                 for t in trees
             ]
-        plans = [
+        return [
             plan_tree(t.prompt_len, t.response_lens, degrees=[degree], profile=profile, force_primitive=self.force)
             for t in trees
         ]
-        return demote_shared_plans(trees, plans, trie=StepTrie(trees, min_shared_tokens=self.min_shared_tokens))[0]
 
     @property
     def planned(self) -> bool:

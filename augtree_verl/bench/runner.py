@@ -261,11 +261,18 @@ def _timed_step(
         flattened_replay(model, trees, loss_fn)
     else:
         stats = ReplayStats()
-        # The CP group even where every plan is one-device (trees demoted for sharing): each tree on one rank.
+        # The CP group even where every plan is one-device: each tree (or trie) on its rank.
         mesh = CPMesh.whole_world() if world > 1 else None
         replay(
             model,
-            StepPlan.build(trees, plans=plans, mesh=mesh, stats=stats, min_shared_tokens=method.min_shared_tokens),
+            StepPlan.build(
+                trees,
+                plans=plans,
+                mesh=mesh,
+                stats=stats,
+                min_shared_tokens=method.min_shared_tokens,
+                cp_alone=method.fixed is not None,
+            ),
             per_response(loss_fn),
         )
     _sync(model, world)

@@ -56,6 +56,7 @@ import numpy as np
 
 from augtree_verl.cp.mesh import CPMesh
 from augtree_verl.planner.profile import ClusterProfile
+from augtree_verl.replay.cp_trie_schedule import cp_trie_shares
 from augtree_verl.replay.microbatch import DEFAULT_MICRO_BATCH_TOKENS, split_micro_batches
 from augtree_verl.replay.step_plan import StepPlan
 from augtree_verl.replay.trie import MIN_SHARED_TOKENS, StepTrie
@@ -175,6 +176,25 @@ class CostModel:
         leaves = self.one_device(node.end, [leaf.length for leaf in node.leaves]) if node.leaves else 0.0
         return prefill + leaves + sum(self.trie(child) for child in node.inner)
 
+    def cp_trie(self, root, degree: int) -> float:
+        """Seconds of a trie whose root (``replay.trie.TrieNode``) runs context-parallel over ``degree`` ranks
+        (``replay.cp_trie``): the root's ring prefill (``prefill``), the all-gather of its K/V and the return of
+        their float32 gradients (two collectives per layer among the ``degree`` ranks), then the slowest
+        member's share of the root's children (``cp_trie_schedule``: its leaf micro-batches as ``one_device``,
+        its subtrees as ``trie``). The root's ``micro_batches`` must be set (the step plan's)."""
+        p, leaves = self.profile, root.leaves
+        compute, comm = self.prefill(root.length, degree)
+        moved = root.length * (degree - 1) / degree * (self.kv_bytes + self.ring_accumulator_bytes)
+        comm = comm + moved / self._bandwidth(degree, True) + 2 * p.num_layers * p.launch_latency_s
+
+        def share(s) -> float:
+            batches = [[leaves[k].length for k in root.micro_batches[b]] for b in s.batches]
+            return sum(self.one_device(root.end, lengths) for lengths in batches) + sum(
+                self.trie(root.inner[j]) for j in s.inner
+            )
+
+        return float(compute + comm) + max(share(s) for s in cp_trie_shares(root, degree))
+
     # ---- per-primitive times: [K, G] arrays for ranks [K, 1] and response lengths R [G] ------------
     def ring_sequences(self, P: int, R, d):
         """RingCP: (compute s, comm s) per response of [P || R_i] sharded over d ranks, prompt recomputed;
@@ -263,15 +283,20 @@ def step_seconds(
     """Predicted seconds of one step replaying ``trees`` (``groups.Tree.of_tokens``) with ``plans`` (one ``Plan``
     or None per tree; None for all: one device) on a CP group of ``cp_size`` ranks, placed as the step plan
     places them (``StepPlan.build`` at each rank of ``CPMesh.layout``): a rank's tries on one device at
-    ``CostModel.trie``, its CP trees at their plans' estimates; the slowest rank's sum. Each tree's plan was
-    made alone, so only this sees the sharing between trees."""
+    ``CostModel.trie``, its tries with a context-parallel root at ``CostModel.cp_trie``, its CP trees at their
+    plans' estimates; the slowest rank's sum. Each tree's plan was made alone, so only this sees the sharing
+    between trees."""
     cost = cost_model(profile)
     plans = list(plans) if plans is not None else [None] * len(trees)
     ranks = [None] if cp_size == 1 else [CPMesh.layout((1, cp_size), r) for r in range(cp_size)]
     trie = StepTrie(trees, min_shared_tokens=min_shared_tokens)
     return max(
         sum(
-            cost.trie(slot.node) if slot.degree == 1 else plans[slot.tree].est_time_s
+            cost.cp_trie(slot.node, slot.degree)
+            if slot.cp_trie is not None
+            else cost.trie(slot.node)
+            if slot.trie
+            else plans[slot.tree].est_time_s
             for slot in StepPlan.build(
                 trees, plans=plans, mesh=mesh, trie=trie, min_shared_tokens=min_shared_tokens
             ).slots

@@ -70,7 +70,7 @@ class CPTreeRun:
             prompt = calls.dummy_prompt()
         else:
             prompt = PromptKV(
-                lambda: self._prefill(tree.prompt, sched.prefill, sched.rank, meter),
+                lambda: self.prefill(tree.prompt, sched.prefill, sched.rank, meter),
                 train=calls.train,
                 offload=calls.offload,
             )
@@ -94,7 +94,7 @@ class CPTreeRun:
         owned = [(i, slice(None), s) for i, s in out.items() if first]
         return self._exchange(tree, list(range(len(tree.responses))), owned, tuple(range(sched.degree)))
 
-    def _prefill(self, prompt: torch.Tensor, prefill, rank: int, meter: Meter):
+    def prefill(self, prompt: torch.Tensor, prefill, rank: int, meter: Meter):
         index = prefill.members.index(rank)
         pos = prefill.layout.positions(index, device=prompt.device)
         capture: dict[int, tuple] = {}

@@ -23,6 +23,7 @@ from augtree_verl.cp.comm import Meter
 from augtree_verl.replay.attention import use_augtree_attention
 from augtree_verl.replay.calls import ModelCalls
 from augtree_verl.replay.cp_tree import SCORE_EXCHANGE, CPTreeRun, exchange_scores
+from augtree_verl.replay.cp_trie import CPTrieRun
 from augtree_verl.replay.linear_state import refuse_cp_plans
 from augtree_verl.replay.step_plan import StepPlan
 from augtree_verl.replay.tree_run import TrieRun
@@ -68,14 +69,20 @@ def replay(model, step_plan: StepPlan, loss: MicroBatchLossFn | None = None) -> 
         micro_batch_loss=loss,
         offload=step_plan.offload,
     )
-    cp_runs = {d: CPTreeRun(calls, mesh.group_of(d)) for d in mesh.subgroups} if mesh is not None else {}
     tries = TrieRun(calls, trees)
+    groups = {d: mesh.group_of(d) for d in mesh.subgroups} if mesh is not None else {}
+    cp_runs = {d: CPTreeRun(calls, group) for d, group in groups.items()}
+    cp_tries = {d: CPTrieRun(tries, group) for d, group in groups.items()}
     scores: list[list[torch.Tensor] | None] = [None] * len(trees)
-    reported: set[int] = set()  # trees this rank counts and reports: one rank (a subgroup's first) per tree
+    reported: set[int] = set()  # CP trees whose scores this rank reports: one rank (a subgroup's first) per tree
     use_augtree_attention(model)
     with torch.set_grad_enabled(calls.train), _fp32_grad_sums(model if calls.train else None):
         for slot in step_plan.slots:
-            if slot.degree == 1:  # a trie of this rank's trees (or a dummy slot)
+            if slot.cp_trie is not None:  # a trie whose root runs context-parallel: each row on one member
+                cp_tries[slot.degree](slot)
+                stats.cp_roots += slot.cp_trie.member == 0
+                mine = slot.node.trees() if slot.cp_trie.member == 0 else []
+            elif slot.trie:  # a trie of this rank's trees (or a dummy slot)
                 tries(slot)
                 mine = slot.node.trees() if slot.node is not None else []
             elif slot.tree is None:  # a dummy CP slot: prefill, calls, prompt backward
@@ -84,8 +91,8 @@ def replay(model, step_plan: StepPlan, loss: MicroBatchLossFn | None = None) -> 
             else:
                 scores[slot.tree] = cp_runs[slot.degree](slot.tree, trees[slot.tree], step_plan.plans[slot.tree], slot)
                 mine = [slot.tree] if mesh.subgroup_rank(slot.degree) == 0 else []
-            for t in mine:
-                reported.add(t)
+                reported.update(mine)
+            for t in mine:  # counted on one rank per tree
                 stats.logical_tokens += sum(trees[t].prompt_len + r for r in trees[t].response_lens)
                 stats.trees += 1
                 stats.plans[step_plan.plans[t].primitive if step_plan.plans[t] else "single"] += 1
@@ -95,7 +102,8 @@ def replay(model, step_plan: StepPlan, loss: MicroBatchLossFn | None = None) -> 
         scores[t][i] = value
     if mesh is None:
         return scores
-    return _share(step_plan, scores, reported, device, width=None if step_plan.entropy_fn is None else 2)
+    owned = {(t, i) for t in reported for i in range(len(trees[t].responses))} | set(tries.scores)
+    return _share(step_plan, scores, owned, device, width=None if step_plan.entropy_fn is None else 2)
 
 
 def per_response(loss_fn: LossFn) -> MicroBatchLossFn:
@@ -138,12 +146,13 @@ def _sum_of_response_losses(loss_fn: LossFn, t: int, rows: list[int], scores: li
     return functools.reduce(operator.add, terms)
 
 
-def _share(step_plan: StepPlan, scores, reported: set[int], device, *, width: int | None) -> list[list[torch.Tensor]]:
-    """Every response's scores on every rank of the CP group: the rank that ran a tree (the first member of
-    its subgroup) owns its scores (``exchange_scores``)."""
+def _share(step_plan: StepPlan, scores, owned_rows: set, device, *, width: int | None) -> list[list[torch.Tensor]]:
+    """Every response's scores on every rank of the CP group (``exchange_scores``): ``owned_rows`` holds the
+    (tree, response) rows whose scores this rank owns (each row's are owned by one rank: a CP tree's by the
+    first member of its subgroup, a trie's row by the rank that ran it)."""
     trees, mesh = step_plan.trees, step_plan.mesh
     responses = [(t, i) for t, tree in enumerate(trees) for i in range(len(tree.responses))]
-    owned = [(k, slice(None), scores[t][i]) for k, (t, i) in enumerate(responses) if t in reported]
+    owned = [(k, slice(None), scores[t][i]) for k, (t, i) in enumerate(responses) if (t, i) in owned_rows]
     full = exchange_scores(
         [trees[t].response_lens[i] for t, i in responses],
         owned,

@@ -7,12 +7,15 @@ backward, with collectives of the same size for every layer: if two ranks issue 
 layer i on one rank is paired with layer j on another (silently wrong weights, not a hang). So the ranks
 of a group agree on one shape and pad with one-token dummy calls.
 
-Phases by CP degree, largest first (C, ..., 2, then 1). Phase d > 1 holds the context-parallel trees of
-degree d: slot j of phase d holds, on every member of a d-subgroup, that subgroup's j-th tree (ordered by
-(most CP steps over its members, index), which every member computes identically from the shared trees and
-plans); its calls are the steps of the tree's CP schedule (``cp.schedule``). Phase 1 holds each rank's own
-tries (``replay.trie``: its trees' rows, shared prefixes found from the tokens; a group is a depth-1 trie),
-the largest (by calls) first. A trie slot's ``shape`` nests: its root's prefill (and one LM-head call where
+Phases by CP degree, largest first (C, ..., 2, then 1); degree d > 1 has two. The first holds the
+context-parallel trees of degree d: slot j holds, on every member of a d-subgroup, that subgroup's j-th
+tree (ordered by (most CP steps over its members, index), which every member computes identically from
+the shared trees and plans); its calls are the steps of the tree's CP schedule (``cp.schedule``). The
+second holds the tries whose root runs context-parallel over a d-subgroup (``replay.cp_trie``): the
+root's ring prefill, this member's share of its children (``cp_trie_schedule``) in the shape every
+member's fits in, then the root's delayed backward. Phase 1 holds each rank's own tries (``replay.trie``:
+its trees' rows, shared prefixes found from the tokens; a group is a depth-1 trie), the largest (by calls)
+first. A trie slot's ``shape`` nests: its root's prefill (and one LM-head call where
 it scores tokens), its leaves' micro-batches (``calls``), then each inner child's shape in turn, then the
 delayed backward. Per phase the number of slots is the most any rank has, and per slot the shape every
 rank's fits in (CP: the most calls, two small all-reduces; tries: the node-by-node maximum of the shapes,
@@ -22,11 +25,13 @@ calls.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from augtree_verl.cp.schedule import CPTreeSchedule, cp_tree_schedule
+from augtree_verl.replay.cp_trie_schedule import CPTrieShare, cp_trie_shares
 from augtree_verl.replay.microbatch import split_micro_batches
 from augtree_verl.replay.trie import StepTrie, TrieNode
 
@@ -66,8 +71,10 @@ class Slot:
     """One tree's or trie's place in the lock-step sequence: ``tree`` (an index; a trie: its first tree;
     None for a dummy slot), ``degree`` (its phase), its work (one device: ``node``, the trie's root, its leaf
     micro-batches ``micro_batches``, lists of indices into ``node.leaves``, and the lock-step ``shape`` it
-    runs in; CP: ``cp``, this rank's CP schedule of the tree) and ``calls`` >= that work's call count at the
-    root (the rest are dummy calls)."""
+    runs in; CP: ``cp``, this rank's CP schedule of the tree; a trie with a context-parallel root: ``node``,
+    ``cp_trie``, this member's share of its children, and ``shape``) and ``calls`` >= that work's call count
+    at the root (the rest are dummy calls). ``trie``: the slot runs as a trie (one device, or with a
+    context-parallel root), dummy slots of those phases included."""
 
     tree: int | None
     degree: int
@@ -76,10 +83,14 @@ class Slot:
     cp: CPTreeSchedule | None = None
     node: TrieNode | None = None
     shape: Shape = field(default_factory=Shape)
+    trie: bool = False
+    cp_trie: CPTrieShare | None = None
 
     @property
     def own_calls(self) -> int:
-        return len(self.cp.steps) if self.cp is not None else len(self.micro_batches)
+        if self.cp is not None:
+            return len(self.cp.steps)
+        return len(self.cp_trie.batches) if self.cp_trie is not None else len(self.micro_batches)
 
 
 def lockstep_slots(
@@ -89,6 +100,7 @@ def lockstep_slots(
     *,
     mesh=None,
     subgroups=None,
+    cp_roots: Sequence[tuple[TrieNode, int]] = (),
     group=None,
     device: torch.device | None = None,
 ) -> list[Slot]:
@@ -97,93 +109,125 @@ def lockstep_slots(
     ``trie``: the step's (its ``trees``, and the tries of the trees this rank runs on one device, ``trie.of``);
     ``plans[t]``: a ``Plan`` or None; ``mesh`` (``cp.mesh.CPMesh``) and ``subgroups[t]`` (the subgroup
     index of tree t, a CP rank for degree 1; see ``step_plan.assign_subgroups``) when any tree runs
-    context-parallel, else every tree is this rank's and runs on one device. With ``group`` (a process
-    group) the shape is agreed over it (int64 all-reduces on ``device``, the model's, and one all-gather of
-    the trie shapes); without, no padding.
+    context-parallel, else every tree is this rank's and runs on one device. ``cp_roots``: (root, degree d)
+    of the tries whose root runs context-parallel (``replay.cp_trie``; their trees' subgroups are of degree
+    d, and their plans are not run). With ``group`` (a process group) the shape is agreed over it (int64
+    all-reduces on ``device``, the model's, and one all-gather of the trie shapes); without, no padding.
     """
     trees = trie.trees
+    in_cp_trie = {t for root, _ in cp_roots for t in root.trees()}
     degrees = [plan.degree if plan is not None else 1 for plan in plans]
-    phases: list[tuple[int, list[Slot]]] = []
+    phases: list[tuple[int, bool, list[Slot]]] = []  # (degree, trie slots, slots)
     for d in sorted(mesh.degrees if mesh is not None else (1,), reverse=True):
         if d == 1:
-            mine = [t for t in range(len(trees)) if degrees[t] == 1 and (mesh is None or subgroups[t] == mesh.cp_rank)]
+            mine = [
+                t
+                for t in range(len(trees))
+                if degrees[t] == 1 and t not in in_cp_trie and (mesh is None or subgroups[t] == mesh.cp_rank)
+            ]
             slots = [_trie_slot(root, budget_tokens) for root in trie.of(mine)]
             slots.sort(key=lambda s: (-s.shape.total_calls, s.tree))
-        else:
-            mine = [t for t in range(len(trees)) if degrees[t] == d and subgroups[t] == mesh.subgroup_index(d)]
-            slots = [
-                Slot(
-                    t,
-                    d,
-                    0,
-                    [],
-                    cp_tree_schedule(
-                        plans[t], trees[t].prompt_len, list(trees[t].response_lens), mesh.subgroup_rank(d)
-                    ),
-                )
-                for t in mine
-            ]
-            key = {
-                t: max(
-                    len(cp_tree_schedule(plans[t], trees[t].prompt_len, list(trees[t].response_lens), r).steps)
-                    for r in range(d)
-                )
-                for t in mine
-            }
-            slots.sort(key=lambda s: (-key[s.tree], s.tree))
-        phases.append((d, slots))
+            phases.append((1, True, slots))
+            continue
+        here = mesh.subgroup_index(d)
+        mine = [t for t in range(len(trees)) if degrees[t] == d and subgroups[t] == here and t not in in_cp_trie]
+        slots = [
+            Slot(
+                t,
+                d,
+                0,
+                [],
+                cp_tree_schedule(plans[t], trees[t].prompt_len, list(trees[t].response_lens), mesh.subgroup_rank(d)),
+            )
+            for t in mine
+        ]
+        key = {
+            t: max(
+                len(cp_tree_schedule(plans[t], trees[t].prompt_len, list(trees[t].response_lens), r).steps)
+                for r in range(d)
+            )
+            for t in mine
+        }
+        slots.sort(key=lambda s: (-key[s.tree], s.tree))
+        phases.append((d, False, slots))
+        roots = [root for root, rd in cp_roots if rd == d and subgroups[root.trees()[0]] == here]
+        slots = [_cp_trie_slot(root, d, mesh.subgroup_rank(d), budget_tokens) for root in roots]
+        slots.sort(key=lambda s: (-s.shape.total_calls, s.tree))
+        phases.append((d, True, slots))
     if group is None:
-        for _, slots in phases:
+        for _, _, slots in phases:
             for s in slots:
                 s.calls = s.own_calls
-        return [s for _, slots in phases for s in slots]
-    agreed = torch.tensor([len(slots) for _, slots in phases], dtype=torch.int64, device=device)
+        return [s for _, _, slots in phases for s in slots]
+    agreed = torch.tensor([len(slots) for _, _, slots in phases], dtype=torch.int64, device=device)
     torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MAX, group=group)
     counts: list[int] = agreed.tolist()
     agreed = torch.zeros(sum(counts), dtype=torch.int64, device=device)
     start = 0
-    for (_, slots), n in zip(phases, counts):
+    for (_, _, slots), n in zip(phases, counts):
         agreed[start : start + len(slots)] = torch.tensor([s.own_calls for s in slots], dtype=torch.int64)
         start += n
     torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MAX, group=group)
     shape: list[int] = agreed.tolist()
-    ones = [(slots, n) for (d, slots), n in zip(phases, counts) if d == 1]
-    tries = _agreed_shapes(*ones[0], group) if ones else []
+    shapes = iter(_agreed_shapes([(slots, n) for (_, tries, slots), n in zip(phases, counts) if tries], group))
     out: list[Slot] = []
     start = 0
-    for (d, slots), n in zip(phases, counts):
+    for (d, tries, slots), n in zip(phases, counts):
+        phase_shapes = next(shapes) if tries else []
         for j in range(n):
-            slot = slots[j] if j < len(slots) else Slot(None, d, 0, [])
+            slot = slots[j] if j < len(slots) else Slot(None, d, 0, [], trie=tries)
             slot.calls = shape[start + j]
-            if d == 1:
-                slot.shape = tries[j]
+            if tries:
+                slot.shape = phase_shapes[j]
             out.append(slot)
         start += n
     return out
 
 
 def _trie_slot(root: TrieNode, budget_tokens: int) -> Slot:
-    """The slot of a trie; every inner node's leaves split into micro-batches (``split_micro_batches`` of
-    their lengths)."""
+    """The slot of a trie on one device; every inner node's leaves split into micro-batches
+    (``split_micro_batches`` of their lengths)."""
+    _split(root, budget_tokens)
+    return Slot(
+        root.trees()[0], 1, len(root.micro_batches), root.micro_batches, node=root, shape=Shape.of(root), trie=True
+    )
+
+
+def _cp_trie_slot(root: TrieNode, degree: int, member: int, budget_tokens: int) -> Slot:
+    """The slot of a trie whose root runs context-parallel over ``degree`` members, on ``member``: its share
+    (``cp_trie_schedule``) in the shape every member's fits in."""
+    _split(root, budget_tokens)
+    shares = cp_trie_shares(root, degree)
+    shape = Shape()
+    for share in shares:
+        shape = shape.union(Shape(False, len(share.batches), tuple(Shape.of(root.inner[j]) for j in share.inner)))
+    mine = shares[member]
+    return Slot(root.trees()[0], degree, len(mine.batches), [], node=root, shape=shape, trie=True, cp_trie=mine)
+
+
+def _split(root: TrieNode, budget_tokens: int) -> None:
     for node in _nodes(root):
         if node.children:
             node.micro_batches = split_micro_batches([leaf.length for leaf in node.leaves], budget_tokens)
-    return Slot(root.trees()[0], 1, len(root.micro_batches), root.micro_batches, node=root, shape=Shape.of(root))
 
 
 def _nodes(root: TrieNode) -> list[TrieNode]:
     return [root] + [n for c in root.children for n in _nodes(c)]
 
 
-def _agreed_shapes(slots: list[Slot], count: int, group) -> list[Shape]:
-    """Slot j's trie shape on every rank of ``group``: the union of the ranks' (one ``all_gather_object``)."""
-    gathered: list[list[Shape] | None] = [None] * torch.distributed.get_world_size(group)
-    torch.distributed.all_gather_object(gathered, [s.shape for s in slots], group=group)
+def _agreed_shapes(phases: list[tuple[list[Slot], int]], group) -> list[list[Shape]]:
+    """Per phase of trie slots (its slots, its agreed count), slot j's shape on every rank of ``group``: the
+    union of the ranks' (one ``all_gather_object`` for all phases)."""
+    gathered: list[list[list[Shape]] | None] = [None] * torch.distributed.get_world_size(group)
+    torch.distributed.all_gather_object(gathered, [[s.shape for s in slots] for slots, _ in phases], group=group)
     out = []
-    for j in range(count):
-        shape = Shape()
-        for shapes in gathered:
-            if shapes is not None and j < len(shapes):
-                shape = shape.union(shapes[j])
-        out.append(shape)
+    for p, (_, count) in enumerate(phases):
+        agreed = []
+        for j in range(count):
+            shape = Shape()
+            for ranks in gathered:
+                if ranks is not None and j < len(ranks[p]):
+                    shape = shape.union(ranks[p][j])
+            agreed.append(shape)
+        out.append(agreed)
     return out

@@ -51,13 +51,13 @@ class PromptKV:
                     "(use_reentrant=True) hides them; enable checkpointing with use_reentrant=False "
                     "(transformers' default)"
                 )
-            self.kv = [(_summing_leaf(k), _summing_leaf(v)) for k, v in self.live_kv]
+            self.kv = [(summing_leaf(k), summing_leaf(v)) for k, v in self.live_kv]
         else:
             self.kv = self.live_kv
         last = self.hidden[self.last_row] if self.last_row is not None else None
-        self.last = _summing_leaf(last) if train and last is not None else last
+        self.last = summing_leaf(last) if train and last is not None else last
         scores = self.live_scores
-        self.scores = _summing_leaf(scores) if train and scores is not None else scores
+        self.scores = summing_leaf(scores) if train and scores is not None else scores
 
     def backward(self) -> None:
         """The delayed prompt backward: every live K/V, the hidden states and the scores as roots, with the
@@ -92,7 +92,7 @@ def held_prompt_tensors() -> list[torch.Tensor]:
     return held
 
 
-def _summing_leaf(x: torch.Tensor) -> torch.Tensor:
+def summing_leaf(x: torch.Tensor) -> torch.Tensor:
     """A leaf sharing ``x``'s storage whose gradients, one per backward, are summed in float32 into
     ``leaf.grad_sum`` (None until the first): autograd's own ``.grad`` would sum them in ``x``'s dtype.
     Registered in ``held_prompt_tensors`` while alive."""

@@ -21,7 +21,10 @@ from augtree_verl.plan import PRIMITIVES
 # "single" counts trees run without a plan (one device, no planner); the others count trees by their plan's
 # primitive (a planner fallback runs with the one-device plan: ring at degree 1).
 PLAN_KINDS = ("single",) + PRIMITIVES
-COMM_KEYS = tuple(f"{p}/{d}" for p in PRIMITIVES for d in ("fwd", "bwd"))
+# the bytes of a trie's context-parallel root (``replay.cp_trie``): its ring prefill, the K/V all-gather and the
+# gradients' return
+TRIE_ROOT = "trie_root"
+COMM_KEYS = tuple(f"{p}/{d}" for p in PRIMITIVES + (TRIE_ROOT,) for d in ("fwd", "bwd"))
 
 
 def counter(metric: str | None = None):
@@ -68,8 +71,9 @@ class ReplayStats:
     trees: int = counter()
     nodes: int = counter("trie/nodes")  # prefills of trie nodes (a group's prompt is one; dummies excluded)
     # context-parallel plans run on one device because their tree shares tokens with others beyond its own
-    # prompt (``step_plan.demote_shared_plans``)
+    # prompt and its trie's root cannot run context-parallel (``step_plan.shared_root_plans``)
     trie_demoted: int = counter("trie/cp_demoted")
+    cp_roots: int = counter("trie/cp_roots")  # tries whose root ran context-parallel (``replay.cp_trie``)
     micro_batches: int = counter()
     offloaded_bytes: int = counter("offload/offloaded_bytes")  # prompt activations held on the host (``Offload``)
     prefetched_bytes: int = counter("offload/prefetched_bytes")  # of those, copied back ahead of their use

@@ -6,8 +6,10 @@ the trainer's plan field) takes the trees of the step and fixes
 - the trees (``groups.Tree``, with tokens) and one ``Plan`` (or None) per tree;
 - the tries of their rows (``replay.trie.StepTrie``: found once, one device-to-host copy of the token ids,
   and read by every decision below);
+- the tries whose root runs context-parallel (``cp_roots``: a long shared prefix prefilled once over a
+  subgroup, its K/V serving every subtree, ``replay.cp_trie``), chosen by ``shared_root_plans``;
 - the subgroups: per tree, the subgroup of the CP group it runs on (``subgroups[t]``, of its plan's
-  degree; a CP rank for degree 1), chosen by ``assign_subgroups`` unless given;
+  degree, or its trie's root's; a CP rank for degree 1), chosen by ``assign_subgroups`` unless given;
 - the lock-step shape: this rank's slots (``replay.lockstep``), agreed over ``lockstep_group``;
 - how to run: temperature, entropy, offload, and the ``ReplayStats`` the run adds to.
 
@@ -26,13 +28,14 @@ from augtree_verl.cp.mesh import CPMesh
 from augtree_verl.groups import Tree, tree_workload
 from augtree_verl.plan import Plan
 from augtree_verl.plan_field import tree_plans
+from augtree_verl.replay.cp_trie_schedule import cp_trie_refusal
 from augtree_verl.replay.linear_state import demote_cp_plans
 from augtree_verl.replay.lockstep import Slot, lockstep_slots
 from augtree_verl.replay.microbatch import DEFAULT_MICRO_BATCH_TOKENS
 from augtree_verl.replay.offload import Offload
 from augtree_verl.replay.scoring import EntropyFn
 from augtree_verl.replay.stats import ReplayStats
-from augtree_verl.replay.trie import MIN_SHARED_TOKENS, StepTrie
+from augtree_verl.replay.trie import MIN_SHARED_TOKENS, StepTrie, TrieNode
 
 
 @dataclass
@@ -43,13 +46,15 @@ class StepPlan:
     ``mesh``: the CP group facts (None: every tree on this device); ``subgroups[t]``: the subgroup tree t runs
     on (with a mesh); ``slots``: this rank's lock-step sequence; ``fallbacks``: trees whose planned plan
     could not apply here (``plan_field.tree_plans``); ``cp_demoted``: trees whose context-parallel plan runs on
-    one device because the model cannot run it (``linear_state.demote_cp_plans``).
+    one device because the model cannot run it (``linear_state.demote_cp_plans``); ``cp_roots``: (root,
+    degree) of the tries whose root runs context-parallel (their trees' plans are not run).
     """
 
     trees: list[Tree]
     plans: list[Plan | None]
     slots: list[Slot]
     mesh: CPMesh | None = None
+    cp_roots: list[tuple[TrieNode, int]] = field(default_factory=list)
     subgroups: list[int] | None = None
     temperature: float = 1.0
     entropy_fn: EntropyFn | None = None
@@ -76,6 +81,7 @@ class StepPlan:
         lockstep_group=None,
         device: torch.device | None = None,
         trie: StepTrie | None = None,
+        cp_alone: bool = False,
     ) -> StepPlan:
         """The plan of one step; ``ValueError`` naming the tree, plan or value on bad input.
 
@@ -93,7 +99,11 @@ class StepPlan:
         FSDP2-sharded model; every rank then issues the same sequence of model calls and backwards (agreed
         here with two int64 all-reduces on ``device``, default the trees' device). ``trie``: the
         ``StepTrie`` of ``trees`` with ``min_shared_tokens`` where the caller found it already (``from_batch``);
-        default: found here.
+        default: found here. A tree whose trie is more than its own group runs in its trie, whatever its
+        plan: where one of the trie's trees has a plan of degree d > 1, with its root context-parallel over
+        d ranks, or on one device where the root cannot (``shared_root_plans``, counted in
+        ``stats.trie_demoted``). ``cp_alone``: instead, a plan of degree > 1 runs its tree alone, sharing nothing
+        beyond it (``augtree bench``'s MegaN and MegaR baselines).
         """
         trees = list(trees)
         for t, tree in enumerate(trees):
@@ -115,27 +125,39 @@ class StepPlan:
                 f"the trie given was found with min_shared_tokens={trie.min_shared_tokens}, "
                 f"the plan asks for {min_shared_tokens}"
             )
-        if mesh is None and any(plan is not None and plan.degree > 1 for plan in plans):
+        plans, cp_roots, shared = shared_root_plans(trees, plans, trie=trie) if not cp_alone else (plans, [], 0)
+        if mesh is None and (cp_roots or any(plan is not None and plan.degree > 1 for plan in plans)):
             mesh = _world_mesh()
         if mesh is not None:
-            plans, subgroups = _check_subgroups(mesh, plans, subgroups, trie, rebalance)
+            plans, subgroups = _check_subgroups(mesh, plans, subgroups, trie, rebalance, cp_roots)
         elif subgroups is not None:
             raise ValueError("subgroups place trees in a CP group: pass a mesh or a plan of degree > 1")
         if device is None:
             device = torch.device("cpu")
+        stats = stats if stats is not None else ReplayStats()
+        if mesh is None or mesh.cp_rank == 0:  # every rank of the CP group decides alike: one counts
+            stats.trie_demoted += shared
         slots = lockstep_slots(
-            trie, plans, micro_batch_tokens, mesh=mesh, subgroups=subgroups, group=lockstep_group, device=device
+            trie,
+            plans,
+            micro_batch_tokens,
+            mesh=mesh,
+            subgroups=subgroups,
+            cp_roots=cp_roots,
+            group=lockstep_group,
+            device=device,
         )
         return cls(
             trees=trees,
             plans=plans,
             slots=slots,
             mesh=mesh,
+            cp_roots=cp_roots,
             subgroups=subgroups,
             temperature=temperature,
             entropy_fn=entropy_fn,
             offload=offload,
-            stats=stats if stats is not None else ReplayStats(),
+            stats=stats,
         )
 
     @classmethod
@@ -153,47 +175,43 @@ class StepPlan:
         plans decoded from the batch's plan field (``entries[row]``, ``plan_field.PLAN_FIELD``; None: no
         plans), demoted where they cannot apply here (counted in ``fallbacks``) or where the model
         (``model_config``: its Hugging Face config) cannot run them context-parallel (counted in
-        ``cp_demoted``) or because the tree shares tokens beyond its own prompt with others
-        (``demote_shared_plans``, counted in ``stats.trie_demoted``), placed with ``rebalance``. ``mesh``: the
-        engine's (its degrees are the ones a plan may have). ``options``: those of ``build``."""
+        ``cp_demoted``); a tree that shares tokens beyond its own prompt with others runs in its trie
+        (``build``); placed with ``rebalance``. ``mesh``: the engine's (its degrees are
+        the ones a plan may have). ``options``: those of ``build``."""
         degrees = mesh.degrees if mesh is not None else (1,)
         plans, fallbacks = tree_plans(trees, entries, degrees, min_cp_tokens=min_cp_tokens)
         plans, cp_demoted = demote_cp_plans(model_config, plans)
-        trie = StepTrie(trees, min_shared_tokens=options.get("min_shared_tokens", MIN_SHARED_TOKENS))
-        plans, shared = demote_shared_plans(trees, plans, trie=trie)
         step_plan = cls.build(
-            trees,
-            plans=plans,
-            mesh=mesh if mesh is not None and mesh.cp_size > 1 else None,
-            rebalance=True,
-            trie=trie,
-            **options,
+            trees, plans=plans, mesh=mesh if mesh is not None and mesh.cp_size > 1 else None, rebalance=True, **options
         )
         step_plan.fallbacks, step_plan.cp_demoted = fallbacks, cp_demoted
-        if mesh is None or mesh.cp_rank == 0:  # every rank of the CP group decides alike: one counts
-            step_plan.stats.trie_demoted += shared
         return step_plan
 
 
-def demote_shared_plans(
+def shared_root_plans(
     trees: Sequence[Tree], plans: Sequence[Plan | None], *, trie: StepTrie | None = None
-) -> tuple[list[Plan | None], int]:
-    """(``plans`` with every plan of degree > 1 replaced by the one-device plan carrying its one-rank estimate
-    where its tree is not exactly one depth-1 trie of the step's tries (``replay.trie``: its prompt shares
-    tokens with another tree's rows, or its responses share a node), how many were replaced). A context-
-    parallel plan runs one tree; the deeper sharing runs on one device. ``trie``: the ``StepTrie`` of ``trees``
-    (default: found here, default thresholds)."""
-    roots = (trie if trie is not None else StepTrie(trees)).roots
-    alone = {
-        root.trees()[0]
-        for root in roots
-        if len(root.trees()) == 1 and root.depth() == 1 and root.end == trees[root.trees()[0]].prompt_len
-    }
-    out = [
-        Plan(est_time_s=p.est_single_s) if p is not None and p.degree > 1 and t not in alone else p
-        for t, p in enumerate(plans)
-    ]
-    return out, sum(p is not None and p.degree > 1 and t not in alone for t, p in enumerate(plans))
+) -> tuple[list[Plan | None], list[tuple[TrieNode, int]], int]:
+    """(plans, cp_roots, demoted) for the trees of a trie that is more than one tree's group (``replay.trie``:
+    a tree whose prompt shares tokens with another tree's rows, or whose responses share a node) where the
+    planner gave one of them a plan of degree d > 1: a context-parallel plan runs one tree, so such a trie
+    runs whole, its root context-parallel over the largest such d (``cp_roots``: (root, d); ``replay.cp_trie``)
+    where its root can (``cp_trie_refusal``), else on one device: each plan of degree > 1 replaced by the
+    one-device plan carrying its one-rank estimate (``demoted`` counts those). ``trie``: the ``StepTrie`` of
+    ``trees`` (default: found here, default thresholds)."""
+    out, cp_roots, demoted = list(plans), [], 0
+    for root in (trie if trie is not None else StepTrie(trees)).roots:
+        members = root.trees()
+        degree = max(p.degree if (p := plans[t]) is not None else 1 for t in members)
+        alone = len(members) == 1 and root.depth() == 1 and root.end == trees[members[0]].prompt_len
+        if degree == 1 or alone:
+            continue
+        if cp_trie_refusal(root) is None:
+            cp_roots.append((root, degree))
+            continue
+        for t in members:
+            if (p := plans[t]) is not None and p.degree > 1:
+                out[t], demoted = Plan(est_time_s=p.est_single_s), demoted + 1
+    return out, cp_roots, demoted
 
 
 def assign_subgroups(
@@ -203,6 +221,7 @@ def assign_subgroups(
     *,
     rebalance: bool = True,
     trie: StepTrie | None = None,
+    cp_roots: Sequence[tuple[TrieNode, int]] = (),
 ) -> tuple[list[int], list[int]]:
     """(degree, subgroup) per tree, for one CP group of ``cp_size`` ranks that replays ``trees``.
 
@@ -213,32 +232,46 @@ def assign_subgroups(
     demotions with the smallest estimated makespan (``pack_subgroups``) wins (none, on a tie). Otherwise the
     planned degrees stand and trees are packed by their ``groups.tree_workload``. The degree-1 trees of one
     trie go to one rank together (``trie``: the ``StepTrie`` of ``trees``; default: found here, default
-    thresholds).
+    thresholds). The trees of a trie with a context-parallel root (``cp_roots``: (root, degree d)) go to one
+    d-subgroup together, as one item of their summed work (each tree's one-rank estimate, else its planned
+    time over its degree), and are never demoted.
     """
     degrees = [plan.degree if plan is not None else 1 for plan in plans]
+    together = [root.trees() for root, _ in cp_roots]
+    for (_, d), members in zip(cp_roots, together):
+        for t in members:
+            degrees[t] = d
+    fixed = {t for members in together for t in members}
     tries = (trie if trie is not None else StepTrie(trees)).tries()
     if not rebalance or not all(plan is not None and plan.est_time_s is not None for plan in plans):
         works = [float(tree_workload(tree.prompt_len, tree.response_lens)) for tree in trees]
-        return degrees, pack_subgroups(works, degrees, cp_size, tries)[0]
+        return degrees, pack_subgroups(works, degrees, cp_size, tries, together)[0]
     multi = [plan.est_time_s for plan in plans]
     single = [plan.est_time_s if plan.degree == 1 else plan.est_single_s for plan in plans]
     demotable = sorted(
-        (t for t in range(len(plans)) if degrees[t] > 1 and single[t] is not None),
+        (t for t in range(len(plans)) if degrees[t] > 1 and single[t] is not None and t not in fixed),
         key=lambda t: (single[t] / (degrees[t] * multi[t]), t),
     )
     best = None
     for k in range(len(demotable) + 1):
         if k:
             degrees[demotable[k - 1]] = 1
-        works = [single[t] if degrees[t] == 1 else multi[t] * degrees[t] for t in range(len(plans))]
-        subgroups, makespan = pack_subgroups(works, degrees, cp_size, tries)
+        works = [
+            multi[t] * degrees[t] if degrees[t] > 1 and (t not in fixed or single[t] is None) else single[t]
+            for t in range(len(plans))
+        ]
+        subgroups, makespan = pack_subgroups(works, degrees, cp_size, tries, together)
         if best is None or makespan < best[0]:
             best = (makespan, list(degrees), subgroups)
     return best[1], best[2]
 
 
 def pack_subgroups(
-    works: Sequence[float], degrees: Sequence[int], cp_size: int, tries: Sequence[Sequence[int]] = ()
+    works: Sequence[float],
+    degrees: Sequence[int],
+    cp_size: int,
+    tries: Sequence[Sequence[int]] = (),
+    together: Sequence[Sequence[int]] = (),
 ) -> tuple[list[int], float]:
     """(subgroup per tree, makespan): the subgroup (of ``degrees[t]`` consecutive CP ranks; index 0 ..
     cp_size / d - 1) each tree runs on, and the most work any rank gets.
@@ -249,21 +282,23 @@ def pack_subgroups(
     rank together, as one tree of their summed work, so that their shared tokens run once; a trie heavier
     than a rank's fair share (the total work over ``cp_size``: a batch-wide system prompt makes the whole
     batch one trie) is cut into chunks of at most that share, heaviest trees first, each chunk together.
+    ``together``: sets of trees (of one degree) that go to one subgroup as one item (a trie with a
+    context-parallel root).
     """
     for t, d in enumerate(degrees):
         if d < 1 or cp_size % d:
             raise ValueError(f"tree {t}: degree {d} does not divide the CP group size {cp_size}")
     share = sum(works) / cp_size
-    together: dict[int, int] = {}
+    first: dict[int, int] = {t: members[0] for members in together for t in members}
     for trie in tries:
         chunk, load = None, 0.0
-        for t in sorted((t for t in trie if degrees[t] == 1), key=lambda t: (-works[t], t)):
+        for t in sorted((t for t in trie if degrees[t] == 1 and t not in first), key=lambda t: (-works[t], t)):
             if chunk is None or load + works[t] > share:
                 chunk, load = t, 0.0
-            together[t], load = chunk, load + works[t]
+            first[t], load = chunk, load + works[t]
     items: dict[int, list[int]] = {}
     for t in range(len(works)):
-        items.setdefault(together.get(t, t), []).append(t)
+        items.setdefault(first.get(t, t), []).append(t)
     placed, makespan = _pack(
         [sum(works[t] for t in item) for item in items.values()], [degrees[item[0]] for item in items.values()], cp_size
     )
@@ -305,22 +340,32 @@ def _world_mesh() -> CPMesh:
 
 
 def _check_subgroups(
-    mesh: CPMesh, plans: list[Plan | None], subgroups, trie: StepTrie, rebalance: bool
+    mesh: CPMesh, plans: list[Plan | None], subgroups, trie: StepTrie, rebalance: bool, cp_roots
 ) -> tuple[list[Plan | None], list[int]]:
     """(plans, subgroups): the given subgroups checked, or ``assign_subgroups``' (a tree it moves to one rank
     runs there with the one-device plan, carrying the planner's one-rank estimate)."""
     degrees = [plan.degree if plan is not None else 1 for plan in plans]
+    for root, d in cp_roots:
+        if d not in mesh.subgroups:
+            raise ValueError(
+                f"the trie of trees {root.trees()}: root degree {d} is not a CP degree here ({list(mesh.degrees)})"
+            )
+        for t in root.trees():
+            degrees[t] = d
     for t, d in enumerate(degrees):
         if d > 1 and d not in mesh.subgroups:
             raise ValueError(
                 f"tree {t}: plan degree {d} differs from the CP group size {mesh.cp_size} "
                 f"(CP degrees here: {list(mesh.degrees)})"
             )
+    fixed = {t for root, _ in cp_roots for t in root.trees()}
     if subgroups is None:
-        degrees, subgroups = assign_subgroups(trie.trees, plans, mesh.cp_size, rebalance=rebalance, trie=trie)
+        degrees, subgroups = assign_subgroups(
+            trie.trees, plans, mesh.cp_size, rebalance=rebalance, trie=trie, cp_roots=cp_roots
+        )
         return [
-            plan if plan is None or plan.degree == d else Plan(est_time_s=plan.est_single_s)
-            for plan, d in zip(plans, degrees)
+            plan if plan is None or plan.degree == d or t in fixed else Plan(est_time_s=plan.est_single_s)
+            for t, (plan, d) in enumerate(zip(plans, degrees))
         ], subgroups
     subgroups = list(subgroups)
     if len(subgroups) != len(trie.trees):
@@ -328,4 +373,7 @@ def _check_subgroups(
     for t, (d, s) in enumerate(zip(degrees, subgroups)):
         if not 0 <= s < mesh.cp_size // d:
             raise ValueError(f"tree {t}: subgroup {s} outside the {mesh.cp_size // d} subgroups of degree {d}")
+    for root, _ in cp_roots:
+        if len({subgroups[t] for t in root.trees()}) > 1:
+            raise ValueError(f"the trie of trees {root.trees()} runs on one subgroup, got {subgroups}")
     return plans, subgroups

@@ -44,9 +44,9 @@ class TrieRun:
 
     def __call__(self, slot: Slot) -> None:
         """Run ``slot`` (a trie root, or None for a dummy slot) in its lock-step shape."""
-        self._node(slot.node, slot.shape, [])
+        self.node(slot.node, slot.shape, [])
 
-    def _node(self, node: TrieNode | None, shape: Shape, path: Path) -> None:
+    def node(self, node: TrieNode | None, shape: Shape, path: Path) -> None:
         calls, stats = self.calls, self.calls.stats
         start = stats.start_timer(calls.device)
         prompt = calls.dummy_prompt(shape.scored) if node is None else self._prefill(node, path, shape.scored)
@@ -57,12 +57,12 @@ class TrieRun:
         start = stats.start_timer(calls.device)
         batches = node.micro_batches if node is not None else []
         for leaves in batches:
-            self._leaves(node, [node.leaves[k] for k in leaves], path)
+            self.leaves(node, [node.leaves[k] for k in leaves], path)
             stats.micro_batches += 1
         calls.finish_calls(len(batches), shape.calls, start)
         inner = node.inner if node is not None else []
         for j, child in enumerate(shape.children):
-            self._node(inner[j] if j < len(inner) else None, child, path)
+            self.node(inner[j] if j < len(inner) else None, child, path)
         if node is not None and node.ends:  # rows that end inside the trie: their scores are all in the path
             scores = [_cat(row_scores(_scored(path), self.trees[t].prompt_len)) for t, _ in node.ends]
             loss = self._record(node.ends, scores)
@@ -91,7 +91,7 @@ class TrieRun:
 
         return PromptKV(prefill, train=calls.train, offload=calls.offload)
 
-    def _leaves(self, node: TrieNode, leaves: list[TrieNode], path: Path) -> None:
+    def leaves(self, node: TrieNode, leaves: list[TrieNode], path: Path) -> None:
         """One micro-batch of ``node``'s ``leaves``: one decoder call (at least ``calls.min_tokens`` tokens per
         row, so that every call runs every layer), one LM-head call, the losses of their rows, one backward."""
         calls, lengths = self.calls, [leaf.length for leaf in leaves]

@@ -112,7 +112,7 @@ def host_token_ids(ids: torch.Tensor) -> np.ndarray:
 
 class StepTrie:
     """The tries of one step's rows, found once and read by every part of the step plan that needs them
-    (``step_plan.demote_shared_plans`` and ``assign_subgroups``: the tries' trees; ``lockstep.lockstep_slots``:
+    (``step_plan.shared_root_plans`` and ``assign_subgroups``: the tries' trees; ``lockstep.lockstep_slots``:
     the tries of the trees this rank runs on one device).
 
     ``trees``: the step's ``Tree.of_tokens`` trees; ``roots``: the tries of all their rows (``build_trie``'s),

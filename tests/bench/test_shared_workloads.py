@@ -21,10 +21,12 @@ from augtree_verl.bench.workloads import (
     select_groups,
 )
 from augtree_verl.cli import _parser, bench_config
+from augtree_verl.cp.mesh import CPMesh
 from augtree_verl.groups import Tree
 from augtree_verl.models import load_model
 from augtree_verl.planner import ClusterProfile, plan_tree
 from augtree_verl.planner.cost import cost_model
+from augtree_verl.replay import StepPlan
 from augtree_verl.replay.trie import build_trie
 
 
@@ -112,11 +114,18 @@ def _shared_workload(system_len=140):
     return Workload("agent", groups, trees)
 
 
-def test_shared_plans_run_on_one_device_as_in_the_engine():
+def test_shared_plans_run_with_a_context_parallel_root_as_in_the_engine():
+    """The planner gives both groups CP plans; their trie (one system prompt) runs whole, its root
+    context-parallel, as the engine runs it, and the prediction times that slot (``CostModel.cp_trie``)."""
     trees = list(_shared_workload().trees)
     plans = Method("AugTree").plans(trees, 2)
-    assert [p.degree for p in plans] == [1, 1]
-    assert Method("AugTree").predicted_s(trees, plans, ClusterProfile.default(), 2) > 0
+    assert [p.degree for p in plans] == [2, 2]
+    profile = ClusterProfile.default()
+    [(root, degree)] = StepPlan.build(trees, plans=plans, mesh=CPMesh.layout((1, 2), 0)).cp_roots
+    assert degree == 2 and root.trees() == [0, 1]
+    predicted = Method("AugTree").predicted_s(trees, plans, profile, 2)
+    assert predicted == pytest.approx(cost_model(profile).cp_trie(root, 2), rel=1e-12)
+    assert predicted < cost_model(profile).trie(root)  # over two ranks, sooner than on one
     assert [p.degree for p in DEPTH1.plans(trees, 2)] == [2, 2]  # each group alone in its depth-1 trie
     assert [p.degree for p in Method("MegaR", fixed="megar").plans(trees, 2)] == [2, 2]
 

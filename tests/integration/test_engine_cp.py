@@ -9,7 +9,9 @@ Log-probs, entropies, grad norms and weights after every step must agree (RTOL),
 - world 2, cp_degrees [1, 2]: one CP group of both ranks (data-parallel size 1);
 - world 4, cp_degrees [1, 2]: two CP groups of 2 (data-parallel size 2, each its own groups of samples);
 - world 4, cp_degrees [1, 2, 4]: one CP group of 4 with plans of degree 4 and of degree 2 (subgroups);
-- world 2, plans of degree 2 whose estimates say the group finishes sooner running them side by side.
+- world 2, plans of degree 2 whose estimates say the group finishes sooner running them side by side;
+- world 2, every prompt behind one system prompt (the batch one trie): the trie runs with its root
+  context-parallel over both ranks (``replay.cp_trie``), its subtrees dealt over them.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ ONE_LANE = Plan(degree=2, primitive="tree_move_kv", rounds=5, lanes=1, placement
 # Per group: (primitive forced on the planner, degree) or a plan.
 PLANS_DEGREE_2 = [("move_q", 2), ONE_LANE, ("ring", 2), (None, 1), (None, 1)]
 PLANS_DEGREE_4_AND_2 = [("move_q", 4), ONE_LANE, ("ring", 4), ("tree_move_kv", 2), (None, 1)]
+# A batch-wide system prompt long enough to be a trie node of its own: 5 groups x 40 tokens saved >= 128.
+SYSTEM_TOKENS = 40
 # Every group planned at degree 2 with 50% parallel efficiency: the engine's schedule runs them side by side
 # on one rank each instead.
 INEFFICIENT = [Plan(degree=2, est_time_s=float(p), est_single_s=float(p)) for p, _ in GROUPS]
@@ -94,8 +98,10 @@ def _rank_main(
     cp_max: int,
     loss_agg_mode: str,
     entropy_coeff: float,
+    system: int,
 ) -> None:
-    """``cp_max``: the largest degree expected to run."""
+    """``cp_max``: the largest degree expected to run; ``system``: tokens of a system prompt in front of every
+    prompt (0: none)."""
     H.use_cpu_platform()  # a spawned process: select verl's CPU platform before building engines
     from verl.utils import tensordict_utils as tu
 
@@ -112,6 +118,9 @@ def _rank_main(
     assert (stock.get_data_parallel_size(), stock.get_data_parallel_rank()) == (world, rank)
     for step in range(STEPS):
         rows = H.group_rows(GROUPS, seed=step)
+        prefix = torch.randint(0, H.VOCAB, (system,), generator=torch.Generator().manual_seed(100 + step))
+        for row in rows:
+            row["prompt"] = torch.cat([prefix, row["prompt"]])
         # verl's dispatch: our data-parallel rank j gets whole groups j, j + dp, ...;
         # stock rank r rows r, r + world, ...
         ours_idx = [k for k, row in enumerate(rows) if int(row["uid"].split("-")[1]) % dp_size == dp_rank]
@@ -142,7 +151,12 @@ def _rank_main(
         assert metrics["augtree/logical_tokens"].aggregate() == sum(
             len(r["prompt"]) + len(r["response"]) for r in our_rows
         )
-        if rank < cp and cp_max > 1:  # the first CP group holds group 0 (MoveQ) and group 2 (ring) in these layouts
+        # the batch behind one system prompt is one trie: its root ran context-parallel (it moved bytes), once
+        assert metrics["augtree/trie/cp_roots"].aggregate() == (1 if system else 0)
+        assert (metrics["augtree/comm_bytes/trie_root/bwd"].aggregate() > 0) == bool(system)
+        if system:
+            assert metrics["augtree/trie/nodes"].aggregate() == 1 + len(GROUPS)  # the root, each group's prompt
+        elif rank < cp and cp_max > 1:  # the first CP group holds group 0 (MoveQ) and group 2 (ring) here
             assert metrics["augtree/cp_degree_max"].aggregate() == cp_max
             for primitive in ("move_q", "ring"):  # each ran context-parallel (it moved bytes)
                 assert metrics[f"augtree/comm_bytes/{primitive}/bwd"].aggregate() > 0, primitive
@@ -159,11 +173,11 @@ def _rank_main(
     torch.distributed.destroy_process_group()
 
 
-def _run(tmp_path, world, cp_degrees, specs, cp_max, loss_agg_mode="token-mean", entropy_coeff=0.0):
+def _run(tmp_path, world, cp_degrees, specs, cp_max, loss_agg_mode="token-mean", entropy_coeff=0.0, system=0):
     model_path = H.save_tiny_qwen2(str(tmp_path / "tiny-qwen2"))
     H.spawn(
         _rank_main,
-        (world, H.free_port(), model_path, cp_degrees, specs, cp_max, loss_agg_mode, entropy_coeff),
+        (world, H.free_port(), model_path, cp_degrees, specs, cp_max, loss_agg_mode, entropy_coeff, system),
         world,
         SPAWN_TIMEOUT_S[world],
     )
@@ -172,6 +186,11 @@ def _run(tmp_path, world, cp_degrees, specs, cp_max, loss_agg_mode="token-mean",
 @pytest.mark.timeout(420)
 def test_one_cp_group_of_two_matches_stock_data_parallel(tmp_path):
     _run(tmp_path, 2, [1, 2], PLANS_DEGREE_2, 2)
+
+
+@pytest.mark.timeout(420)
+def test_a_batch_wide_system_prompt_runs_once_context_parallel_and_matches_stock(tmp_path):
+    _run(tmp_path, 2, [1, 2], PLANS_DEGREE_2, 2, system=SYSTEM_TOKENS)
 
 
 @pytest.mark.timeout(420)

@@ -58,7 +58,7 @@ def test_hybrid_cp_plans_run_on_one_rank(tmp_path):
     rank each, counted, and the step still matches the stock engine (``test_engine_cp``'s rank)."""
     H.spawn(
         cp_rank_main,
-        (WORLD, H.free_port(), _save("qwen3.5", tmp_path / "qwen3.5"), [1, 2], PLANS_DEGREE_2, 1, "token-mean", 0.0),
+        (WORLD, H.free_port(), _save("qwen3.5", tmp_path / "qwen3.5"), [1, 2], PLANS_DEGREE_2, 1, "token-mean", 0.0, 0),
         nprocs=WORLD,
         timeout_s=360,
     )

@@ -131,9 +131,9 @@ def test_a_trie_heavier_than_a_ranks_share_is_cut_into_chunks():
 
 
 def test_a_step_reads_its_token_ids_to_the_host_once(monkeypatch):
-    """The engine's plan of a batch behind one system prompt on rank 0 of a CP group of 2: the trie demotes
-    every CP plan, places the trees (the one trie cut into a chunk per rank) and shapes this rank's slots
-    from one copy of the token ids (``trie.host_token_ids``), and so does ``build``."""
+    """The engine's plan of a batch behind one system prompt on rank 0 of a CP group of 2: the trie makes its
+    root context-parallel (the trees have CP plans), places the trees (the one trie on the subgroup of 2) and
+    shapes this rank's slots from one copy of the token ids (``trie.host_token_ids``), and so does ``build``."""
     copies = []
     monkeypatch.setattr(trie, "host_token_ids", lambda ids: copies.append(len(ids)) or ids.numpy())
     system = torch.arange(3, 3 + MIN_SHARED_TOKENS)
@@ -147,7 +147,8 @@ def test_a_step_reads_its_token_ids_to_the_host_once(monkeypatch):
         trees, entries, mesh=CPMesh.layout((1, 2), 0), model_config=transformers.Qwen2Config()
     )
     assert len(copies) == 1
-    assert step_plan.stats.trie_demoted == 4 and sorted(step_plan.subgroups) == [0, 0, 1, 1]
+    assert step_plan.stats.trie_demoted == 0 and step_plan.subgroups == [0, 0, 0, 0]
+    assert [(root.trees(), d) for root, d in step_plan.cp_roots] == [([0, 1, 2, 3], 2)]
     StepPlan.build(trees)
     assert len(copies) == 2
 

@@ -15,7 +15,8 @@ import torch
 from augtree_verl import Plan, ReplayStats, StepPlan, Tree, per_response, replay
 from augtree_verl.replay import Offload
 from augtree_verl.replay.baseline import flattened_replay
-from augtree_verl.replay.step_plan import demote_shared_plans
+from augtree_verl.replay.cp_trie_schedule import cp_trie_refusal
+from augtree_verl.replay.step_plan import shared_root_plans
 from augtree_verl.replay.trie import MIN_SHARED_TOKENS, StepTrie, TrieNode, build_trie
 from tests.families import family_model
 from tests.parity import assert_grads_match, assert_logps_match, grads, random_trees, tiny_model
@@ -248,20 +249,31 @@ def test_entropies_and_forward_only():
     assert_grads_match(got_grads, grads(model))
 
 
-def test_cp_plans_of_trees_sharing_more_than_their_prompt_run_on_one_device():
-    """Of ``sharing_batch``'s trees, only f is exactly one depth-1 trie: the others' CP plans are demoted to
-    the one-device plan with their one-rank estimate, and counted."""
+def test_a_trie_with_a_cp_plan_runs_whole_with_a_context_parallel_root_or_on_one_device():
+    """Of ``sharing_batch``'s trees, only f is exactly one depth-1 trie: it keeps its CP plan as a CP tree. The
+    other five share the system prompt: their trie runs whole with its root context-parallel at the largest
+    planned degree; where the root cannot (it scores tokens), their CP plans are demoted to the one-device
+    plan with their one-rank estimate, and counted."""
     trees = sharing_batch()
     cp = Plan(degree=2, primitive="ring", est_time_s=1.0, est_single_s=1.5)
-    plans, demoted = demote_shared_plans(trees, [cp, None, cp, cp, cp, cp])
-    assert plans == [Plan(est_time_s=1.5), None, Plan(est_time_s=1.5), Plan(est_time_s=1.5), Plan(est_time_s=1.5), cp]
-    assert demoted == 4
+    plans = [cp, None, cp, cp, cp, cp]
+    trie = StepTrie(trees)
+    got, cp_roots, demoted = shared_root_plans(trees, plans, trie=trie)
+    assert got == plans and demoted == 0
+    assert [(root.trees(), d) for root, d in cp_roots] == [([0, 1, 2, 3, 4], 2)]
+    assert cp_roots[0][0] is trie.roots[0] and cp_trie_refusal(trie.roots[0]) is None
+    trie.roots[0].score_from = trie.roots[0].end - 1  # as if a row's prompt ended inside the root
+    assert cp_trie_refusal(trie.roots[0]) == "rows score or end inside its root"
+    got, cp_roots, demoted = shared_root_plans(trees, plans, trie=trie)
+    one = Plan(est_time_s=1.5)
+    assert (got, cp_roots, demoted) == ([one, None, one, one, one, cp], [], 4)
     alone_but_branching = random_trees([9], [[4]])[0]
     shared = _ids(torch.Generator().manual_seed(0), MIN_SHARED_TOKENS)
     alone_but_branching = Tree.of_tokens(
         alone_but_branching.prompt, [torch.cat([shared, torch.tensor([1])]), torch.cat([shared, torch.tensor([2])])]
     )
-    assert demote_shared_plans([alone_but_branching], [cp]) == ([Plan(est_time_s=1.5)], 1)
+    got, cp_roots, demoted = shared_root_plans([alone_but_branching], [cp])
+    assert got == [cp] and demoted == 0 and [(root.trees(), d) for root, d in cp_roots] == [([0], 2)]
 
 
 def prompt_inside_a_node(seed: int = 0) -> list[Tree]:

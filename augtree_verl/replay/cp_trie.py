@@ -1,0 +1,168 @@
+"""A trie whose root runs context-parallel (docs/design.md §9): a long shared prefix (a batch-wide system
+prompt, a prompt under several uids, the turns a branching trajectory shares) prefilled once over a subgroup
+of d ranks, its K/V serving every subtree.
+
+On every member of the subgroup, in the same lock-step slot (phase d's trie slots, ``replay.lockstep``):
+
+  A. the root's tokens run through the ring prefill (RingCP's, ``cp.context.RingContext``): each member
+     holds its zigzag shard's K/V as a ``PromptKV``;
+  B. the shards are all-gathered (one padded ``all_gather`` per layer and K/V), so every member holds the
+     root's whole K/V as summing leaves, as one device would, and the root's last hidden state (a zero-filled
+     float32 all-reduce from its owner);
+  C. the member replays its share of the root's children (``cp_trie_schedule``: the root's leaf micro-batches
+     and inner subtrees, dealt longest first) on one device against those leaves (``TrieRun``), padded to the
+     slot's shape, the union of every member's (``slot.shape``);
+  D. the leaves' float32 gradient sums are reduce-scattered back to the shards' owners (one
+     ``all_to_all_single`` per layer and K/V, summed in member order; the last state's by an all-reduce),
+     and the ring prefill's delayed backward runs on every member.
+
+Exact: every row runs on one member, and the root's gradients are the sums of every member's adjoints.
+Bytes each member sends: ``trie_root_bytes``.
+
+The root must score nothing and end no row (``cp_trie_schedule.cp_trie_refusal``); the step plan runs such
+a trie on one device, counted.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from augtree_verl.cp.comm import Meter, Ring, nbytes
+from augtree_verl.cp.cost import AttentionShape
+from augtree_verl.cp.layout import ZigzagLayout
+from augtree_verl.cp.ring import RingSpec, ring_bytes
+from augtree_verl.cp.schedule import CPPrefill
+from augtree_verl.replay.cp_tree import CPTreeRun
+from augtree_verl.replay.lockstep import Slot
+from augtree_verl.replay.prompt_kv import PromptKV, summing_leaf
+from augtree_verl.replay.stats import TRIE_ROOT
+from augtree_verl.replay.tree_run import TrieRun
+
+
+def trie_root_bytes(
+    length: int,
+    degree: int,
+    member: int,
+    shape: AttentionShape,
+    hidden: int,
+    *,
+    train: bool = True,
+    forward_runs: int = 1,
+) -> dict[str, int]:
+    """Bytes ``member`` sends for a root of ``length`` tokens over ``degree`` members ({"fwd", "bwd"}): the ring
+    prefill's (``cp.ring.ring_bytes``; ``forward_runs`` 2 where activation checkpointing re-runs it), the
+    padded all-gather of each layer's K/V (shards of at most n_max tokens: (d - 1) n_max 2 H_kv D elements at
+    the K/V dtype), its float32 return (the same count, 4 bytes each), and the last hidden state's two
+    float32 [hidden] all-reduces ((d - 1) hidden 4 bytes each, counted as one ring pass)."""
+    layout = ZigzagLayout(length, degree)
+    ring = ring_bytes(
+        RingSpec(Ring(None, tuple(range(degree)), member), layout, None, 1.0),
+        shape.kv_heads,
+        shape.head_dim,
+        shape.element_size,
+    )
+    gathered = (degree - 1) * max(layout.sizes()) * 2 * shape.kv_heads * shape.head_dim
+    last = (degree - 1) * hidden * 4
+    return {
+        "fwd": shape.layers * (forward_runs * ring["fwd"] + gathered * shape.element_size) + last,
+        "bwd": shape.layers * (ring["bwd"] + gathered * 4) + last if train else 0,
+    }
+
+
+class _GatheredRoot:
+    """The root's whole K/V on this member of ``group`` (the subgroup, its ranks the ``layout``'s parts), as a
+    trie path entry (``kv``, ``last``, ``scores``): one-device tensors [1, H_kv, P, D] and [H] built from the
+    members' shards of ``shard`` (training: float32-summing leaves)."""
+
+    def __init__(self, shard: PromptKV, layout: ZigzagLayout, group, meter: Meter):
+        self.shard, self.layout, self.group, self.meter = shard, layout, group, meter
+        self.degree, self.n_max = layout.parts, max(layout.sizes())
+        self.positions = [layout.positions(m, device=shard.hidden.device) for m in range(layout.parts)]
+        kv = [(self._gather(k), self._gather(v)) for k, v in shard.kv]
+        # the last hidden state, from its owner: a zero-filled float32 sum (exact: one member holds it)
+        last = shard.hidden.new_zeros(shard.hidden.shape[-1], dtype=torch.float32)
+        if shard.last is not None:
+            last += shard.last.detach()
+        self._all_reduce(last, "fwd")
+        last = last.to(shard.hidden.dtype)
+        self.kv = [(summing_leaf(k), summing_leaf(v)) for k, v in kv] if shard.train else kv
+        self.last = summing_leaf(last) if shard.train else last
+        self.scores = None
+
+    def _all_reduce(self, x: torch.Tensor, direction: str) -> None:
+        self.meter.add(direction, nbytes(x) * (self.degree - 1))
+        dist.all_reduce(x, group=self.group)
+
+    def _gather(self, shard: torch.Tensor) -> torch.Tensor:
+        """This member's [H_kv, n, D] shard -> the whole [1, H_kv, P, D], every member's at its positions."""
+        shard = shard.detach()
+        padded = shard.new_zeros(shard.shape[0], self.n_max, shard.shape[2])
+        padded[:, : shard.shape[1]] = shard
+        parts = [torch.empty_like(padded) for _ in range(self.degree)]
+        self.meter.add("fwd", nbytes(padded) * (self.degree - 1))
+        dist.all_gather(parts, padded, group=self.group)
+        full = shard.new_empty(shard.shape[0], self.layout.length, shard.shape[2])
+        for part, pos in zip(parts, self.positions):
+            full[:, pos] = part[:, : pos.numel()]
+        return full[None]
+
+    def return_gradients(self) -> None:
+        """Every member's float32 sums of the whole K/V's and the last state's gradients, summed into the
+        shard's leaves of their owners (one ``all_to_all_single`` per layer and K/V, one all-reduce)."""
+        for whole, own in zip(self.kv, self.shard.kv):
+            for leaf, shard in zip(whole, own):
+                shard.grad_sum = self._scatter(leaf.grad_sum, shard)
+        last = self.last.grad_sum
+        if last is None:
+            last = torch.zeros_like(self.last, dtype=torch.float32)
+        self._all_reduce(last, "bwd")
+        if self.shard.last is not None:
+            self.shard.last.grad_sum = last
+
+    def _scatter(self, grad: torch.Tensor | None, shard: torch.Tensor) -> torch.Tensor:
+        """[1, H_kv, P, D] float32 sums (None: zeros) -> the sum over members of my rows, [H_kv, n, D]."""
+        heads, dim = shard.shape[0], shard.shape[2]
+        send = shard.new_zeros(self.degree, heads, self.n_max, dim, dtype=torch.float32)
+        if grad is not None:
+            for m, pos in enumerate(self.positions):
+                send[m, :, : pos.numel()] = grad[0][:, pos]
+        recv = torch.empty_like(send)
+        self.meter.add("bwd", nbytes(send[0]) * (self.degree - 1))
+        dist.all_to_all_single(recv, send, group=self.group)
+        return recv.sum(0)[:, : shard.shape[1]]
+
+
+class CPTrieRun:
+    """The trie slots with a context-parallel root of one ``replay`` call on this rank (``group``: the
+    subgroup of the slots' degree); its subtrees run through ``tries`` (the call's ``TrieRun``)."""
+
+    def __init__(self, tries: TrieRun, group):
+        self.tries, self.group = tries, group
+
+    def __call__(self, slot: Slot) -> None:
+        calls, root, share = self.tries.calls, slot.node, slot.cp_trie
+        stats = calls.stats
+        layout = ZigzagLayout(root.length, share.degree)
+        prefill = CPPrefill(tuple(range(share.degree)), layout)
+        meter = Meter(stats, TRIE_ROOT)
+        start = stats.start_timer(calls.device)
+        ring = CPTreeRun(calls, self.group)
+        shard = PromptKV(
+            lambda: ring.prefill(root.tokens, prefill, share.member, meter), train=calls.train, offload=calls.offload
+        )
+        gathered = _GatheredRoot(shard, layout, self.group, meter)
+        stats.stop_timer("prefill_s", start)
+        stats.nodes += share.member == 0  # one prefill of the root, over the members
+        path = [(root, gathered)]
+        start = stats.start_timer(calls.device)
+        for b in share.batches:
+            self.tries.leaves(root, [root.leaves[k] for k in root.micro_batches[b]], path)
+            stats.micro_batches += 1
+        calls.finish_calls(len(share.batches), slot.shape.calls, start)
+        inner = [root.inner[j] for j in share.inner]
+        for j, child in enumerate(slot.shape.children):
+            self.tries.node(inner[j] if j < len(inner) else None, child, path)
+        if calls.train:
+            gathered.return_gradients()
+        calls.delayed_backward(shard)
