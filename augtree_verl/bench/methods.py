@@ -25,10 +25,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from augtree_verl.cp.mesh import CPMesh
 from augtree_verl.groups import Tree
 from augtree_verl.plan import Plan
 from augtree_verl.planner import plan_tree
-from augtree_verl.planner.cost import step_seconds
+from augtree_verl.planner.cost import cost_model, step_seconds
+from augtree_verl.replay.step_plan import StepPlan
 from augtree_verl.replay.trie import MIN_SHARED_TOKENS
 
 SPLIT_PRIMITIVES = ("tree_move_kv", "move_q")
@@ -67,6 +69,26 @@ class Method:
             for t in trees
         ]
 
+    def cp_roots(self, trees: Sequence[Tree], plans: list[Plan] | None, profile, world: int) -> list[tuple]:
+        """(trees, degree) of each trie that runs with a context-parallel root (``StepPlan.build``, as it plans
+        the step on ``world`` ranks)."""
+        if plans is None or world == 1:
+            return []
+        step_plan = StepPlan.build(
+            trees,
+            plans=plans,
+            mesh=CPMesh.layout((1, world), 0),
+            min_shared_tokens=self.min_shared_tokens,
+            cp_alone=self.fixed is not None,
+            trie_cost=self.trie_cost(profile, world),
+        )
+        return [(root.trees(), d) for root, d in step_plan.cp_roots]
+
+    def trie_cost(self, profile, world: int):
+        """The cost model the step plan chooses tries' context-parallel roots with (``StepPlan.build``'s
+        ``trie_cost``, as the engine's): AugTree methods with CP; None otherwise."""
+        return cost_model(profile) if self.planned and profile is not None and world > 1 else None
+
     @property
     def planned(self) -> bool:
         """AugTree methods: their plans come from the planner, so the planner predicts their step time."""
@@ -100,9 +122,15 @@ def methods_for(cp: int, device: str = "cpu", depth1: bool = False) -> list[Meth
     )
 
 
-def describe_plans(plans: Sequence[Plan] | None, flattened: bool, verl_world: int | None = None) -> str:
-    """Short text for the table: "flattened", "single", each distinct plan as primitive(d,b,s), or for
-    verl-fsdp2 (``verl_world`` its data-parallel size) "fsdp2(dp=d,mb=1)"."""
+def describe_plans(
+    plans: Sequence[Plan] | None,
+    flattened: bool,
+    verl_world: int | None = None,
+    cp_roots: Sequence[tuple[Sequence[int], int]] = (),
+) -> str:
+    """Short text for the table: "flattened", "single", each distinct plan as primitive(d,b,s), "trie_root(d=D)"
+    for the trees of a trie with a context-parallel root (``cp_roots``: (its trees, D)), or for verl-fsdp2
+    (``verl_world`` its data-parallel size) "fsdp2(dp=d,mb=1)"."""
     if verl_world is not None:
         return f"fsdp2(dp={verl_world},mb=1)"
     if flattened:
@@ -110,9 +138,12 @@ def describe_plans(plans: Sequence[Plan] | None, flattened: bool, verl_world: in
     if plans is None:
         return "single"
     seen: list[str] = []
-    for p in plans:
+    in_root = {t: d for trees, d in cp_roots for t in trees}
+    for t, p in enumerate(plans):
         text = (
-            "single"
+            f"trie_root(d={in_root[t]})"
+            if t in in_root
+            else "single"
             if p.degree == 1
             else f"{p.primitive}(d={p.degree})"
             if p.primitive == "ring"

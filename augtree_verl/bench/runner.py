@@ -116,6 +116,10 @@ def run_benchmark(cfg: BenchConfig, rank: int = 0, world: int = 1, device: str =
         device=device,
         model=model,
     )
+    if world > 1:  # rank 0's on every rank: the ranks of the CP group must plan alike
+        shared = [profile]
+        torch.distributed.broadcast_object_list(shared, src=0)
+        profile = shared[0]
     if rank == 0:
         print(RunProfile(profile, f"calibrated now on {world} {device} rank(s)").describe([world]), flush=True)
     bar = tqdm(
@@ -194,7 +198,12 @@ def _run_workload(
             logical_tokens=workload.logical_tokens,
             comm_bytes=0,
             max_grad_rel_err=0.0,
-            plan=describe_plans(plans[m.name], m.flattened, world if m.verl else None),
+            plan=describe_plans(
+                plans[m.name],
+                m.flattened,
+                world if m.verl else None,
+                m.cp_roots(trees, plans[m.name], profile, world),
+            ),
             ideal_speedup=ideal_speedup(model.config, workload.groups),
             tolerance=tolerance,
             predicted_s=m.predicted_s(trees, plans[m.name], profile, world),
@@ -215,7 +224,7 @@ def _run_workload(
         for m in methods:
             bar.set_postfix_str(f"{workload.name}: {m.name}")
             res = results[m.name]
-            seconds, stats = _timed_step(model, trees, loss_fn, m, plans[m.name], world, verl, verl_step)
+            seconds, stats = _timed_step(model, trees, loss_fn, m, plans[m.name], world, profile, verl, verl_step)
             grads = verl.full_grads() if m.verl else _summed_grads(model, world)
             if reference is None:  # one device: MegaN's first step is the flattened reference
                 reference = grads
@@ -244,12 +253,12 @@ def _warm_up(model, methods: list[Method], rank: int, world: int, profile, devic
     loss_fn = grpo_loss(trees, 0)
     verl_step = verl.prepare(model, trees, 0, rank, world) if verl is not None else None
     for m in methods:
-        _timed_step(model, trees, loss_fn, m, m.plans(trees, world, profile), world, verl, verl_step)
+        _timed_step(model, trees, loss_fn, m, m.plans(trees, world, profile), world, profile, verl, verl_step)
     model.zero_grad(set_to_none=True)
 
 
 def _timed_step(
-    model, trees, loss_fn, method: Method, plans, world: int, verl=None, verl_step=None
+    model, trees, loss_fn, method: Method, plans, world: int, profile, verl=None, verl_step=None
 ) -> tuple[float, ReplayStats | None]:
     model.zero_grad(set_to_none=True)
     _sync(model, world)
@@ -272,6 +281,7 @@ def _timed_step(
                 stats=stats,
                 min_shared_tokens=method.min_shared_tokens,
                 cp_alone=method.fixed is not None,
+                trie_cost=method.trie_cost(profile, world),
             ),
             per_response(loss_fn),
         )

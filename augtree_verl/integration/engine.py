@@ -52,6 +52,7 @@ from augtree_verl.integration.metrics import group_totals, step_metrics
 from augtree_verl.integration.run_profile import make_run_profile
 from augtree_verl.plan import Plan
 from augtree_verl.plan_field import PLAN_FIELD
+from augtree_verl.planner.cost import cost_model
 from augtree_verl.replay import Offload, ReplayStats, StepPlan, replay
 from augtree_verl.replay.model_check import check_model, probe_exactness
 
@@ -184,6 +185,7 @@ class AugTreeEngine(FSDPEngineWithLMHead):
             stats=step.stats,
             lockstep_group=torch.distributed.group.WORLD if world > 1 else None,
             model_config=self.module.config,
+            trie_cost=cost_model(self.run_profile.profile) if hasattr(self, "run_profile") else None,
         )
         step.plans += step_plan.plans
         step.plan_fallbacks += step_plan.fallbacks

@@ -162,8 +162,15 @@ class CostModel:
         its own (causal), with the LM head on the tokens it scores and a slot's fixed cost; its leaves as
         padded micro-batches against the path (``one_device``); then its inner children. A group's depth-1
         trie costs ``prefill(P, 1)[0] + one_device(P, R)``."""
+        leaves = self.one_device(node.end, [leaf.length for leaf in node.leaves]) if node.leaves else 0.0
+        return self.node_prefill(node) + leaves + sum(self.trie(child) for child in node.inner)
+
+    def node_prefill(self, node) -> float:
+        """Seconds of one trie node's prefill on one device (its part of ``trie``): its tokens against its
+        ancestors' keys (full blocks) and its own (causal), the LM head on the tokens it scores, a slot's
+        fixed cost."""
         n, scored = node.length, node.end - node.score_from if node.score_from is not None else 0
-        prefill = (
+        return (
             float(
                 self.pass_time(
                     self.lin_flops * n + self.head_flops * scored,
@@ -173,8 +180,6 @@ class CostModel:
             )
             + self.profile.slot_overhead_s
         )
-        leaves = self.one_device(node.end, [leaf.length for leaf in node.leaves]) if node.leaves else 0.0
-        return prefill + leaves + sum(self.trie(child) for child in node.inner)
 
     def cp_trie(self, root, degree: int) -> float:
         """Seconds of a trie whose root (``replay.trie.TrieNode``) runs context-parallel over ``degree`` ranks
@@ -298,7 +303,12 @@ def step_seconds(
             if slot.trie
             else plans[slot.tree].est_time_s
             for slot in StepPlan.build(
-                trees, plans=plans, mesh=mesh, trie=trie, min_shared_tokens=min_shared_tokens
+                trees,
+                plans=plans,
+                mesh=mesh,
+                trie=trie,
+                min_shared_tokens=min_shared_tokens,
+                trie_cost=cost if cp_size > 1 else None,
             ).slots
         )
         for mesh in ranks

@@ -35,9 +35,9 @@ from augtree_verl.cp.ring import RingSpec, ring_bytes
 from augtree_verl.cp.schedule import CPPrefill
 from augtree_verl.replay.cp_tree import CPTreeRun
 from augtree_verl.replay.lockstep import Slot
-from augtree_verl.replay.prompt_kv import PromptKV, summing_leaf
+from augtree_verl.replay.prompt_kv import PromptKV, grad_sum, set_grad_sum, summing_leaf
 from augtree_verl.replay.stats import TRIE_ROOT
-from augtree_verl.replay.tree_run import TrieRun
+from augtree_verl.replay.tree_run import Path, TrieRun
 
 
 def trie_root_bytes(
@@ -112,13 +112,13 @@ class _GatheredRoot:
         shard's leaves of their owners (one ``all_to_all_single`` per layer and K/V, one all-reduce)."""
         for whole, own in zip(self.kv, self.shard.kv):
             for leaf, shard in zip(whole, own):
-                shard.grad_sum = self._scatter(leaf.grad_sum, shard)
-        last = self.last.grad_sum
+                set_grad_sum(shard, self._scatter(grad_sum(leaf), shard))
+        last = grad_sum(self.last)
         if last is None:
             last = torch.zeros_like(self.last, dtype=torch.float32)
         self._all_reduce(last, "bwd")
         if self.shard.last is not None:
-            self.shard.last.grad_sum = last
+            set_grad_sum(self.shard.last, last)
 
     def _scatter(self, grad: torch.Tensor | None, shard: torch.Tensor) -> torch.Tensor:
         """[1, H_kv, P, D] float32 sums (None: zeros) -> the sum over members of my rows, [H_kv, n, D]."""
@@ -154,7 +154,7 @@ class CPTrieRun:
         gathered = _GatheredRoot(shard, layout, self.group, meter)
         stats.stop_timer("prefill_s", start)
         stats.nodes += share.member == 0  # one prefill of the root, over the members
-        path = [(root, gathered)]
+        path: Path = [(root, gathered)]
         start = stats.start_timer(calls.device)
         for b in share.batches:
             self.tries.leaves(root, [root.leaves[k] for k in root.micro_batches[b]], path)

@@ -79,6 +79,16 @@ def _grad(live: torch.Tensor, leaf: torch.Tensor) -> torch.Tensor:
     return leaf.grad_sum.to(live.dtype) if leaf.grad_sum is not None else torch.zeros_like(live)
 
 
+def grad_sum(leaf: torch.Tensor) -> torch.Tensor | None:
+    """A summing leaf's float32 gradient sum (None until a gradient arrived)."""
+    return leaf.grad_sum
+
+
+def set_grad_sum(leaf: torch.Tensor, value: torch.Tensor) -> None:
+    """Set a summing leaf's float32 gradient sum (gradients summed elsewhere, e.g. over a CP group)."""
+    leaf.grad_sum = value
+
+
 def held_prompt_tensors() -> list[torch.Tensor]:
     """The device tensors in-flight prompts hold between their prefill and their delayed backward: each
     prompt leaf (K/V, last hidden state) and its float32 gradient sum, on the one-device and the CP path.

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -31,7 +32,7 @@ from augtree_verl.plan_field import tree_plans
 from augtree_verl.replay.cp_trie_schedule import cp_trie_refusal
 from augtree_verl.replay.linear_state import demote_cp_plans
 from augtree_verl.replay.lockstep import Slot, lockstep_slots
-from augtree_verl.replay.microbatch import DEFAULT_MICRO_BATCH_TOKENS
+from augtree_verl.replay.microbatch import DEFAULT_MICRO_BATCH_TOKENS, split_micro_batches
 from augtree_verl.replay.offload import Offload
 from augtree_verl.replay.scoring import EntropyFn
 from augtree_verl.replay.stats import ReplayStats
@@ -82,6 +83,7 @@ class StepPlan:
         device: torch.device | None = None,
         trie: StepTrie | None = None,
         cp_alone: bool = False,
+        trie_cost: TrieCost | None = None,
     ) -> StepPlan:
         """The plan of one step; ``ValueError`` naming the tree, plan or value on bad input.
 
@@ -103,7 +105,10 @@ class StepPlan:
         plan: where one of the trie's trees has a plan of degree d > 1, with its root context-parallel over
         d ranks, or on one device where the root cannot (``shared_root_plans``, counted in
         ``stats.trie_demoted``). ``cp_alone``: instead, a plan of degree > 1 runs its tree alone, sharing nothing
-        beyond it (``augtree bench``'s MegaN and MegaR baselines).
+        beyond it (``augtree bench``'s MegaN and MegaR baselines). ``trie_cost``: the planner's cost model
+        (``TrieCost``); with it and a mesh, a trie whose trees have no CP plan but which would be cut into chunks
+        over several ranks (a batch-wide system prompt) runs with its root context-parallel where that is
+        predicted sooner (``shared_root_plans``).
         """
         trees = list(trees)
         for t, tree in enumerate(trees):
@@ -125,7 +130,18 @@ class StepPlan:
                 f"the trie given was found with min_shared_tokens={trie.min_shared_tokens}, "
                 f"the plan asks for {min_shared_tokens}"
             )
-        plans, cp_roots, shared = shared_root_plans(trees, plans, trie=trie) if not cp_alone else (plans, [], 0)
+        plans, cp_roots, shared = (
+            shared_root_plans(
+                trees,
+                plans,
+                trie=trie,
+                cost=trie_cost,
+                degrees=mesh.degrees if mesh is not None else (1,),
+                micro_batch_tokens=micro_batch_tokens,
+            )
+            if not cp_alone
+            else (plans, [], 0)
+        )
         if mesh is None and (cp_roots or any(plan is not None and plan.degree > 1 for plan in plans)):
             mesh = _world_mesh()
         if mesh is not None:
@@ -188,8 +204,24 @@ class StepPlan:
         return step_plan
 
 
+class TrieCost(Protocol):
+    """What the step plan asks of the planner's cost model (``planner.cost.CostModel``), in seconds."""
+
+    def trie(self, node: TrieNode) -> float: ...  # a trie on one device
+
+    def node_prefill(self, node: TrieNode) -> float: ...  # one node's prefill on one device
+
+    def cp_trie(self, root: TrieNode, degree: int) -> float: ...  # a trie with a context-parallel root
+
+
 def shared_root_plans(
-    trees: Sequence[Tree], plans: Sequence[Plan | None], *, trie: StepTrie | None = None
+    trees: Sequence[Tree],
+    plans: Sequence[Plan | None],
+    *,
+    trie: StepTrie | None = None,
+    cost: TrieCost | None = None,
+    degrees: Sequence[int] = (1,),
+    micro_batch_tokens: int = DEFAULT_MICRO_BATCH_TOKENS,
 ) -> tuple[list[Plan | None], list[tuple[TrieNode, int]], int]:
     """(plans, cp_roots, demoted) for the trees of a trie that is more than one tree's group (``replay.trie``:
     a tree whose prompt shares tokens with another tree's rows, or whose responses share a node) where the
@@ -197,13 +229,28 @@ def shared_root_plans(
     runs whole, its root context-parallel over the largest such d (``cp_roots``: (root, d); ``replay.cp_trie``)
     where its root can (``cp_trie_refusal``), else on one device: each plan of degree > 1 replaced by the
     one-device plan carrying its one-rank estimate (``demoted`` counts those). ``trie``: the ``StepTrie`` of
-    ``trees`` (default: found here, default thresholds)."""
+    ``trees`` (default: found here, default thresholds).
+
+    With ``cost`` (the planner's cost model) and CP ``degrees`` > 1, a trie none of whose trees has a CP plan
+    but which ``pack_subgroups`` would cut into chunks over k >= 2 ranks (more than a rank's share of the
+    step's work), each chunk prefilling the root again, runs with its root context-parallel over the degree
+    d <= k where ``cost.cp_trie(root, d)`` is the most below the chunks' time on d ranks (the root's prefill
+    plus the rest of the trie over d); its leaves micro-batched at ``micro_batch_tokens``."""
     out, cp_roots, demoted = list(plans), [], 0
-    for root in (trie if trie is not None else StepTrie(trees)).roots:
+    roots = (trie if trie is not None else StepTrie(trees)).roots
+    total = sum(tree_workload(tree.prompt_len, tree.response_lens) for tree in trees)
+    for root in roots:
         members = root.trees()
         degree = max(p.degree if (p := plans[t]) is not None else 1 for t in members)
         alone = len(members) == 1 and root.depth() == 1 and root.end == trees[members[0]].prompt_len
-        if degree == 1 or alone:
+        if alone:
+            continue
+        if degree == 1:
+            if cost is not None and cp_trie_refusal(root) is None:
+                work = sum(tree_workload(trees[t].prompt_len, trees[t].response_lens) for t in members)
+                chosen = _cheaper_root_degree(root, cost, degrees, work * max(degrees) / total, micro_batch_tokens)
+                if chosen > 1:
+                    cp_roots.append((root, chosen))
             continue
         if cp_trie_refusal(root) is None:
             cp_roots.append((root, degree))
@@ -212,6 +259,23 @@ def shared_root_plans(
             if (p := plans[t]) is not None and p.degree > 1:
                 out[t], demoted = Plan(est_time_s=p.est_single_s), demoted + 1
     return out, cp_roots, demoted
+
+
+def _cheaper_root_degree(root: TrieNode, cost: TrieCost, degrees: Sequence[int], shares: float, budget: int) -> int:
+    """The degree d in ``degrees`` (2 <= d <= ``shares``, the rank shares the trie's work fills) at which
+    running ``root``'s trie with a context-parallel root is predicted the most below its chunks' time on d
+    ranks; 1 where none is."""
+    candidates = [d for d in degrees if 1 < d <= shares]
+    if not candidates:
+        return 1
+    root.micro_batches = split_micro_batches([leaf.length for leaf in root.leaves], budget)  # as the lock-step's
+    whole, prefill = cost.trie(root), cost.node_prefill(root)
+    best, chosen = 1.0, 1
+    for d in candidates:
+        ratio = cost.cp_trie(root, d) / (prefill + (whole - prefill) / d)
+        if ratio < best:
+            best, chosen = ratio, d
+    return chosen
 
 
 def assign_subgroups(

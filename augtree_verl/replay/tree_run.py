@@ -22,6 +22,8 @@ than this rank has, dummy nodes and dummy calls pad it.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
 from augtree_verl.groups import Tree
@@ -31,7 +33,22 @@ from augtree_verl.replay.lockstep import Shape, Slot
 from augtree_verl.replay.prompt_kv import PromptKV
 from augtree_verl.replay.trie import Row, TrieNode, row_scores
 
-Path = list[tuple[TrieNode | None, PromptKV]]  # the nodes from the root to the current one, with their state
+
+class NodeState(Protocol):
+    """A path node's state as its descendants read it (a ``PromptKV``, or a context-parallel root's gathered
+    copy, ``replay.cp_trie``): per-layer ``kv`` leaves, the ``last`` hidden state's, the ``scores`` leaf."""
+
+    @property
+    def kv(self) -> list: ...
+
+    @property
+    def last(self) -> torch.Tensor | None: ...
+
+    @property
+    def scores(self) -> torch.Tensor | None: ...
+
+
+Path = list[tuple[TrieNode | None, NodeState]]  # the nodes from the root to the current one, with their state
 
 
 class TrieRun:

@@ -130,9 +130,10 @@ def test_shared_plans_run_with_a_context_parallel_root_as_in_the_engine():
     assert [p.degree for p in Method("MegaR", fixed="megar").plans(trees, 2)] == [2, 2]
 
 
-def test_the_prediction_sees_the_shared_system_prompt_once_per_rank():
+def test_the_prediction_sees_the_shared_system_prompt_once():
     """One rank runs both groups behind their system prompt: one prefill of it, where the planner, planning
-    each tree alone, counts it twice; two ranks, each with one group, run it once each."""
+    each tree alone, counts it twice. On two ranks the cost model prefers the system prompt context-parallel
+    over both (once) to one group per rank (once each), and predicts that slot."""
     trees = list(_shared_workload(system_len=2000).trees)
     profile = dataclasses.replace(ClusterProfile.default(), call_overhead_s=1e-9, slot_overhead_s=1e-9)
     cost, alone = (
@@ -143,7 +144,10 @@ def test_the_prediction_sees_the_shared_system_prompt_once_per_rank():
     [root] = build_trie(trees)
     assert shared == pytest.approx(cost.trie(root), rel=1e-12)
     assert shared < 0.6 * sum(p.est_time_s for p in alone)
-    assert Method("AugTree").predicted_s(trees, alone, profile, 2) == pytest.approx(max(p.est_time_s for p in alone))
+    two = Method("AugTree").predicted_s(trees, alone, profile, 2)
+    [(root, degree)] = StepPlan.build(trees, plans=alone, mesh=CPMesh.layout((1, 2), 0), trie_cost=cost).cp_roots
+    assert degree == 2 and two == pytest.approx(cost.cp_trie(root, 2), rel=1e-12)
+    assert two < max(p.est_time_s for p in alone)  # sooner than a group per rank
 
 
 def _run(methods):

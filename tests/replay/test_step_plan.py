@@ -11,6 +11,8 @@ from augtree_verl.cp.mesh import CPMesh
 from augtree_verl.groups import Tree, find_trees
 from augtree_verl.plan import Plan
 from augtree_verl.plan_field import plan_entries
+from augtree_verl.planner import ClusterProfile
+from augtree_verl.planner.cost import cost_model
 from augtree_verl.replay import trie
 from augtree_verl.replay.step_plan import StepPlan, assign_subgroups, pack_subgroups
 from augtree_verl.replay.trie import MIN_SHARED_TOKENS
@@ -159,3 +161,51 @@ def test_a_trie_found_for_other_trees_or_another_threshold_is_refused():
         StepPlan.build(trees, trie=trie.StepTrie(trees[:1]))
     with pytest.raises(ValueError, match=f"min_shared_tokens=0, the plan asks for {trie.MIN_SHARED_TOKENS}"):
         StepPlan.build(trees, trie=trie.StepTrie(trees, min_shared_tokens=0))
+
+
+def _behind_system_prompt(system: int, groups: int, seed: int = 0) -> list[Tree]:
+    g = torch.Generator().manual_seed(seed)
+    prefix = torch.randint(3, 1000, (system,), generator=g)
+    return [
+        Tree.of_tokens(
+            torch.cat([prefix, torch.randint(3, 1000, (64,), generator=g)]),
+            [torch.randint(3, 1000, (256,), generator=g) for _ in range(4)],
+            uid=str(k),
+        )
+        for k in range(groups)
+    ]
+
+
+class _FixedCost:
+    """A ``TrieCost`` with fixed answers: the whole trie on one device, its root's prefill, the CP slot."""
+
+    def __init__(self, whole: float, prefill: float, cp: float):
+        self.whole, self.prefill, self.cp = whole, prefill, cp
+
+    def trie(self, node):
+        return self.whole
+
+    def node_prefill(self, node):
+        return self.prefill
+
+    def cp_trie(self, root, degree):
+        return self.cp
+
+
+def test_a_heavy_trie_without_cp_plans_gets_a_context_parallel_root_where_the_cost_model_says_sooner():
+    """No tree has a CP plan. A batch behind one 4k-token system prompt is the whole step's work: cut into a chunk
+    per rank, each rank would prefill the system prompt; the planner's cost model (7B on H100) predicts the
+    context-parallel root sooner, so the trie runs with one. The same trie among heavier unrelated groups fits
+    in one rank's share (it is not cut): no CP root. A cost that predicts the CP slot slower than the chunks'
+    (root prefill + the rest over d) keeps the chunks."""
+    mesh, cost = CPMesh.layout((1, 2), 0), cost_model(ClusterProfile.default())
+    trees = _behind_system_prompt(4096, 8)
+    step_plan = StepPlan.build(trees, mesh=mesh, trie_cost=cost)
+    assert [(root.trees(), d) for root, d in step_plan.cp_roots] == [(list(range(8)), 2)]
+    assert step_plan.subgroups == [0] * 8 and step_plan.stats.trie_demoted == 0
+    assert StepPlan.build(trees, mesh=mesh).cp_roots == []  # no cost model: the chunks, as before
+    light = _behind_system_prompt(4096, 2) + random_trees([20000, 20000], [[900] * 8, [900] * 8], seed=1)
+    assert StepPlan.build(light, mesh=mesh, trie_cost=cost).cp_roots == []
+    # 10 s on one device, 1 s of it the root's prefill: the chunks take 1 + 9 / 2 = 5.5 s on two ranks
+    assert StepPlan.build(trees, mesh=mesh, trie_cost=_FixedCost(10.0, 1.0, 5.4)).cp_roots != []
+    assert StepPlan.build(trees, mesh=mesh, trie_cost=_FixedCost(10.0, 1.0, 5.6)).cp_roots == []
