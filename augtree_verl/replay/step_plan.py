@@ -28,6 +28,7 @@ from augtree_verl.plan import Plan
 from augtree_verl.plan_field import tree_plans
 from augtree_verl.replay.linear_state import demote_cp_plans
 from augtree_verl.replay.lockstep import Slot, lockstep_slots
+from augtree_verl.replay.memory import ReplayMemory, check_memory
 from augtree_verl.replay.microbatch import DEFAULT_MICRO_BATCH_TOKENS
 from augtree_verl.replay.offload import Offload
 from augtree_verl.replay.scoring import EntropyFn
@@ -76,6 +77,7 @@ class StepPlan:
         lockstep_group=None,
         device: torch.device | None = None,
         trie: StepTrie | None = None,
+        memory: ReplayMemory | None = None,
     ) -> StepPlan:
         """The plan of one step; ``ValueError`` naming the tree, plan or value on bad input.
 
@@ -93,7 +95,8 @@ class StepPlan:
         FSDP2-sharded model; every rank then issues the same sequence of model calls and backwards (agreed
         here with two int64 all-reduces on ``device``, default the trees' device). ``trie``: the
         ``StepTrie`` of ``trees`` with ``min_shared_tokens`` where the caller found it already (``from_batch``);
-        default: found here.
+        default: found here. ``memory`` (``replay.memory.ReplayMemory``): refuse, on every rank of
+        ``lockstep_group`` at once, a step whose one-device slots need more than its budget (``check_memory``).
         """
         trees = list(trees)
         for t, tree in enumerate(trees):
@@ -126,6 +129,8 @@ class StepPlan:
         slots = lockstep_slots(
             trie, plans, micro_batch_tokens, mesh=mesh, subgroups=subgroups, group=lockstep_group, device=device
         )
+        if memory is not None:
+            check_memory(memory, slots, trees, offload=offload is not None, group=lockstep_group, device=device)
         return cls(
             trees=trees,
             plans=plans,
