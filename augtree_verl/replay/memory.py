@@ -226,12 +226,16 @@ def _message(memory: ReplayMemory, trees: Sequence[Tree], peak: int, path: list[
     shown = "; ".join(names[:4]) + (f"; and {len(names) - 4} more" if len(names) > 4 else "")
     mb = max((len(b) * max(node.leaves[k].length for k in b) for b in node.micro_batches), default=0)
     return (
-        f"the replay of the trie of {shown} needs about {peak / GIB:.2f} GiB on this rank, over its budget of "
-        f"{memory.budget_bytes / GIB:.2f} GiB: at its node of tokens [{node.start}, {node.end}) ({node.length} "
-        f"tokens, depth {len(path)}, {len(path[0].trees())} trees through the root; the path holds "
-        f"{sum(n.length for n in path)} tokens' K/V and state; the largest micro-batch there {mb} padded tokens). "
+        f"the replay of the trie of {shown} needs about {_gib(peak)} at its peak on this rank, over the budget of "
+        f"{_gib(memory.budget_bytes)} (replay_memory_budget_gib): at its node of tokens [{node.start}, {node.end}) "
+        f"({node.length} tokens, depth {len(path)}), with the K/V and state of the {sum(n.length for n in path)} "
+        f"tokens of its root-to-node path and its largest micro-batch of {mb} padded tokens. "
         f"Ways out: {WAYS_OUT}{STOCK_ENGINE}"
     )
+
+
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / GIB:.3g} GiB"
 
 
 def _tree_name(t: int, tree: Tree) -> str:

@@ -173,7 +173,7 @@ def test_over_budget_trie_is_refused_naming_the_node_and_its_length():
     # the deepest node: the third turn's, after the system prompt and two turns
     assert "at its node of tokens [2100, 2400) (300 tokens, depth 3" in message, message
     assert "tree 0 (uid 't1', samples [0]); tree 1 (uid 't2', samples [1]); tree 2 (uid 't3', samples [2])" in message
-    assert f"needs about {estimate / GIB:.2f} GiB" in message and "budget of" in message
+    assert f"needs about {estimate / GIB:.3g} GiB" in message and f"budget of {(estimate - 1) / GIB:.3g} GiB" in message
     for way_out in ("micro_batch_tokens", "offload_prompt_activations", "cp_degrees", "strategy=fsdp2"):
         assert way_out in message
     assert all(p.grad is None for p in model.parameters()), "refused before any model call"
