@@ -23,7 +23,7 @@ dtype the layers compute in):
     kv_sum = L 2 H_kv D 4
     layer  = e (LAYER_HIDDEN H + LAYER_HEADS H_q D + 2 H_kv D + LAYER_MLP I)   one decoder layer's saved
              activations (no checkpointing: every layer's until the backward; with it: the one layer that is
-             recomputed at a time, and in a forward-only call the layer that computes)
+             recomputed at a time)
     saved  = (L + CHECKPOINT_EXTRA) H e    with checkpointing: each layer's input and the final norm's
              L layer - kv                 without: every layer's activations (a prompt's K/V counted once)
     head   = V (e + HEAD_FLOAT32 4)       training; forward only V (e + 4)
@@ -32,7 +32,9 @@ dtype the layers compute in):
 Not counted: parameters, their gradients and optimizer state (the model's, allocated before the step and
 the same for any schedule), FSDP2's unsharded parameter groups (one or two layers), the token ids and scores
 (bytes per token, not per element), allocator fragmentation; ``device_budget_bytes`` leaves a margin for
-them. Context-parallel slots (``cp_tree``) are not estimated: their state is sharded over their ring.
+them. Context-parallel slots (``cp_tree``) are not estimated: their state is sharded over their ring. A
+hybrid's linear-attention layers are counted as attention layers (their fixed-size state is smaller: an
+overestimate), an MoE layer as a dense MLP of ``intermediate_size``.
 
 ``check_memory`` (``StepPlan.build``'s ``memory``) raises ``ReplayMemoryError`` where the peak is over the
 budget, naming the trie's trees, the node and its length, the estimate and the budget, and the ways out; over
