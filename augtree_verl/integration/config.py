@@ -56,6 +56,11 @@ class AugTreeEngineConfig(FSDPEngineConfig):
         checkpoint boundaries under gradient checkpointing) wait in host memory for the delayed prompt
         backward (``replay.offload``): pinned buffers and a side stream on CUDA, prefetched a layer ahead.
         Context-parallel trees too: each rank offloads its own shard of the prompt.
+    replay_memory_budget_gib: the device memory (GiB) one rank's replay of a step may need at its peak
+        (``replay.memory``: the deepest trie path's K/V, gradient sums and saved activations plus the largest
+        call); a step over it is refused before its first model call, on every rank at once, naming the trie,
+        the node and its length. None: on CUDA the memory this process may still use less a safety margin
+        (``replay.memory.device_budget_bytes``), on CPU no check.
     """
 
     strategy: str = STRATEGY
@@ -70,6 +75,7 @@ class AugTreeEngineConfig(FSDPEngineConfig):
     planner_max_entries: int = DEFAULT_MAX_ENTRIES
     planner_profile: str | None = None
     offload_prompt_activations: bool = False
+    replay_memory_budget_gib: float | None = None
 
     def __post_init__(self):
         # FSDPEngineConfig.__post_init__ only adds a strategy assertion that rejects "augtree".
@@ -114,6 +120,11 @@ class AugTreeEngineConfig(FSDPEngineConfig):
             or not self.planner_ttl_s > 0
         ):
             raise ValueError(f"AugTreeEngineConfig.planner_ttl_s must be a number > 0, got {self.planner_ttl_s!r}")
+        budget = self.replay_memory_budget_gib
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float)) or not budget > 0):
+            raise ValueError(
+                f"AugTreeEngineConfig.replay_memory_budget_gib must be None or a number > 0, got {budget!r}"
+            )
         if self.planner_profile is not None and (not isinstance(self.planner_profile, str) or not self.planner_profile):
             raise ValueError(
                 f"AugTreeEngineConfig.planner_profile must be None or a file path, got {self.planner_profile!r}"

@@ -54,6 +54,7 @@ from augtree_verl.plan import Plan
 from augtree_verl.plan_field import PLAN_FIELD
 from augtree_verl.planner.cost import cost_model
 from augtree_verl.replay import Offload, ReplayStats, StepPlan, replay
+from augtree_verl.replay.memory import ReplayMemory, device_budget_bytes
 from augtree_verl.replay.model_check import check_model, probe_exactness
 
 logger = logging.getLogger(__name__)
@@ -186,6 +187,7 @@ class AugTreeEngine(FSDPEngineWithLMHead):
             lockstep_group=torch.distributed.group.WORLD if world > 1 else None,
             model_config=self.module.config,
             trie_cost=cost_model(self.run_profile.profile) if hasattr(self, "run_profile") else None,
+            memory=self._replay_memory(train, trees[0].prompt.device),
         )
         step.plans += step_plan.plans
         step.plan_fallbacks += step_plan.fallbacks
@@ -220,6 +222,21 @@ class AugTreeEngine(FSDPEngineWithLMHead):
             if forward_only or return_model_output:
                 output_lst[m]["model_output"] = output
         return output_lst
+
+    def _replay_memory(self, train: bool, device: torch.device) -> ReplayMemory | None:
+        """The step's memory check (``replay.memory``): the model's sizes in the dtype its layers compute in
+        (the exactness probe's), checkpointing as verl's model config sets it, and the budget
+        ``replay_memory_budget_gib`` (None: on CPU no check)."""
+        budget = device_budget_bytes(self.engine_config.replay_memory_budget_gib, device)
+        if budget is None:
+            return None
+        return ReplayMemory.of(
+            self.module.config,
+            dtype=self.exactness_probe.dtype,
+            checkpointing=bool(self.model_config.enable_gradient_checkpointing),
+            train=train,
+            budget_bytes=budget,
+        )
 
     def _entropy(self, logits: torch.Tensor) -> torch.Tensor:
         """Entropy [N] of tempered logits [N, V], computed as verl's stock engine computes it (same knobs)."""

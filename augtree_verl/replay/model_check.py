@@ -29,12 +29,9 @@ from augtree_verl.replay.attention import PrefillContext, original_attention, us
 from augtree_verl.replay.baseline import flattened_replay
 from augtree_verl.replay.engine import per_response, replay
 from augtree_verl.replay.linear_state import STATE_MODULES, linear_attention_modules
+from augtree_verl.replay.memory import STOCK_ENGINE
 from augtree_verl.replay.step_plan import StepPlan
 
-# The setting that runs a refused model on verl's stock engine.
-STOCK_ENGINE = (
-    "actor_rollout_ref.actor.strategy=fsdp2 (and actor_rollout_ref.ref.strategy=fsdp2 for the reference model)"
-)
 # ``config.layer_types`` entries and what the replay would need to implement for them.
 LAYER_TYPE_FEATURES = {
     "sliding_attention": "sliding-window attention",

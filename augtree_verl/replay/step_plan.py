@@ -32,6 +32,7 @@ from augtree_verl.plan_field import tree_plans
 from augtree_verl.replay.cp_trie_schedule import cp_trie_refusal
 from augtree_verl.replay.linear_state import demote_cp_plans
 from augtree_verl.replay.lockstep import Slot, lockstep_slots
+from augtree_verl.replay.memory import ReplayMemory, check_memory
 from augtree_verl.replay.microbatch import DEFAULT_MICRO_BATCH_TOKENS, split_micro_batches
 from augtree_verl.replay.offload import Offload
 from augtree_verl.replay.scoring import EntropyFn
@@ -84,6 +85,7 @@ class StepPlan:
         trie: StepTrie | None = None,
         cp_alone: bool = False,
         trie_cost: TrieCost | None = None,
+        memory: ReplayMemory | None = None,
     ) -> StepPlan:
         """The plan of one step; ``ValueError`` naming the tree, plan or value on bad input.
 
@@ -108,7 +110,8 @@ class StepPlan:
         beyond it (``augtree bench``'s MegaN and MegaR baselines). ``trie_cost``: the planner's cost model
         (``TrieCost``); with it and a mesh, a trie whose trees have no CP plan but which would be cut into chunks
         over several ranks (a batch-wide system prompt) runs with its root context-parallel where that is
-        predicted sooner (``shared_root_plans``).
+        predicted sooner (``shared_root_plans``). ``memory`` (``replay.memory.ReplayMemory``): refuse, on every
+        rank of ``lockstep_group`` at once, a step whose slots need more than its budget (``check_memory``).
         """
         trees = list(trees)
         for t, tree in enumerate(trees):
@@ -163,6 +166,8 @@ class StepPlan:
             group=lockstep_group,
             device=device,
         )
+        if memory is not None:
+            check_memory(memory, slots, trees, offload=offload is not None, group=lockstep_group, device=device)
         return cls(
             trees=trees,
             plans=plans,

@@ -17,6 +17,10 @@ def test_defaults_subclass_verl_fsdp_config():
     assert isinstance(config, FSDPEngineConfig)
     assert config.strategy == "augtree" and config.cp_degrees == [1] and config.use_planner
     assert not config.offload_prompt_activations
+    assert (
+        config.replay_memory_budget_gib is None
+        and AugTreeEngineConfig(replay_memory_budget_gib=2).replay_memory_budget_gib == 2
+    )
 
 
 def test_planner_timeout_has_one_default():
@@ -44,6 +48,10 @@ def test_planner_timeout_has_one_default():
         ("planner_max_entries", 0),
         ("strategy", "megatron"),
         ("offload_prompt_activations", 1),
+        ("replay_memory_budget_gib", 0),
+        ("replay_memory_budget_gib", -1.5),
+        ("replay_memory_budget_gib", "8"),
+        ("replay_memory_budget_gib", True),
     ],
 )
 def test_bad_knob_raises_value_error_naming_it(knob, bad):

@@ -222,3 +222,17 @@ def _skewed_main(rank: int, world: int, port: int, model_path: str, setting: str
 def test_ranks_with_very_different_work_match_stock_engine(tmp_path, world, setting, checkpointing):
     model_path = H.save_tiny_qwen2(str(tmp_path / "tiny-qwen2"))
     H.spawn(_skewed_main, (world, H.free_port(), model_path, setting, checkpointing), world, SPAWN_TIMEOUT_S[world])
+
+
+@pytest.mark.timeout(300)
+def test_a_step_over_the_replay_memory_budget_is_refused_naming_its_samples(model_path):
+    """``replay_memory_budget_gib`` below any step's need: the step is refused, before any model call (the
+    parameters' gradients stay unset), naming the group's uid and batch rows (``replay.memory``)."""
+    from augtree_verl.replay.memory import ReplayMemoryError
+    from tests.integration.test_engine_parity import _train
+
+    ours, loss_fn = H.build_engine("augtree", model_path, engine_knobs={"replay_memory_budget_gib": 1e-6})
+    batch = _batch(H.group_rows(GROUPS), "rows-2")
+    with pytest.raises(ReplayMemoryError, match=r"trie of tree 1 \(uid 'group-1', samples \[4, 5, 6, 7, 8, 9\]\)"):
+        _train(ours, loss_fn, batch)
+    assert all(p.grad is None for p in ours.module.parameters())
