@@ -42,31 +42,41 @@ def _step_plan(trees, plans, **options) -> StepPlan:
     return step_plan
 
 
-def _check(model, trees, plans, *, seed=0, forward_runs=1, **options) -> tuple[ReplayStats, dict]:
-    """One training and one forward-only call vs the baseline; returns the training call's stats and the
-    gradients summed over the ranks."""
+def _check(model, trees, plans, *, seed=0, forward_runs=1, events=None, **options) -> tuple[ReplayStats, dict]:
+    """One forward-only and one training call vs the baseline (with ``events``, ``_record``'s list: each in
+    lock-step on every rank); returns the training call's stats and the gradients summed over the ranks."""
     loss_fn = grpo_like_loss(trees, seed)
     model.zero_grad(set_to_none=True)
     forward = replay(model, _step_plan(trees, plans, **options))
+    if events is not None:
+        _same_on_every_rank(events, "forward only")
     step_plan = _step_plan(trees, plans, **options)
     got = replay(model, step_plan, per_response(loss_fn))
+    if events is not None:
+        _same_on_every_rank(events, "training")
     summed = summed_grads(model)
     model.zero_grad(set_to_none=True)
     want = flattened_replay(model, trees, loss_fn)
     assert_logps_match(got, want)
     assert_logps_match(forward, want)
     assert_grads_match(summed, grads(model))
-    stats, rank, (root, degree) = step_plan.stats, dist.get_rank(), step_plan.cp_roots[0]
-    expected = trie_root_bytes(
-        root.length,
-        degree,
-        rank,
-        AttentionShape.of(model.config, 4),
-        model.config.hidden_size,
-        forward_runs=forward_runs,
+    # this rank's bytes: the formula's as a member of the root's subgroup, else none; the root counted once
+    stats, (root, degree) = step_plan.stats, step_plan.cp_roots[0]
+    member = next((s.cp_trie.member for s in step_plan.slots if s.cp_trie is not None), None)
+    expected = (
+        trie_root_bytes(
+            root.length,
+            degree,
+            member,
+            AttentionShape.of(model.config, 4),
+            model.config.hidden_size,
+            forward_runs=forward_runs,
+        )
+        if member is not None
+        else {"fwd": 0, "bwd": 0}
     )
     assert {k: stats.comm_bytes[f"{TRIE_ROOT}/{k}"] for k in ("fwd", "bwd")} == expected
-    assert stats.cp_roots == (1 if rank == 0 else 0)
+    assert stats.cp_roots == (1 if member == 0 else 0)
     return stats, summed
 
 
@@ -109,20 +119,10 @@ def _world4_lockstep(rank, world):
     trees = shared + others
     plans = _cp_plan(trees, 2, planned=1)
     plans[len(shared)] = Plan(degree=2)  # a CP tree of its own
-    loss_fn = grpo_like_loss(trees, 4)
-    options = dict(mesh=mesh, lockstep_group=dist.group.WORLD, micro_batch_tokens=8)
-    forward = replay(model, _step_plan(trees, plans, **options))
-    _same_on_every_rank(events, "forward only")
-    step_plan = _step_plan(trees, plans, **options)
-    got = replay(model, step_plan, per_response(loss_fn))
-    _same_on_every_rank(events, "training")
-    summed = summed_grads(model)
-    model.zero_grad(set_to_none=True)
-    want = flattened_replay(model, trees, loss_fn)
-    assert_logps_match(got, want)
-    assert_logps_match(forward, want)
-    assert_grads_match(summed, grads(model))
-    counted = torch.tensor(step_plan.stats.cp_roots)
+    stats, _ = _check(
+        model, trees, plans, seed=4, events=events, mesh=mesh, lockstep_group=dist.group.WORLD, micro_batch_tokens=8
+    )
+    counted = torch.tensor(stats.cp_roots)
     dist.all_reduce(counted)
     assert counted.item() == 1
 
