@@ -69,11 +69,12 @@ class Method:
             for t in trees
         ]
 
-    def cp_roots(self, trees: Sequence[Tree], plans: list[Plan] | None, profile, world: int) -> list[tuple]:
-        """(trees, degree) of each trie that runs with a context-parallel root (``StepPlan.build``, as it plans
-        the step on ``world`` ranks)."""
+    def as_run(self, trees: Sequence[Tree], plans: list[Plan] | None, profile, world: int) -> tuple:
+        """(plans, cp_roots) as the step plan runs ``plans`` on ``world`` ranks (``StepPlan.build``): a CP plan of
+        a tree in a trie replaced by the one-device plan where the trie runs on one device, and (trees, degree)
+        of each trie whose root runs context-parallel."""
         if plans is None or world == 1:
-            return []
+            return plans, []
         step_plan = StepPlan.build(
             trees,
             plans=plans,
@@ -82,7 +83,7 @@ class Method:
             cp_alone=self.fixed is not None,
             trie_cost=self.trie_cost(profile, world),
         )
-        return [(root.trees(), d) for root, d in step_plan.cp_roots]
+        return step_plan.plans, [(root.trees(), d) for root, d in step_plan.cp_roots]
 
     def trie_cost(self, profile, world: int):
         """The cost model the step plan chooses tries' context-parallel roots with (``StepPlan.build``'s
@@ -124,9 +125,9 @@ def methods_for(cp: int, device: str = "cpu", depth1: bool = False) -> list[Meth
 
 def describe_plans(
     plans: Sequence[Plan] | None,
+    cp_roots: Sequence[tuple[Sequence[int], int]],
     flattened: bool,
     verl_world: int | None = None,
-    cp_roots: Sequence[tuple[Sequence[int], int]] = (),
 ) -> str:
     """Short text for the table: "flattened", "single", each distinct plan as primitive(d,b,s), "trie_root(d=D)"
     for the trees of a trie with a context-parallel root (``cp_roots``: (its trees, D)), or for verl-fsdp2

@@ -199,10 +199,7 @@ def _run_workload(
             comm_bytes=0,
             max_grad_rel_err=0.0,
             plan=describe_plans(
-                plans[m.name],
-                m.flattened,
-                world if m.verl else None,
-                m.cp_roots(trees, plans[m.name], profile, world),
+                *m.as_run(trees, plans[m.name], profile, world), m.flattened, world if m.verl else None
             ),
             ideal_speedup=ideal_speedup(model.config, workload.groups),
             tolerance=tolerance,

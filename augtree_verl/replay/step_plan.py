@@ -228,19 +228,22 @@ def shared_root_plans(
     degrees: Sequence[int] = (1,),
     micro_batch_tokens: int = DEFAULT_MICRO_BATCH_TOKENS,
 ) -> tuple[list[Plan | None], list[tuple[TrieNode, int]], int]:
-    """(plans, cp_roots, demoted) for the trees of a trie that is more than one tree's group (``replay.trie``:
-    a tree whose prompt shares tokens with another tree's rows, or whose responses share a node) where the
-    planner gave one of them a plan of degree d > 1: a context-parallel plan runs one tree, so such a trie
-    runs whole, its root context-parallel over the largest such d (``cp_roots``: (root, d); ``replay.cp_trie``)
-    where its root can (``cp_trie_refusal``), else on one device: each plan of degree > 1 replaced by the
-    one-device plan carrying its one-rank estimate (``demoted`` counts those). ``trie``: the ``StepTrie`` of
-    ``trees`` (default: found here, default thresholds).
+    """(plans, cp_roots, demoted) for the tries that are more than one tree's group (``replay.trie``: a tree
+    whose prompt shares tokens with another tree's rows, or whose responses share a node). A context-parallel
+    plan runs one tree, so where the planner gave a tree of such a trie a plan of degree d > 1 (the largest
+    such d), the trie runs whole with its root context-parallel over d ranks (``cp_roots``: (root, d);
+    ``replay.cp_trie``) where its root can (``cp_trie_refusal``) and, with ``cost``, where that is predicted
+    sooner than its chunks (below); else on one device: each plan of degree > 1 replaced by the one-device plan
+    carrying its one-rank estimate (``demoted`` counts those). ``trie``: the ``StepTrie`` of ``trees`` (default:
+    found here, default thresholds).
 
-    With ``cost`` (the planner's cost model) and CP ``degrees`` > 1, a trie none of whose trees has a CP plan
-    but which ``pack_subgroups`` would cut into chunks over k >= 2 ranks (more than a rank's share of the
-    step's work), each chunk prefilling the root again, runs with its root context-parallel over the degree
-    d <= k where ``cost.cp_trie(root, d)`` is the most below the chunks' time on d ranks (the root's prefill
-    plus the rest of the trie over d); its leaves micro-batched at ``micro_batch_tokens``."""
+    ``cost``: the planner's cost model. The alternative to a context-parallel root over d ranks is the trie's
+    trees cut into chunks over d ranks (``pack_subgroups``), each chunk prefilling the root again: the root's
+    prefill plus the rest of the trie in the share of the most loaded rank (the trees dealt by their work,
+    heaviest first). A trie none of whose trees has a CP
+    plan but which ``pack_subgroups`` would cut over k >= 2 ranks (more than a rank's share of the step's work;
+    ``degrees``: the CP degrees) gets the degree d <= k in ``degrees`` whose root is predicted the most below
+    its chunks. The leaves are micro-batched at ``micro_batch_tokens``, as the lock-step's."""
     out, cp_roots, demoted = list(plans), [], 0
     roots = (trie if trie is not None else StepTrie(trees)).roots
     total = sum(tree_workload(tree.prompt_len, tree.response_lens) for tree in trees)
@@ -248,17 +251,21 @@ def shared_root_plans(
         members = root.trees()
         degree = max(p.degree if (p := plans[t]) is not None else 1 for t in members)
         alone = len(members) == 1 and root.depth() == 1 and root.end == trees[members[0]].prompt_len
-        if alone:
+        if alone or (degree == 1 and cost is None):
             continue
-        if degree == 1:
-            if cost is not None and cp_trie_refusal(root) is None:
-                work = sum(tree_workload(trees[t].prompt_len, trees[t].response_lens) for t in members)
-                chosen = _cheaper_root_degree(root, cost, degrees, work * max(degrees) / total, micro_batch_tokens)
-                if chosen > 1:
-                    cp_roots.append((root, chosen))
-            continue
-        if cp_trie_refusal(root) is None:
-            cp_roots.append((root, degree))
+        if degree > 1:
+            candidates = [degree]
+        else:
+            work = sum(tree_workload(trees[t].prompt_len, trees[t].response_lens) for t in members)
+            candidates = [d for d in degrees if 1 < d <= work * max(degrees) / total]
+        chosen = 1
+        if cp_trie_refusal(root) is None and cost is None:
+            chosen = degree
+        elif cp_trie_refusal(root) is None:
+            works = [tree_workload(trees[t].prompt_len, trees[t].response_lens) for t in members]
+            chosen = _root_degree(root, cost, candidates, works, micro_batch_tokens)
+        if chosen > 1:
+            cp_roots.append((root, chosen))
             continue
         for t in members:
             if (p := plans[t]) is not None and p.degree > 1:
@@ -266,18 +273,17 @@ def shared_root_plans(
     return out, cp_roots, demoted
 
 
-def _cheaper_root_degree(root: TrieNode, cost: TrieCost, degrees: Sequence[int], shares: float, budget: int) -> int:
-    """The degree d in ``degrees`` (2 <= d <= ``shares``, the rank shares the trie's work fills) at which
-    running ``root``'s trie with a context-parallel root is predicted the most below its chunks' time on d
-    ranks; 1 where none is."""
-    candidates = [d for d in degrees if 1 < d <= shares]
+def _root_degree(root: TrieNode, cost: TrieCost, candidates: Sequence[int], works: list[int], budget: int) -> int:
+    """The degree d of ``candidates`` at which ``root``'s trie (its trees' ``tree_workload``: ``works``) with a
+    context-parallel root is predicted the most below its chunks over d ranks; 1 where none is."""
     if not candidates:
         return 1
     root.micro_batches = split_micro_batches([leaf.length for leaf in root.leaves], budget)  # as the lock-step's
     whole, prefill = cost.trie(root), cost.node_prefill(root)
     best, chosen = 1.0, 1
     for d in candidates:
-        ratio = cost.cp_trie(root, d) / (prefill + (whole - prefill) / d)
+        busiest = _pack(list(map(float, works)), [1] * len(works), d)[1] / sum(works)
+        ratio = cost.cp_trie(root, d) / (prefill + (whole - prefill) * busiest)
         if ratio < best:
             best, chosen = ratio, d
     return chosen

@@ -161,7 +161,7 @@ def build_engine(
     if strategy == "augtree":
         knobs = dict(engine_knobs or {})
         if not forward_only and "planner_profile" not in knobs:
-            knobs["planner_profile"] = _fixed_profile(model_path, gradient_checkpointing, FP32["param_dtype"])
+            knobs["planner_profile"] = fixed_profile(model_path, gradient_checkpointing, FP32["param_dtype"])
         fsdp_config = AugTreeEngineConfig(**common, **knobs)
     else:
         fsdp_config = FSDPEngineConfig(strategy=strategy, **common)
@@ -197,10 +197,10 @@ def build_engine(
     return engine, functools.partial(ppo_loss, config=actor_config)
 
 
-def _fixed_profile(model_path: str, gradient_checkpointing: bool, param_dtype: str) -> str:
+def fixed_profile(model_path: str, gradient_checkpointing: bool, param_dtype: str, **figures) -> str:
     """A profile file of the model at ``model_path`` as the engine trains it here (compute dtype ``param_dtype``,
-    verl's mixed-precision name; this world's ranks on one node), with the default profile's hardware figures;
-    written beside the model."""
+    verl's mixed-precision name; this world's ranks on one node), with the default profile's hardware figures
+    (``figures``: some replaced, e.g. ``flops_per_s``); written beside the model."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     dtype_bytes = {"fp32": 4, "bf16": 2, "fp16": 2}[param_dtype]
     profile = dataclasses.replace(
@@ -208,8 +208,12 @@ def _fixed_profile(model_path: str, gradient_checkpointing: bool, param_dtype: s
         dtype_bytes=dtype_bytes,
         activation_checkpointing=gradient_checkpointing,
         ranks_per_node=world,
+        **figures,
     )
-    path = os.path.join(model_path, f"planner_profile_w{world}_ckpt{int(gradient_checkpointing)}_{param_dtype}.json")
+    tag = "".join(f"_{k}{v:g}" for k, v in sorted(figures.items()))
+    path = os.path.join(
+        model_path, f"planner_profile_w{world}_ckpt{int(gradient_checkpointing)}_{param_dtype}{tag}.json"
+    )
     partial = f"{path}.{os.getpid()}.tmp"  # every rank writes the same file: whole, never half-read
     profile.save(partial)
     os.replace(partial, path)

@@ -48,9 +48,10 @@ def test_cp2_shared_workloads_run_each_tree_once_and_exactly():
     for (w, m), r in by.items():
         assert not r.wrong, (w, m, r.max_grad_rel_err)
     for w in cfg.workloads:
-        # Trees sharing beyond their group run in one trie with its root context-parallel over both ranks.
-        assert by[w, "AugTree"].plan == "trie_root(d=2)", by[w, "AugTree"].plan
-        assert 0 < by[w, "AugTree"].comm_bytes < by[w, "MegaR"].comm_bytes
+        # Trees sharing beyond their group run in their trie: with its root context-parallel over both ranks, or
+        # in chunks on one rank each, whichever the calibrated cost model predicts sooner (as the engine does).
+        assert by[w, "AugTree"].plan in ("single", "trie_root(d=2)"), by[w, "AugTree"].plan
+        assert by[w, "AugTree"].comm_bytes < by[w, "MegaR"].comm_bytes
         # (Executed tokens of one-device and CP plans differ by micro-batch padding: not compared here.)
         assert by[w, "AugTree"].executed_tokens < by[w, "MegaN"].executed_tokens
     assert "(d=2," in by["agent", "AugTree[depth-1]"].plan  # each group alone in its depth-1 trie keeps CP

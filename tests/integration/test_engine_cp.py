@@ -39,6 +39,10 @@ PLANS_DEGREE_2 = [("move_q", 2), ONE_LANE, ("ring", 2), (None, 1), (None, 1)]
 PLANS_DEGREE_4_AND_2 = [("move_q", 4), ONE_LANE, ("ring", 4), ("tree_move_kv", 2), (None, 1)]
 # A batch-wide system prompt long enough to be a trie node of its own: 5 groups x 40 tokens saved >= 128.
 SYSTEM_TOKENS = 40
+# The engine's profile for it: the default hardware figures but a device a million times slower, on which the
+# planner's cost model predicts the system prompt sooner context-parallel than prefilled on each rank (with
+# the default figures a tiny model's prefill costs nothing against the gather's latency: chunks win).
+SLOW_DEVICE = dict(flops_per_s=1e9, attention_flops_per_s=1e9, causal_attention_flops_per_s=1e9)
 # Every group planned at degree 2 with 50% parallel efficiency: the engine's schedule runs them side by side
 # on one rank each instead.
 INEFFICIENT = [Plan(degree=2, est_time_s=float(p), est_single_s=float(p)) for p, _ in GROUPS]
@@ -110,7 +114,10 @@ def _rank_main(
     H.init_process_group(rank=rank, world_size=world, port=port)
     common = dict(loss_agg_mode=loss_agg_mode, entropy_coeff=entropy_coeff)
     stock, stock_loss = H.build_engine("fsdp2", model_path, **common)
-    ours, our_loss = H.build_engine("augtree", model_path, **common, engine_knobs={"cp_degrees": cp_degrees})
+    knobs: dict = {"cp_degrees": cp_degrees}
+    if system:
+        knobs["planner_profile"] = H.fixed_profile(model_path, False, "fp32", **SLOW_DEVICE)
+    ours, our_loss = H.build_engine("augtree", model_path, **common, engine_knobs=knobs)
     cp = max(cp_degrees)
     dp_size, dp_rank = world // cp, rank // cp
     assert (ours.get_data_parallel_size(), ours.get_data_parallel_rank()) == (dp_size, dp_rank)
