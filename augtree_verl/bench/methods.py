@@ -69,7 +69,9 @@ class Method:
             for t in trees
         ]
 
-    def as_run(self, trees: Sequence[Tree], plans: list[Plan] | None, profile, world: int) -> tuple:
+    def as_run(
+        self, trees: Sequence[Tree], plans: list[Plan] | None, profile, world: int
+    ) -> tuple[Sequence[Plan | None] | None, list[tuple[list[int], int]]]:
         """(plans, cp_roots) as the step plan runs ``plans`` on ``world`` ranks (``StepPlan.build``): a CP plan of
         a tree in a trie replaced by the one-device plan where the trie runs on one device, and (trees, degree)
         of each trie whose root runs context-parallel."""
