@@ -240,22 +240,24 @@ def shared_root_plans(
     ``cost``: the planner's cost model. The alternative to a context-parallel root over d ranks is the trie's
     trees cut into chunks over d ranks (``pack_subgroups``), each chunk prefilling the root again: the root's
     prefill plus the rest of the trie in the share of the most loaded rank (the trees dealt by their work,
-    heaviest first). A trie none of whose trees has a CP
-    plan but which ``pack_subgroups`` would cut over k >= 2 ranks (more than a rank's share of the step's work;
-    ``degrees``: the CP degrees) gets the degree d <= k in ``degrees`` whose root is predicted the most below
-    its chunks. The leaves are micro-batched at ``micro_batch_tokens``, as the lock-step's."""
+    heaviest first). A trie none of whose trees has a CP plan but which ``pack_subgroups`` would cut over
+    k >= 2 ranks (more than a rank's share of the step's work; ``degrees``: the CP degrees) gets the degree
+    d <= k in ``degrees`` whose root is predicted the most below its chunks. The leaves are micro-batched at
+    ``micro_batch_tokens``, as the lock-step's."""
     out, cp_roots, demoted = list(plans), [], 0
     roots = (trie if trie is not None else StepTrie(trees)).roots
-    total = sum(tree_workload(tree.prompt_len, tree.response_lens) for tree in trees)
+    total: int | None = None  # the step's work, where a cost model needs it (``tree_workload`` imports verl)
     for root in roots:
         members = root.trees()
         degree = max(p.degree if (p := plans[t]) is not None else 1 for t in members)
         alone = len(members) == 1 and root.depth() == 1 and root.end == trees[members[0]].prompt_len
-        if alone or (degree == 1 and cost is None):
+        if alone or (degree == 1 and (cost is None or max(degrees) == 1)):
             continue
         if degree > 1:
             candidates = [degree]
         else:
+            if total is None:
+                total = sum(tree_workload(tree.prompt_len, tree.response_lens) for tree in trees)
             work = sum(tree_workload(trees[t].prompt_len, trees[t].response_lens) for t in members)
             candidates = [d for d in degrees if 1 < d <= work * max(degrees) / total]
         chosen = 1
