@@ -134,11 +134,12 @@ class _GatheredRoot:
 
 
 class CPTrieRun:
-    """The trie slots with a context-parallel root of one ``replay`` call on this rank (``group``: the
-    subgroup of the slots' degree); its subtrees run through ``tries`` (the call's ``TrieRun``)."""
+    """The trie slots with a context-parallel root of one ``replay`` call on this rank: the root's ring prefill
+    through ``ring`` (the call's ``CPTreeRun`` of the slots' degree, on its subgroup), its subtrees through
+    ``tries`` (the call's ``TrieRun``)."""
 
-    def __init__(self, tries: TrieRun, group):
-        self.tries, self.group = tries, group
+    def __init__(self, tries: TrieRun, ring: CPTreeRun):
+        self.tries, self.ring, self.group = tries, ring, ring.group
 
     def __call__(self, slot: Slot) -> None:
         calls, root, share = self.tries.calls, slot.node, slot.cp_trie
@@ -147,9 +148,10 @@ class CPTrieRun:
         prefill = CPPrefill(tuple(range(share.degree)), layout)
         meter = Meter(stats, TRIE_ROOT)
         start = stats.start_timer(calls.device)
-        ring = CPTreeRun(calls, self.group)
         shard = PromptKV(
-            lambda: ring.prefill(root.tokens, prefill, share.member, meter), train=calls.train, offload=calls.offload
+            lambda: self.ring.prefill(root.tokens, prefill, share.member, meter),
+            train=calls.train,
+            offload=calls.offload,
         )
         gathered = _GatheredRoot(shard, layout, self.group, meter)
         stats.stop_timer("prefill_s", start)

@@ -70,9 +70,8 @@ def replay(model, step_plan: StepPlan, loss: MicroBatchLossFn | None = None) -> 
         offload=step_plan.offload,
     )
     tries = TrieRun(calls, trees)
-    groups = {d: mesh.group_of(d) for d in mesh.subgroups} if mesh is not None else {}
-    cp_runs = {d: CPTreeRun(calls, group) for d, group in groups.items()}
-    cp_tries = {d: CPTrieRun(tries, group) for d, group in groups.items()}
+    cp_runs = {d: CPTreeRun(calls, mesh.group_of(d)) for d in mesh.subgroups} if mesh is not None else {}
+    cp_tries = {d: CPTrieRun(tries, ring) for d, ring in cp_runs.items()}
     scores: list[list[torch.Tensor] | None] = [None] * len(trees)
     reported: set[int] = set()  # CP trees whose scores this rank reports: one rank (a subgroup's first) per tree
     use_augtree_attention(model)

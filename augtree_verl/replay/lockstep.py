@@ -187,7 +187,7 @@ def lockstep_slots(
 def _trie_slot(root: TrieNode, budget_tokens: int) -> Slot:
     """The slot of a trie on one device; every inner node's leaves split into micro-batches
     (``split_micro_batches`` of their lengths)."""
-    _split(root, budget_tokens)
+    split_trie(root, budget_tokens)
     return Slot(
         root.trees()[0], 1, len(root.micro_batches), root.micro_batches, node=root, shape=Shape.of(root), trie=True
     )
@@ -196,7 +196,7 @@ def _trie_slot(root: TrieNode, budget_tokens: int) -> Slot:
 def _cp_trie_slot(root: TrieNode, degree: int, member: int, budget_tokens: int) -> Slot:
     """The slot of a trie whose root runs context-parallel over ``degree`` members, on ``member``: its share
     (``cp_trie_schedule``) in the shape every member's fits in."""
-    _split(root, budget_tokens)
+    split_trie(root, budget_tokens)
     shares = cp_trie_shares(root, degree)
     shape = Shape()
     for share in shares:
@@ -205,7 +205,8 @@ def _cp_trie_slot(root: TrieNode, degree: int, member: int, budget_tokens: int) 
     return Slot(root.trees()[0], degree, len(mine.batches), [], node=root, shape=shape, trie=True, cp_trie=mine)
 
 
-def _split(root: TrieNode, budget_tokens: int) -> None:
+def split_trie(root: TrieNode, budget_tokens: int) -> None:
+    """Set every inner node's ``micro_batches``: its leaves split by ``split_micro_batches`` of their lengths."""
     for node in _nodes(root):
         if node.children:
             node.micro_batches = split_micro_batches([leaf.length for leaf in node.leaves], budget_tokens)

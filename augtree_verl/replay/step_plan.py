@@ -31,9 +31,9 @@ from augtree_verl.plan import Plan
 from augtree_verl.plan_field import tree_plans
 from augtree_verl.replay.cp_trie_schedule import cp_trie_refusal
 from augtree_verl.replay.linear_state import demote_cp_plans
-from augtree_verl.replay.lockstep import Slot, lockstep_slots
+from augtree_verl.replay.lockstep import Slot, lockstep_slots, split_trie
 from augtree_verl.replay.memory import ReplayMemory, check_memory
-from augtree_verl.replay.microbatch import DEFAULT_MICRO_BATCH_TOKENS, split_micro_batches
+from augtree_verl.replay.microbatch import DEFAULT_MICRO_BATCH_TOKENS
 from augtree_verl.replay.offload import Offload
 from augtree_verl.replay.scoring import EntropyFn
 from augtree_verl.replay.stats import ReplayStats
@@ -253,18 +253,18 @@ def shared_root_plans(
         alone = len(members) == 1 and root.depth() == 1 and root.end == trees[members[0]].prompt_len
         if alone or (degree == 1 and (cost is None or max(degrees) == 1)):
             continue
-        if degree > 1:
-            candidates = [degree]
-        else:
-            if total is None:
-                total = sum(tree_workload(tree.prompt_len, tree.response_lens) for tree in trees)
-            work = sum(tree_workload(trees[t].prompt_len, trees[t].response_lens) for t in members)
-            candidates = [d for d in degrees if 1 < d <= work * max(degrees) / total]
-        chosen = 1
-        if cp_trie_refusal(root) is None and cost is None:
+        if cp_trie_refusal(root) is not None:
+            chosen = 1
+        elif cost is None:
             chosen = degree
-        elif cp_trie_refusal(root) is None:
+        else:
             works = [tree_workload(trees[t].prompt_len, trees[t].response_lens) for t in members]
+            if degree > 1:
+                candidates = [degree]
+            else:
+                if total is None:
+                    total = sum(tree_workload(tree.prompt_len, tree.response_lens) for tree in trees)
+                candidates = [d for d in degrees if 1 < d <= sum(works) * max(degrees) / total]
             chosen = _root_degree(root, cost, candidates, works, micro_batch_tokens)
         if chosen > 1:
             cp_roots.append((root, chosen))
@@ -280,7 +280,7 @@ def _root_degree(root: TrieNode, cost: TrieCost, candidates: Sequence[int], work
     context-parallel root is predicted the most below its chunks over d ranks; 1 where none is."""
     if not candidates:
         return 1
-    root.micro_batches = split_micro_batches([leaf.length for leaf in root.leaves], budget)  # as the lock-step's
+    split_trie(root, budget)  # the lock-step's micro-batches, which ``cp_trie`` reads
     whole, prefill = cost.trie(root), cost.node_prefill(root)
     best, chosen = 1.0, 1
     for d in candidates:
