@@ -232,17 +232,19 @@ def shared_root_plans(
     whose prompt shares tokens with another tree's rows, or whose responses share a node). A context-parallel
     plan runs one tree, so where the planner gave a tree of such a trie a plan of degree d > 1 (the largest
     such d), the trie runs whole with its root context-parallel over d ranks (``cp_roots``: (root, d);
-    ``replay.cp_trie``) where its root can (``cp_trie_refusal``) and, with ``cost``, where that is predicted
-    sooner than its chunks (below); else on one device: each plan of degree > 1 replaced by the one-device plan
+    ``replay.cp_trie``) where its root can (``cp_trie_refusal``) and, with ``cost``, at the degree it finds
+    sooner than the trie's chunks (below); else on one device: each plan of degree > 1 replaced by the one-device plan
     carrying its one-rank estimate (``demoted`` counts those). ``trie``: the ``StepTrie`` of ``trees`` (default:
     found here, default thresholds).
 
-    ``cost``: the planner's cost model. The alternative to a context-parallel root over d ranks is the trie's
-    trees cut into chunks over d ranks (``pack_subgroups``), each chunk prefilling the root again: the root's
-    prefill plus the rest of the trie in the share of the most loaded rank (the trees dealt by their work,
-    heaviest first). A trie none of whose trees has a CP plan but which ``pack_subgroups`` would cut over
-    k >= 2 ranks (more than a rank's share of the step's work; ``degrees``: the CP degrees) gets the degree
-    d <= k in ``degrees`` whose root is predicted the most below its chunks. The leaves are micro-batched at
+    ``cost``: the planner's cost model, which searches the root's degree. The alternative to a context-parallel
+    root over d ranks is the trie's trees cut into chunks over d ranks (``pack_subgroups``), each chunk
+    prefilling the root again: the root's prefill plus the rest of the trie in the share of the most loaded
+    rank (the trees dealt by their work, heaviest first). The candidates are the largest planned degree of the
+    trie's trees and every degree d <= k of ``degrees`` (the CP degrees), where the trie's work fills k ranks
+    (its share of the step's work times the CP group's size; ``pack_subgroups`` would cut it over k >= 2); the
+    trie gets the candidate whose root is predicted the most below its chunks, none where no candidate is below
+    them (an unplanned trie lighter than two ranks' share has no candidate). The leaves are micro-batched at
     ``micro_batch_tokens``, as the lock-step's."""
     out, cp_roots, demoted = list(plans), [], 0
     roots = (trie if trie is not None else StepTrie(trees)).roots
@@ -259,12 +261,10 @@ def shared_root_plans(
             chosen = degree
         else:
             works = [tree_workload(trees[t].prompt_len, trees[t].response_lens) for t in members]
-            if degree > 1:
-                candidates = [degree]
-            else:
-                if total is None:
-                    total = sum(tree_workload(tree.prompt_len, tree.response_lens) for tree in trees)
-                candidates = [d for d in degrees if 1 < d <= sum(works) * max(degrees) / total]
+            if total is None:
+                total = sum(tree_workload(tree.prompt_len, tree.response_lens) for tree in trees)
+            fills = sum(works) * max(degrees) / total  # the ranks the trie's work fills
+            candidates = [d for d in degrees if 1 < d and (d == degree or d <= fills)]
             chosen = _root_degree(root, cost, candidates, works, micro_batch_tokens)
         if chosen > 1:
             cp_roots.append((root, chosen))

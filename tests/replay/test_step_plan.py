@@ -209,3 +209,29 @@ def test_a_heavy_trie_without_cp_plans_gets_a_context_parallel_root_where_the_co
     # 10 s on one device, 1 s of it the root's prefill: the chunks take 1 + 9 / 2 = 5.5 s on two ranks
     assert StepPlan.build(trees, mesh=mesh, trie_cost=_FixedCost(10.0, 1.0, 5.4)).cp_roots != []
     assert StepPlan.build(trees, mesh=mesh, trie_cost=_FixedCost(10.0, 1.0, 5.6)).cp_roots == []
+
+
+class _CostByDegree(_FixedCost):
+    """A ``_FixedCost`` whose CP slot takes ``cp[degree]``."""
+
+    def cp_trie(self, root, degree):
+        return self.cp[degree]
+
+
+def test_the_cost_model_searches_the_roots_degree_beyond_the_planned_one():
+    """A batch behind one system prompt, every tree planned at degree 2, on a CP group of 4 (degrees 1, 2, 4).
+    10 s on one device, 1 s of it the root's prefill: the chunks take 1 + 9 / 2 = 5.5 s over 2 ranks and
+    1 + 9 / 4 = 3.25 s over 4. The root goes to the degree predicted the most below its chunks: 4 where its CP
+    slot takes 2 s there (0.62 of its chunks against 5 / 5.5 = 0.91 at 2), the planned 2 where it takes 3.2 s at 4
+    (0.98); where no degree is below its chunks the trie runs in chunks, its CP plans demoted and counted."""
+    mesh = CPMesh.layout((1, 2, 4), 0)
+    trees = _behind_system_prompt(4096, 8)
+    plans = [Plan(degree=2, est_time_s=1.0, est_single_s=1.5)] * 8
+
+    def roots(cp):
+        step_plan = StepPlan.build(trees, plans=plans, mesh=mesh, trie_cost=_CostByDegree(10.0, 1.0, cp))
+        return [d for _, d in step_plan.cp_roots], step_plan.stats.trie_demoted
+
+    assert roots({2: 5.0, 4: 2.0}) == ([4], 0)
+    assert roots({2: 5.0, 4: 3.2}) == ([2], 0)
+    assert roots({2: 6.0, 4: 4.0}) == ([], 8)
