@@ -46,7 +46,8 @@ SCHEMA = OpenAIFunctionToolSchema.model_validate(
 
 
 class KeyCheckTool(BaseTool):
-    """``check(word)`` against the row's key words (see the module docstring); one instance per trajectory."""
+    """``check(word)`` against the row's key words (see the module docstring). verl loads one per worker and
+    wraps each call in ``create``/``release``, so the keys are held per instance id."""
 
     def __init__(self, config: dict, tool_schema: OpenAIFunctionToolSchema | None = None):
         super().__init__(config, tool_schema or SCHEMA)
@@ -62,6 +63,7 @@ class KeyCheckTool(BaseTool):
         return instance_id, response
 
     async def execute(self, instance_id: str, parameters: dict[str, Any], **kwargs):
+        """``key`` or ``text`` for a word of the task; raises for any other (verl replies with the error)."""
         word = parameters["word"]
         if word not in WORDS:
             raise ValueError(f"{word!r} is not a word of the task")

@@ -1,8 +1,9 @@
 """Multi-turn agent RL through verl's main_ppo on CPU: ``examples/train_agent.sh`` runs the branching agent loop
-(verl's ToolAgentLoop, the key-word task's tool and environment, 2 continuations after turns 1 and 2 of 3) for one step on
-verl's stock fsdp2 engine and on ours, one worker process each, 2 prompts x 4 samples (one tree of 4 leaves per
-prompt) behind one 256-word system prompt; the steps are read from verl's file logger, the samples from verl's
-rollout dump (``trainer.rollout_data_dir``: each sample's decoded response under its key ``{uid}_{session}_0``).
+(verl's ToolAgentLoop, the key-word task's tool and environment, 2 continuations after turns 1 and 2 of 3) for
+one step on verl's stock fsdp2 engine and on ours, one worker process each, 2 prompts x 4 samples (one tree of 4
+leaves per prompt) behind one 256-word system prompt; the steps are read from verl's file logger, the samples from
+verl's rollout dump (``trainer.rollout_data_dir``: each sample's decoded response under its key
+``{uid}_{session}_0``).
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 BATCH, N, TURNS, TURN_TOKENS, SYSTEM_WORDS = 2, 4, 3, 32, 256
 LEAVES = 4  # 2 branches after turn 1 and after turn 2
 # a turn's first call of a task word, the rest of the turn, and the tool's answer before the next turn
-TOOL_ANSWER = re.compile(r"\bcall (?P<word>[a-z]{2})(?: (?!assistant|user|tool)\S+)* tool (?P<answer>key|text) assistant")
+TOOL_ANSWER = re.compile(
+    r"\bcall (?P<word>[a-z]{2})(?: (?!assistant|user|tool)\S+)* tool (?P<answer>key|text) assistant"
+)
 
 
 @pytest.fixture(scope="module")
