@@ -1,7 +1,8 @@
 """A tiny model and a long-prompt task for running verl's RL loop on CPU, generated (no download).
 
 - The tokenizer is word-level over a fixed vocabulary (80 syllable words, a few task words, Qwen's chat
-  tokens) with a Qwen-style chat template, so verl's dataset and agent loop tokenize prompts as usual.
+  tokens) with a Qwen-style chat template, so verl's dataset and agent loop tokenize prompts as usual. Its
+  words include the task tool's (``cpu_loop.tools``): ``call <word>`` calls it, its replies have the role ``tool``.
 - The model is a Llama-architecture GQA model with random weights (seeded), small enough that a training
   step takes seconds. Not Qwen: transformers 5 loads a qwen2 checkpoint with Qwen's BPE tokenizer class
   whatever tokenizer the directory holds, and verl's agent loop expects Qwen's exact chat tokens for qwen
@@ -9,7 +10,8 @@
 - The task: each prompt names 8 key words, then a long text of random words (``min_words`` to
   ``max_words``), then asks for an answer; the reward (``reward.compute_score``) is the fraction of answer
   words that are key words. Rows are verl's RL format: ``prompt`` (chat messages), ``data_source``,
-  ``reward_model.ground_truth``, ``extra_info``. With ``system_words`` > 0 every row starts with the same
+  ``reward_model.ground_truth``, ``extra_info`` (with the key words for the task's tool, ``cpu_loop.tools``,
+  in ``tools_kwargs``). With ``system_words`` > 0 every row starts with the same
   system message of that many words (seeded), so the batch shares one long prefix across prompts, as
   agents' system prompts and tool schemas do (the multi-turn agent task: ``examples/train_agent.sh``).
 
@@ -27,7 +29,8 @@ from pathlib import Path
 from augtree_verl.cpu_loop.reward import DATA_SOURCE
 
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "[UNK]"]
-TASK_WORDS = ["system", "user", "assistant", "key", "text", "answer"]
+TOOL, CALL = "check", "call"  # the task's tool and the word that calls it: ``call <word>`` (cpu_loop.tools)
+TASK_WORDS = ["system", "user", "assistant", "tool", "key", "text", "answer", CALL]
 WORDS = [c + v for c in "bdfghjklmnprstvz" for v in "aeiou"]
 KEYS_PER_PROMPT = 8
 CHAT_TEMPLATE = (
@@ -133,7 +136,12 @@ def task_rows(num_rows: int, config: TaskConfig, *, split: str, seed: int) -> li
                 "prompt": messages,
                 "ability": "keywords",
                 "reward_model": {"style": "rule", "ground_truth": " ".join(keys)},
-                "extra_info": {"split": split, "index": index, "words": len(text)},
+                "extra_info": {
+                    "split": split,
+                    "index": index,
+                    "words": len(text),
+                    "tools_kwargs": {TOOL: {"create_kwargs": {"keys": " ".join(keys)}}},
+                },
             }
         )
     return rows

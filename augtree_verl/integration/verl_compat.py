@@ -56,6 +56,13 @@ VERL_NAMES = {
         "verl.utils.tensordict_utils.assign_non_tensor",
     ),
     "cpu_loop/reward.py": ("verl.utils.reward_score.default_compute_score",),
+    "cpu_loop/tools.py": (
+        "verl.experimental.agent_loop.tool_parser.FunctionCall",
+        "verl.experimental.agent_loop.tool_parser.ToolParser",
+        "verl.tools.base_tool.BaseTool",
+        "verl.tools.schemas.OpenAIFunctionToolSchema",
+        "verl.tools.schemas.ToolResponse",
+    ),
     "groups.py": ("verl.utils.seqlen_balancing.calculate_workload",),
     "integration/config.py": ("verl.workers.config.FSDPEngineConfig",),
     "integration/cpu_platform.py": (

@@ -13,7 +13,8 @@ selected by the name given there, per dataset row (``agent_name``) or for all ro
       environment: augtree_verl.cpu_loop.environment.keyword_feedback
 
 Turns are verl's: the model generates, tool calls go through verl's tools
-(``rollout.multi_turn.tool_config_path``), and when a turn makes no tool call the ``environment`` (a
+(``rollout.multi_turn.tool_config_path``, calls parsed by the ``ToolParser`` named in ``multi_turn.format``; the
+CPU task's tool and parser: ``cpu_loop.tools``), and when a turn makes no tool call the ``environment`` (a
 function ``(messages, row) -> str | None``, sync or async; ``row`` is the dataset row's fields) answers as
 the user, until it returns None or verl's limits end the trajectory (``multi_turn.max_assistant_turns``,
 ``max_user_turns``, the response budget). Tool and environment tokens carry ``response_mask`` 0, the

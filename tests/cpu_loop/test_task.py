@@ -11,7 +11,7 @@ from verl.utils.reward_score import default_compute_score
 
 from augtree_verl.cpu_loop.environment import keyword_feedback
 from augtree_verl.cpu_loop.reward import DATA_SOURCE, compute_score
-from augtree_verl.cpu_loop.task import KEYS_PER_PROMPT, TaskConfig, main, task_rows
+from augtree_verl.cpu_loop.task import KEYS_PER_PROMPT, TOOL, TaskConfig, main, task_rows
 
 REPO = Path(__file__).resolve().parents[2]
 SMALL = dict(train_rows=6, test_rows=2, min_words=100, max_words=200, max_positions=512)
@@ -38,6 +38,8 @@ def test_verls_dataset_tokenizes_the_prompts_into_known_words(task, tmp_path):
     assert tokenizer.unk_token_id not in ids
     assert SMALL["min_words"] < len(ids) < SMALL["max_words"] + KEYS_PER_PROMPT + 16
     assert tokenizer.decode(ids).startswith("<|im_start|> user key ")
+    keys = train[0]["reward_model"]["ground_truth"]  # the task's tool gets them as verl passes a row's tools_kwargs
+    assert train[0]["tools_kwargs"] == {TOOL: {"create_kwargs": {"keys": keys}}}
     config = AutoConfig.from_pretrained(task / "model")
     assert config.vocab_size == len(tokenizer) and config.max_position_embeddings == SMALL["max_positions"]
 
