@@ -84,7 +84,7 @@ def test_spawn_kills_every_rank_after_a_hang_or_an_error(tmp_path, fail):
     with pytest.raises(
         mp.ProcessRaisedException if fail else TimeoutError, match="rank 0 failed" if fail else "still running after"
     ):
-        harness.spawn(_sleepy_rank, (str(tmp_path), fail), nprocs=2, timeout_s=60 if fail else 15)
+        harness.spawn(_sleepy_rank, (str(tmp_path), fail), nprocs=2, timeout_s=60 if fail else 5)
     for rank in range(2):
         pid = int((tmp_path / f"rank{rank}").read_text())
         with pytest.raises(ProcessLookupError):
