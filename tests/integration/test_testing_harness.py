@@ -70,6 +70,10 @@ def _sleepy_rank(rank: int, pid_dir: str, fail: bool) -> None:
 
     (Path(pid_dir) / f"rank{rank}").write_text(str(os.getpid()))
     if rank == 0 and fail:
+        # once rank 1 is up (it is forked after rank 0 and could be killed before it wrote its pid)
+        deadline = time.monotonic() + 30
+        while not (Path(pid_dir) / "rank1").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
         raise ValueError("rank 0 failed")
     time.sleep(600)
 
