@@ -11,7 +11,8 @@ import traceback
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from augtree_verl.testing import harness
 
 # A hung collective should fail the test well inside pytest's own timeout, with a gloo error.
 GLOO_TIMEOUT_S = 120
@@ -44,5 +45,6 @@ def _entry(rank, world_size, port, fn, args):
 
 
 def run_distributed(fn, world_size: int, *args) -> None:
-    """``fn(rank, world_size, *args)`` on every rank; an exception on any rank fails the caller."""
-    mp.spawn(_entry, args=(world_size, free_port(), fn, args), nprocs=world_size, join=True)
+    """``fn(rank, world_size, *args)`` on every rank; an exception on any rank fails the caller. The ranks fork
+    from the test harness's preloaded server (``harness.start_ranks``), each with this environment."""
+    harness.start_ranks(_entry, (world_size, free_port(), fn, args), world_size)

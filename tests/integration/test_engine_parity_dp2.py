@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from augtree_verl.testing import harness as H
 
@@ -57,4 +56,4 @@ def _rank_main(rank: int, port: int, model_path: str, groups=GROUPS, probe_bound
 @pytest.mark.timeout(420)
 def test_world_size_two_matches_stock_engine(tmp_path):
     model_path = H.save_tiny_qwen2(str(tmp_path / "tiny-qwen2"))
-    mp.start_processes(_rank_main, args=(H.free_port(), model_path), nprocs=WORLD, join=True, start_method="spawn")
+    H.start_ranks(_rank_main, (H.free_port(), model_path), WORLD)

@@ -70,6 +70,10 @@ def _sleepy_rank(rank: int, pid_dir: str, fail: bool) -> None:
 
     (Path(pid_dir) / f"rank{rank}").write_text(str(os.getpid()))
     if rank == 0 and fail:
+        # once rank 1 is up (it is forked after rank 0 and could be killed before it wrote its pid)
+        deadline = time.monotonic() + 30
+        while not (Path(pid_dir) / "rank1").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
         raise ValueError("rank 0 failed")
     time.sleep(600)
 
@@ -84,7 +88,7 @@ def test_spawn_kills_every_rank_after_a_hang_or_an_error(tmp_path, fail):
     with pytest.raises(
         mp.ProcessRaisedException if fail else TimeoutError, match="rank 0 failed" if fail else "still running after"
     ):
-        harness.spawn(_sleepy_rank, (str(tmp_path), fail), nprocs=2, timeout_s=60 if fail else 15)
+        harness.spawn(_sleepy_rank, (str(tmp_path), fail), nprocs=2, timeout_s=60 if fail else 5)
     for rank in range(2):
         pid = int((tmp_path / f"rank{rank}").read_text())
         with pytest.raises(ProcessLookupError):

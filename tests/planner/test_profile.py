@@ -17,6 +17,7 @@ from augtree_verl.planner.calibrate import (
     _replay_throughputs,
     _tiny_trees,
 )
+from augtree_verl.testing import harness
 
 COMM_FIELDS = ("p2p_bytes_per_s", "collective_bytes_per_s")
 COMPUTE_FIELDS = ("flops_per_s", "attention_flops_per_s")
@@ -244,7 +245,7 @@ def test_calibrate_on_gloo_agrees_across_ranks():
     world = 2
     with mp.Manager() as manager:
         results = manager.dict()
-        mp.spawn(_calibrate_worker, args=(world, _free_port(), results), nprocs=world, join=True)
+        harness.start_ranks(_calibrate_worker, (world, _free_port(), results), world)
         results = dict(results)
     p0, p1 = results[0], results[1]
     assert p0 == p1
@@ -281,7 +282,7 @@ def test_calibrate_with_a_model_on_gloo_fits_the_cp_fixed_costs_on_the_group():
     ranks), and the ranks agree on what it found; the model's gradients are left as they were."""
     with mp.Manager() as manager:
         results = manager.dict()
-        mp.spawn(_calibrate_model_worker, args=(2, _free_port(), results), nprocs=2, join=True)
+        harness.start_ranks(_calibrate_model_worker, (2, _free_port(), results), 2)
         results = dict(results)
     (p0, rows0, clean0), (p1, rows1, clean1) = results[0], results[1]
     assert p0 == p1 and rows0 == rows1 == [12] and clean0 and clean1

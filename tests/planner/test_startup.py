@@ -103,7 +103,7 @@ def test_rank_zero_decides_for_every_rank(tmp_path):
     ClusterProfile.default().save(other)
     with mp.Manager() as manager:
         results = manager.dict()
-        mp.spawn(_two_ranks, args=(harness.free_port(), dirs, str(other), results), nprocs=2, join=True)
+        harness.start_ranks(_two_ranks, (harness.free_port(), dirs, str(other), results), 2)
         results = dict(results)
     assert results[0] == results[1] == (cached.to_dict(), f"cache file {path}")
     assert all("was made for another model" in results[rank] for rank in (2, 3))
