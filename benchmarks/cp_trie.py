@@ -77,13 +77,11 @@ def _rank_main(rank: int, port: int, args, queue) -> None:
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(Qwen2Config(**CONFIG)).float()
     trees = batch(args.system, args.groups, args.responses, args.response_len)
-    # The planner's cost model of this machine (collective), rank 0's on both ranks, as the engine's run profile.
+    # The planner's cost model of this machine (collective: both ranks get the same figures), as the engine's.
     base = dataclasses.replace(
         ClusterProfile.default().with_model(model.config), dtype_bytes=4, activation_checkpointing=False
     )
-    shared = [calibrate(base, device=torch.device("cpu"), model=model)]
-    dist.broadcast_object_list(shared, src=0)
-    profile = shared[0]
+    profile = calibrate(base, device=torch.device("cpu"), model=model)
     g = torch.Generator().manual_seed(1)
     adv = [torch.randn(len(t.responses), generator=g).tolist() for t in trees]
     loss = per_response(lambda t, i, logp: -(logp * adv[t][i]).mean())

@@ -105,8 +105,9 @@ def run_benchmark(cfg: BenchConfig, rank: int = 0, world: int = 1, device: str =
     model = load_model(cfg.model, device=device, dtype=dtype, seed=cfg.seed)
     methods = {name: methods_for(world, device, depth1=name in SHARED_WORKLOADS) for name in cfg.workloads}
     every = max(methods.values(), key=len)
-    # The planner's cost model, measured on this machine and process group (collective: every rank calls it);
-    # on one device it only predicts the AugTree step times (``predicted_s``).
+    # The planner's cost model, measured on this machine and process group (collective: every rank calls it and
+    # gets the same figures, so the ranks of a CP group plan alike); on one device it only predicts the AugTree
+    # step times (``predicted_s``).
     profile = calibrate(
         replace(
             ClusterProfile.default().with_model(model.config),
@@ -116,10 +117,6 @@ def run_benchmark(cfg: BenchConfig, rank: int = 0, world: int = 1, device: str =
         device=device,
         model=model,
     )
-    if world > 1:  # rank 0's on every rank: the ranks of the CP group must plan alike
-        shared = [profile]
-        torch.distributed.broadcast_object_list(shared, src=0)
-        profile = shared[0]
     if rank == 0:
         print(RunProfile(profile, f"calibrated now on {world} {device} rank(s)").describe([world]), flush=True)
     bar = tqdm(

@@ -4,8 +4,8 @@
 none) calls ``make_run_profile``: the model shape from the engine's Hugging Face config, the dtype its layers
 compute in (the start-up exactness probe's), activation checkpointing from verl's model config, and the
 hardware figures from ``planner_profile``, the cache or a calibration on this device and the world process
-group (``planner.startup``; every rank takes part), then rank 0's broadcast to every rank, whose engine
-plans its steps with it (``StepPlan.build``'s ``trie_cost``). The result stays in this worker process; the trainer
+group (``planner.startup``; every rank takes part and gets the same profile, with which its engine plans
+its steps: ``StepPlan.build``'s ``trie_cost``). The result stays in this worker process; the trainer
 reads rank 0's with ``planner.startup.published_profile`` (run there through the worker group,
 ``verl_compat.run_on_rank_zero``), prints it once and plans with it: the planner service, its client and
 the plans the engine applies all come from that one profile.
@@ -50,12 +50,5 @@ def make_run_profile(engine) -> RunProfile:
     finally:
         for p, g in zip(params, saved):
             p.grad = g
-    if group is None:
-        publish(run)
-        return run
-    # Rank 0's everywhere: each rank's engine decides its step plan with it (a trie's context-parallel root,
-    # ``StepPlan.build``'s ``trie_cost``), and the ranks of a CP group must decide alike.
-    shared = [run]
-    torch.distributed.broadcast_object_list(shared, src=0, group=group)
-    publish(shared[0])
-    return shared[0]
+    publish(run)
+    return run

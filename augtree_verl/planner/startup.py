@@ -14,7 +14,8 @@
 A file whose model fields (``MODEL_FIELDS``) differ from the run's is refused by name (a user file) or
 recalibrated over (a cache file). Collective over ``group`` when it has more than one rank: rank 0 of the
 group reads the files and broadcasts what it found (or the error, which every rank raises), so ranks on
-nodes with different caches never disagree on whether to calibrate. ``publish`` keeps the result in the
+nodes with different caches never disagree on whether to calibrate. Every rank gets the same profile: rank 0's
+file, or the calibration, whose figures the ranks agree on (``calibrate``). ``publish`` keeps the result in the
 process (the training engine's worker), ``published_profile`` hands it to the trainer (run there by name).
 """
 
