@@ -248,7 +248,7 @@ def shared_root_plans(
     ``micro_batch_tokens``, as the lock-step's."""
     out, cp_roots, demoted = list(plans), [], 0
     roots = (trie if trie is not None else StepTrie(trees)).roots
-    total: int | None = None  # the step's work, where a cost model needs it (``tree_workload`` imports verl)
+    work: list[int] | None = None  # each tree's, where a cost model needs it (``tree_workload`` imports verl)
     for root in roots:
         members = root.trees()
         degree = max(p.degree if (p := plans[t]) is not None else 1 for t in members)
@@ -260,10 +260,10 @@ def shared_root_plans(
         elif cost is None:
             chosen = degree
         else:
-            works = [tree_workload(trees[t].prompt_len, trees[t].response_lens) for t in members]
-            if total is None:
-                total = sum(tree_workload(tree.prompt_len, tree.response_lens) for tree in trees)
-            fills = sum(works) * max(degrees) / total  # the ranks the trie's work fills
+            if work is None:
+                work = [tree_workload(tree.prompt_len, tree.response_lens) for tree in trees]
+            works = [work[t] for t in members]
+            fills = sum(works) * max(degrees) / sum(work)  # the ranks the trie's work fills
             candidates = [d for d in degrees if 1 < d and (d == degree or d <= fills)]
             chosen = _root_degree(root, cost, candidates, works, micro_batch_tokens)
         if chosen > 1:
