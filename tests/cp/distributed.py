@@ -5,7 +5,6 @@ from __future__ import annotations
 import datetime
 import gc
 import os
-import socket
 import sys
 import traceback
 
@@ -16,12 +15,6 @@ from augtree_verl.testing import harness
 
 # A hung collective should fail the test well inside pytest's own timeout, with a gloo error.
 GLOO_TIMEOUT_S = 120
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _entry(rank, world_size, port, fn, args):
@@ -47,4 +40,4 @@ def _entry(rank, world_size, port, fn, args):
 def run_distributed(fn, world_size: int, *args) -> None:
     """``fn(rank, world_size, *args)`` on every rank; an exception on any rank fails the caller. The ranks fork
     from the test harness's preloaded server (``harness.start_ranks``), each with this environment."""
-    harness.start_ranks(_entry, (world_size, free_port(), fn, args), world_size)
+    harness.start_ranks(_entry, (world_size, harness.free_port(), fn, args), world_size)

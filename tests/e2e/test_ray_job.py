@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -15,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from augtree_verl.testing.harness import free_port
 from tests.e2e.runs import STEPS, stopped_after
 from tests.e2e.test_resume import assert_resumed
 
@@ -23,32 +23,26 @@ BIN = Path(sys.executable).parent
 HEAD_START_S = 120
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def head(tmp_path):
     """``ray start --head --block`` with its own temp dir (so no other ray.init() here joins it) and ports."""
     temp_dir = tempfile.mkdtemp(prefix="rayhead-", dir="/tmp")  # short: Ray's socket paths have a length limit
-    dashboard = _free_port()
+    dashboard = free_port()
     args = [
         str(BIN / "ray"),
         "start",
         "--head",
         "--block",
         "--node-ip-address=127.0.0.1",
-        f"--port={_free_port()}",
+        f"--port={free_port()}",
         "--include-dashboard=true",
         "--dashboard-host=127.0.0.1",
         f"--dashboard-port={dashboard}",
-        f"--dashboard-agent-listen-port={_free_port()}",
-        f"--dashboard-agent-grpc-port={_free_port()}",
-        f"--ray-client-server-port={_free_port()}",
-        f"--metrics-export-port={_free_port()}",
-        f"--runtime-env-agent-port={_free_port()}",
+        f"--dashboard-agent-listen-port={free_port()}",
+        f"--dashboard-agent-grpc-port={free_port()}",
+        f"--ray-client-server-port={free_port()}",
+        f"--metrics-export-port={free_port()}",
+        f"--runtime-env-agent-port={free_port()}",
         f"--temp-dir={temp_dir}",
         "--num-cpus=16",
         "--num-gpus=2",

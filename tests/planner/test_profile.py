@@ -1,5 +1,4 @@
 import dataclasses
-import socket
 
 import pytest
 import torch
@@ -225,12 +224,6 @@ def test_a_noisy_solution_keeps_the_microbenchmarks_figures():
     assert fitted["causal_attention_flops_per_s"] == 1e10 and fitted["attention_flops_per_s"] == 2e10
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _calibrate_worker(rank, world, port, results):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
@@ -245,7 +238,7 @@ def test_calibrate_on_gloo_agrees_across_ranks():
     world = 2
     with mp.Manager() as manager:
         results = manager.dict()
-        harness.start_ranks(_calibrate_worker, (world, _free_port(), results), world)
+        harness.start_ranks(_calibrate_worker, (world, harness.free_port(), results), world)
         results = dict(results)
     p0, p1 = results[0], results[1]
     assert p0 == p1
@@ -282,7 +275,7 @@ def test_calibrate_with_a_model_on_gloo_fits_the_cp_fixed_costs_on_the_group():
     ranks), and the ranks agree on what it found; the model's gradients are left as they were."""
     with mp.Manager() as manager:
         results = manager.dict()
-        harness.start_ranks(_calibrate_model_worker, (2, _free_port(), results), 2)
+        harness.start_ranks(_calibrate_model_worker, (2, harness.free_port(), results), 2)
         results = dict(results)
     (p0, rows0, clean0), (p1, rows1, clean1) = results[0], results[1]
     assert p0 == p1 and rows0 == rows1 == [12] and clean0 and clean1
