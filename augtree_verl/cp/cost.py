@@ -14,6 +14,7 @@ from augtree_verl.cp.comm import Ring
 from augtree_verl.cp.move_q import MoveQSpec, move_q_bytes
 from augtree_verl.cp.ring import RingSpec, ring_bytes
 from augtree_verl.cp.schedule import cp_tree_schedule
+from augtree_verl.model_shape import ModelShape
 from augtree_verl.plan import Plan
 
 
@@ -26,11 +27,18 @@ class AttentionShape:
     element_size: int  # bytes of a q/K/V element (4 for float32, 2 for bf16)
     lse_element_size: int = 4
 
+    value_head_dim: int | None = None  # D_v where it differs from the query/key width (multi-head latent attention)
+
     @staticmethod
     def of(config, element_size: int) -> AttentionShape:
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        shape = ModelShape.of(config)
         return AttentionShape(
-            config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads, head_dim, element_size
+            shape.num_layers,
+            shape.num_heads,
+            shape.num_kv_heads,
+            shape.head_dim,
+            element_size,
+            value_head_dim=shape.value_head_dim,
         )
 
 

@@ -14,6 +14,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from augtree_verl.model_shape import ModelShape
+
 _POSITIVE_FLOATS = (
     "flops_per_s",
     "attention_flops_per_s",
@@ -34,6 +36,7 @@ _POSITIVE_INTS = (
     "num_heads",
     "num_kv_heads",
     "head_dim",
+    "value_head_dim",
     "hidden_size",
     "intermediate_size",
     "vocab_size",
@@ -46,6 +49,7 @@ MODEL_FIELDS = (
     "num_heads",
     "num_kv_heads",
     "head_dim",
+    "value_head_dim",
     "hidden_size",
     "intermediate_size",
     "vocab_size",
@@ -75,9 +79,10 @@ class ClusterProfile:
     num_layers: int
     num_heads: int  # query heads H_q
     num_kv_heads: int  # key/value heads H_kv (GQA: H_q % H_kv == 0)
-    head_dim: int
+    head_dim: int  # query/key head width D_k
+    value_head_dim: int  # value head width D_v (multi-head latent attention: not D_k)
     hidden_size: int
-    intermediate_size: int  # SwiGLU MLP width
+    intermediate_size: int  # the MLP width a token's pass costs (``ModelShape.mlp_size``)
     vocab_size: int
     dtype_bytes: int = 2  # bf16 activations and communication
     activation_checkpointing: bool = True
@@ -146,6 +151,7 @@ class ClusterProfile:
             num_heads=28,
             num_kv_heads=4,
             head_dim=128,
+            value_head_dim=128,
             hidden_size=3584,
             intermediate_size=18944,
             vocab_size=152064,
@@ -153,24 +159,34 @@ class ClusterProfile:
 
     # ---- the model's FLOP counts (forward, all layers; planner/cost.py's lin, head and attn) ----------
     @property
+    def shape(self) -> ModelShape:
+        """The model's shape (``model_shape.ModelShape``: the one place its FLOPs are counted)."""
+        return ModelShape(
+            model_type="profile",
+            num_layers=self.num_layers,
+            hidden_size=self.hidden_size,
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            value_head_dim=self.value_head_dim,
+            mlp_size=self.intermediate_size,
+            vocab_size=self.vocab_size,
+        )
+
+    @property
     def linear_flops(self) -> int:
         """Per token: QKV and output projections, SwiGLU MLP."""
-        H, D = self.hidden_size, self.head_dim
-        return self.num_layers * (
-            2 * H * (self.num_heads + 2 * self.num_kv_heads) * D
-            + 2 * self.num_heads * D * H
-            + 6 * H * self.intermediate_size
-        )
+        return self.shape.linear_flops
 
     @property
     def head_flops(self) -> int:
         """Per scored token: the LM head."""
-        return 2 * self.hidden_size * self.vocab_size
+        return self.shape.head_flops
 
     @property
     def attention_pair_flops(self) -> int:
         """Per (query, key) pair: QK^T and PV."""
-        return self.num_layers * 4 * self.num_heads * self.head_dim
+        return self.shape.attention_pair_flops
 
     @property
     def train_factor(self) -> int:
@@ -178,18 +194,18 @@ class ClusterProfile:
         return (2 if self.activation_checkpointing else 1) + 2
 
     def with_model(self, config) -> ClusterProfile:
-        """This profile with the model shape read from a Hugging Face config (``LlamaConfig``, ``Qwen2Config``...)."""
-        heads = config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        """This profile with the model shape read from a Hugging Face config (``model_shape.ModelShape.of``)."""
+        shape = ModelShape.of(config)
         return dataclasses.replace(
             self,
-            num_layers=config.num_hidden_layers,
-            num_heads=heads,
-            num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
-            head_dim=head_dim,
-            hidden_size=config.hidden_size,
-            intermediate_size=config.intermediate_size,
-            vocab_size=config.vocab_size,
+            num_layers=shape.num_layers,
+            num_heads=shape.num_heads,
+            num_kv_heads=shape.num_kv_heads,
+            head_dim=shape.head_dim,
+            value_head_dim=shape.value_head_dim,
+            hidden_size=shape.hidden_size,
+            intermediate_size=shape.mlp_size,
+            vocab_size=shape.vocab_size,
         )
 
     def to_dict(self) -> dict:

@@ -1,22 +1,13 @@
 """FLOP counts of one training step (forward + backward = 3x forward) for the two schedules.
 
-Per token and layer the dense part costs 2 x (parameters touched); attention costs 4 x H_q x D per visible
-key (QK^T and PV). The LM head runs on the R scored positions in both schedules.
+Per token and layer the dense part costs 2 x (parameters touched); attention costs 2 H_q (D_k + D_v) per visible
+key (QK^T and PV); both from ``model_shape.ModelShape``. The LM head runs on the R scored positions in both
+schedules.
 """
 
 from __future__ import annotations
 
-
-def _per_token_dense(cfg) -> float:
-    h, d = cfg.hidden_size, getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
-    per_layer = 2 * (h * q + 2 * h * kv + q * h + 3 * h * cfg.intermediate_size)
-    return cfg.num_hidden_layers * per_layer
-
-
-def _attn_per_key(cfg) -> float:
-    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    return cfg.num_hidden_layers * 4 * cfg.num_attention_heads * d
+from augtree_verl.model_shape import ModelShape
 
 
 def _causal_keys(n: int, offset: int = 0) -> int:
@@ -26,8 +17,9 @@ def _causal_keys(n: int, offset: int = 0) -> int:
 
 def step_flops(cfg, prompt_len: int, response_lens: list[int], reuse: bool) -> float:
     """Training FLOPs of one tree: flattened (``reuse=False``) or prefill-once replay (``reuse=True``)."""
-    dense, per_key = _per_token_dense(cfg), _attn_per_key(cfg)
-    head = 2 * cfg.hidden_size * cfg.vocab_size * sum(response_lens)
+    shape = ModelShape.of(cfg)
+    dense, per_key = shape.linear_flops, shape.attention_pair_flops
+    head = shape.head_flops * sum(response_lens)
     if reuse:
         tokens = prompt_len + sum(r - 1 for r in response_lens)
         keys = _causal_keys(prompt_len) + sum(_causal_keys(r - 1, prompt_len) for r in response_lens)
@@ -45,7 +37,8 @@ def trie_flops(cfg, roots) -> float:
     """Training FLOPs of running every node of the tries ``roots`` (``replay.trie``) once: a node's tokens see
     its ancestors' keys and their own causally, a leaf's last token is only a target (its first is scored from
     the parent's last hidden state, as in ``step_flops``' reuse), the LM head runs once on each scored token."""
-    dense, per_key = _per_token_dense(cfg), _attn_per_key(cfg)
+    shape = ModelShape.of(cfg)
+    dense, per_key = shape.linear_flops, shape.attention_pair_flops
     tokens = keys = scored = 0
     stack = list(roots)
     while stack:
@@ -55,4 +48,4 @@ def trie_flops(cfg, roots) -> float:
         tokens += fed
         keys += _causal_keys(fed, node.start)
         scored += node.end - node.score_from if node.score_from is not None else 0
-    return 3 * (dense * tokens + per_key * keys + 2 * cfg.hidden_size * cfg.vocab_size * scored)
+    return 3 * (dense * tokens + per_key * keys + shape.head_flops * scored)

@@ -38,7 +38,7 @@ member gathers plus its shard's (n / d of the root's saved activations, hidden s
 prefill call at n / d tokens; below the root, as one device (every child, where a member runs a share: an
 overestimate). A
 hybrid's linear-attention layers are counted as attention layers (their fixed-size state is smaller: an
-overestimate), an MoE layer as a dense MLP of ``intermediate_size``.
+overestimate), an MoE layer as a dense MLP of the width a token's experts cost (``ModelShape.mlp_size``).
 
 ``check_memory`` (``StepPlan.build``'s ``memory``) raises ``ReplayMemoryError`` where the peak is over the
 budget, naming the trie's trees, the node and its length, the estimate and the budget, and the ways out; over
@@ -53,6 +53,7 @@ from dataclasses import dataclass
 import torch
 
 from augtree_verl.groups import Tree
+from augtree_verl.model_shape import ModelShape
 from augtree_verl.replay.lockstep import Slot
 from augtree_verl.replay.offload import MIN_OFFLOAD_BYTES
 from augtree_verl.replay.trie import TrieNode
@@ -118,14 +119,12 @@ class ReplayMemory:
         """The sizes of a model (``config``: its Hugging Face config; ``dtype``: the dtype its layers compute
         in, e.g. FSDP2's ``param_dtype``; ``checkpointing``: activation checkpointing on) replayed in training
         (``train``) or forward only, checked against ``budget_bytes``."""
-        config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-        layers, hidden, heads = config.num_hidden_layers, config.hidden_size, config.num_attention_heads
-        kv_heads = getattr(config, "num_key_value_heads", None) or heads
-        head_dim = getattr(config, "head_dim", None) or hidden // heads
+        shape = ModelShape.of(config)
+        layers, hidden, heads, head_dim = shape.num_layers, shape.hidden_size, shape.num_heads, shape.head_dim
         e = torch.empty((), dtype=dtype).element_size()
-        kv_width = layers * 2 * kv_heads * head_dim
-        mlp = config.intermediate_size
-        layer = e * (LAYER_HIDDEN * hidden + LAYER_HEADS * heads * head_dim + 2 * kv_heads * head_dim + LAYER_MLP * mlp)
+        kv_width = layers * shape.kv_width
+        mlp = shape.mlp_size
+        layer = e * (LAYER_HIDDEN * hidden + LAYER_HEADS * heads * head_dim + shape.kv_width + LAYER_MLP * mlp)
         if not train:
             layer = e * (FORWARD_HIDDEN * hidden + FORWARD_MLP * mlp)
         return cls(
@@ -133,10 +132,10 @@ class ReplayMemory:
             kv_sum=kv_width * FLOAT32_BYTES,
             layer=layer,
             saved=(layers + CHECKPOINT_EXTRA) * hidden * e if checkpointing else layers * layer - kv_width * e,
-            head=config.vocab_size * (e + (HEAD_FLOAT32 if train else 1) * FLOAT32_BYTES),
+            head=shape.vocab_size * (e + (HEAD_FLOAT32 if train else 1) * FLOAT32_BYTES),
             hidden=hidden * e,
             dtype_bytes=e,
-            vocab=config.vocab_size,
+            vocab=shape.vocab_size,
             train=train,
             budget_bytes=budget_bytes,
         )

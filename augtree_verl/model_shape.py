@@ -1,0 +1,128 @@
+"""``ModelShape``: the sizes of a decoder-only model that the planner, the memory guard, the CP byte formulas and
+the FLOP counts read, taken from a Hugging Face config in one place.
+
+Configs name their sizes differently, and some lack the usual ones (multi-head latent attention has a query/key
+width ``qk_head_dim`` and another value width ``v_head_dim``, and its ``head_dim`` is the rope part; LongCat-Flash
+and OPT have no ``intermediate_size``; MoE layers run ``num_experts_per_tok`` experts of
+``moe_intermediate_size``). ``ModelShape.of(config)`` reads every size through the names below, never assuming an
+attribute exists, and raises a ``ValueError`` naming the config and the size it cannot find where a size the
+replay needs (layers, hidden size, heads, vocabulary) has no name it knows. The MLP width is an estimate for
+costs and memory only (nothing exact depends on it): where no name it knows is set, 4 x hidden.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# The config names of each size, first found wins.
+LAYERS = ("num_hidden_layers", "n_layer", "num_layers")
+HIDDEN = ("hidden_size", "n_embd", "d_model")
+HEADS = ("num_attention_heads", "n_head")
+KV_HEADS = ("num_key_value_heads", "num_kv_heads", "multi_query_group_num")
+QK_HEAD_DIM = ("qk_head_dim", "head_dim")  # MLA's ``head_dim`` is its rope part: ``qk_head_dim`` first
+V_HEAD_DIM = ("v_head_dim",)
+DENSE_MLP = ("intermediate_size", "ffn_hidden_size", "ffn_dim", "n_inner")
+EXPERT_MLP = ("moe_intermediate_size", "expert_ffn_hidden_size")
+EXPERTS_PER_TOKEN = ("num_experts_per_tok", "moe_topk")
+SHARED_EXPERTS = ("n_shared_experts", "num_shared_experts")
+SHARED_EXPERT_MLP = ("shared_expert_intermediate_size",)
+MLP_FALLBACK_FACTOR = 4  # GPT-2's and OPT's convention, where a config names no MLP width
+
+
+def text_config(config):
+    """The decoder's config of a (possibly multimodal) Hugging Face config."""
+    get = getattr(config, "get_text_config", None)
+    return get(decoder=True) if get is not None else config
+
+
+def _first(config, names: tuple[str, ...], minimum: int = 1) -> int | None:
+    for name in names:
+        value = getattr(config, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value >= minimum:
+            return value
+    return None
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Per layer: ``num_heads`` query heads of width ``head_dim`` (D_k, also the keys'), ``num_kv_heads`` key/value
+    heads (values of width ``value_head_dim``, D_v), an MLP of ``mlp_size`` (the width a token's MLP pass costs:
+    dense, or the routed plus shared experts of an MoE layer); ``linear_layers``: layers of linear attention
+    (``config.layer_types``), which hold a recurrent state instead of K/V."""
+
+    model_type: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    value_head_dim: int
+    mlp_size: int
+    vocab_size: int
+    linear_layers: tuple[int, ...] = ()
+
+    @classmethod
+    def of(cls, config) -> ModelShape:
+        """The shape of ``config`` (a Hugging Face config, or a multimodal one: its text config); ``ValueError``
+        naming the model type and the size where layers, hidden size, heads or vocabulary have no known name."""
+        config = text_config(config)
+        model_type = getattr(config, "model_type", None) or type(config).__name__
+        sizes = {}
+        for what, names in (("layers", LAYERS), ("hidden size", HIDDEN), ("heads", HEADS), ("vocab", ("vocab_size",))):
+            sizes[what] = _first(config, names)
+            if sizes[what] is None:
+                raise ValueError(
+                    f"config of model {model_type!r} has no {what} under a name augtree knows ({', '.join(names)})"
+                )
+        layers, hidden, heads = sizes["layers"], sizes["hidden size"], sizes["heads"]
+        head_dim = _first(config, QK_HEAD_DIM) or hidden // heads
+        layer_types = getattr(config, "layer_types", None) or ()
+        return cls(
+            model_type=model_type,
+            num_layers=layers,
+            hidden_size=hidden,
+            num_heads=heads,
+            num_kv_heads=_first(config, KV_HEADS) or heads,
+            head_dim=head_dim,
+            value_head_dim=_first(config, V_HEAD_DIM) or head_dim,
+            mlp_size=_mlp_size(config, hidden),
+            vocab_size=sizes["vocab"],
+            linear_layers=tuple(i for i, kind in enumerate(layer_types) if kind == "linear_attention"),
+        )
+
+    @property
+    def kv_width(self) -> int:
+        """Elements of one token's K and V in one attention layer: H_kv (D_k + D_v)."""
+        return self.num_kv_heads * (self.head_dim + self.value_head_dim)
+
+    @property
+    def attention_layers(self) -> int:
+        """Layers that keep K/V (all but the linear-attention ones)."""
+        return self.num_layers - len(self.linear_layers)
+
+    @property
+    def linear_flops(self) -> int:
+        """Forward FLOPs per token of the projections (Q, K, V, output) and the MLP (SwiGLU: 3 matrices), all
+        layers."""
+        h, q = self.hidden_size, self.num_heads
+        projections = h * (q * self.head_dim + self.kv_width) + q * self.value_head_dim * h
+        return self.num_layers * 2 * (projections + 3 * h * self.mlp_size)
+
+    @property
+    def attention_pair_flops(self) -> int:
+        """Forward FLOPs per (query, key) pair, all layers: QK^T (2 H_q D_k) and PV (2 H_q D_v)."""
+        return self.num_layers * 2 * self.num_heads * (self.head_dim + self.value_head_dim)
+
+    @property
+    def head_flops(self) -> int:
+        """Forward FLOPs of the LM head per scored token."""
+        return 2 * self.hidden_size * self.vocab_size
+
+
+def _mlp_size(config, hidden: int) -> int:
+    expert, per_token = _first(config, EXPERT_MLP), _first(config, EXPERTS_PER_TOKEN)
+    if expert is not None and per_token is not None:
+        shared = _first(config, SHARED_EXPERT_MLP) or expert * (_first(config, SHARED_EXPERTS) or 0)
+        return expert * per_token + shared
+    dense = _first(config, DENSE_MLP, minimum=0)
+    return dense if dense is not None else MLP_FALLBACK_FACTOR * hidden
