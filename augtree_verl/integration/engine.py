@@ -5,7 +5,8 @@ checkpoints, offload). ``forward_backward_batch`` keeps verl's contract:
 
 - verl's micro-batches are built exactly as verl builds them; verl's ``loss_function``, unchanged, reports
   the loss and metrics of each of them, so every metric comes out as with the stock engine, and gives the
-  gradient (on the engine's own micro-batches without CP, see below);
+  gradient: on the replay's own micro-batches where the loss is a sum of per-row terms, else on verl's
+  micro-batches at the scores of a forward-only pass first (``integration.loss_calls``);
 - ``model_output["log_probs"]`` (and ``["entropy"]`` when asked) are nested over each full sequence, position
   k scoring token k + 1. Only the response part (positions P-1 .. P+R-2) is computed; other positions are 0.
 
@@ -31,6 +32,7 @@ scaled by C (FSDP averages over the world, and a CP group is one data-parallel r
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from collections.abc import Callable
@@ -48,6 +50,7 @@ from augtree_verl.integration import verl_compat
 from augtree_verl.integration.batch_trees import build_trees, sequence_lengths
 from augtree_verl.integration.config import FSDP_STRATEGY, AugTreeEngineConfig
 from augtree_verl.integration.fsdp_model import FSDPReplayModel
+from augtree_verl.integration.loss_calls import adjoint_loss, coupling, micro_batch_adjoints
 from augtree_verl.integration.metrics import group_totals, step_metrics
 from augtree_verl.integration.run_profile import make_run_profile
 from augtree_verl.plan import Plan
@@ -166,8 +169,10 @@ class AugTreeEngine(FSDPEngineWithLMHead):
     def _stream(
         self, step: _Step, micro_batches: list[TensorDict], loss_function, forward_only: bool, return_model_output: bool
     ) -> list[dict]:
-        """One step (a ``StepPlan`` run by ``replay``, see the module docstring), then verl's reported losses
-        and metrics per verl micro-batch on the detached outputs."""
+        """One step (a ``StepPlan`` run by ``replay``, see the module docstring) with verl's loss as
+        ``integration.loss_calls`` calls it (per replay micro-batch where it is row-additive, else on verl's
+        micro-batches with the scores first); returns verl's per-micro-batch outputs (loss, metrics and, where
+        asked, the model output)."""
         train = not forward_only
         dp_group = self.get_data_parallel_group()
         trees = build_trees(micro_batches)
@@ -192,36 +197,63 @@ class AugTreeEngine(FSDPEngineWithLMHead):
         step.plans += step_plan.plans
         step.plan_fallbacks += step_plan.fallbacks
         step.cp_demoted += step_plan.cp_demoted
-        flat = tu.concat_tensordict(micro_batches) if train else None
+        model = FSDPReplayModel(self.module)
+        row_of = [tree.samples for tree in trees]  # (tree, response) -> row of the micro-batches in order
+        coupled = coupling(loss_function, micro_batches[0]) if train else None
+        outputs: list[dict] | None = None
+        if train and coupled is None:  # row-additive: verl's loss on each replay micro-batch's rows, one pass
+            flat = tu.concat_tensordict(micro_batches)
 
-        def micro_batch_loss(t, rows, scores):
-            rows_data = tu.index_select_tensor_dict(flat, [trees[t].samples[i] for i in rows])
-            loss, _ = loss_function(
-                model_output=_model_output(rows_data, *_split(scores, step.want_entropy)),
-                data=rows_data,
-                dp_group=dp_group,
+            def micro_batch_loss(t, rows, scores):
+                rows_data = tu.index_select_tensor_dict(flat, [row_of[t][i] for i in rows])
+                loss, _ = loss_function(
+                    model_output=_model_output(rows_data, *_split(scores, step.want_entropy)),
+                    data=rows_data,
+                    dp_group=dp_group,
+                )
+                return self._backpropagated(loss)
+
+            scores = replay(model, step_plan, micro_batch_loss)
+        elif train:  # verl's loss on verl's micro-batches at the scores of a forward-only pass first
+            logger.info("augtree: scores first, the loss couples the rows of a call: %s", coupled)
+            start = step.stats.start_timer(trees[0].prompt.device)
+            first = replay(model, dataclasses.replace(step_plan, offload=None, stats=ReplayStats()))
+            step.stats.stop_timer("scores_first_s", start)
+            outputs, adjoints = micro_batch_adjoints(
+                micro_batches,
+                _rows_in_order(first, trees),
+                lambda mb, leaves: _model_output(mb, *_split(leaves, step.want_entropy)),
+                loss_function,
+                self._backpropagated,
+                dp_group,
             )
-            loss = loss * self.cp_mesh.cp_size
-            return self.scaler.scale(loss) if self.scaler is not None else loss
-
-        scores = replay(FSDPReplayModel(self.module), step_plan, micro_batch_loss if train else None)
-        by_row = {row: scores[t][i] for t, tree in enumerate(trees) for i, row in enumerate(tree.samples)}
+            scores = replay(model, step_plan, adjoint_loss(lambda t, i: adjoints[row_of[t][i]]))
+        else:
+            scores = replay(model, step_plan)
+        row_scores = _rows_in_order(scores, trees)
 
         output_lst = []
         first_row = 0
         for m, mb in enumerate(micro_batches):
-            row_scores = [by_row[first_row + k] for k in range(len(mb))]
+            output = _model_output(mb, *_split(row_scores[first_row : first_row + len(mb)], step.want_entropy))
             first_row += len(mb)
-            output = _model_output(mb, *_split(row_scores, step.want_entropy))
-            if loss_function is None:
-                loss, metrics = torch.tensor(1.0), {}
+            if outputs is not None:
+                output_lst.append(outputs[m])
+            elif loss_function is None:
+                output_lst.append({"loss": 1.0, "metrics": {}})
             else:
                 with torch.no_grad():
                     loss, metrics = loss_function(model_output=output, data=mb, dp_group=dp_group)
-            output_lst.append({"loss": loss.detach().item(), "metrics": metrics})
+                output_lst.append({"loss": loss.detach().item(), "metrics": metrics})
             if forward_only or return_model_output:
                 output_lst[m]["model_output"] = output
         return output_lst
+
+    def _backpropagated(self, loss: torch.Tensor) -> torch.Tensor:
+        """verl's loss as the replay backpropagates it: times the CP size (FSDP averages over the world, a CP
+        group is one data-parallel rank), through verl's gradient scaler where it has one."""
+        loss = loss * self.cp_mesh.cp_size
+        return self.scaler.scale(loss) if self.scaler is not None else loss
 
     def _replay_memory(self, train: bool, device: torch.device) -> ReplayMemory | None:
         """The step's memory check (``replay.memory``): the model's sizes in the dtype its layers compute in
@@ -285,6 +317,12 @@ def _temperature(data: TensorDict) -> float:
             raise ValueError(f"the augtree engine needs one temperature per batch, got {values.tolist()}")
         return float(values[0])
     return float(temperature)
+
+
+def _rows_in_order(scores: list[list[torch.Tensor]], trees) -> list[torch.Tensor]:
+    """``replay``'s ``scores[t][i]`` -> per row of the step's micro-batches in order (``Tree.samples``)."""
+    by_row = {row: scores[t][i] for t, tree in enumerate(trees) for i, row in enumerate(tree.samples)}
+    return [by_row[row] for row in range(len(by_row))]
 
 
 def _split(scores: list[torch.Tensor], want_entropy: bool) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:

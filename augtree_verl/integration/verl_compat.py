@@ -83,6 +83,11 @@ VERL_NAMES = {
         "verl.workers.engine.utils.postprocess_batch_func",
         "verl.workers.engine.utils.prepare_micro_batches",
     ),
+    "integration/loss_calls.py": (
+        "verl.utils.tensordict_utils",
+        "verl.utils.tensordict_utils.get",
+        "verl.workers.utils.losses.ppo_loss",
+    ),
     "integration/metrics.py": (
         "verl.utils.metric.AggregationType",
         "verl.utils.metric.Metric",

@@ -66,6 +66,8 @@ class ReplayStats:
     prefill_s: float = _PhaseSeconds()  # Phase A: prompt forwards
     replay_s: float = _PhaseSeconds()  # Phase B: response micro-batches, forward (+ backward)
     prompt_backward_s: float = _PhaseSeconds("delayed_backward_s")  # Phase C: delayed prompt backwards
+    # the forward-only pass a loss that couples the rows of a call needs first (``integration.loss_calls``)
+    scores_first_s: float = _PhaseSeconds("loss/scores_first_s")
     logical_tokens: int = counter()  # sum over responses of |P| + |R_i| (what the flattened baseline runs)
     executed_tokens: int = counter()  # tokens run through the model (prompt once per tree, padding included)
     trees: int = counter()
