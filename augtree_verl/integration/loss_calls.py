@@ -50,9 +50,10 @@ FIXED_POLICY_AGGREGATION = {"sapo": "seq-mean-token-mean"}
 def coupling(loss_function: Callable, data: TensorDict) -> str | None:
     """None where ``loss_function`` (given verl's batch ``data``: its ``global_batch_size``) is row-additive
     (see the module docstring), else why its calls couple their rows, naming the setting."""
-    config = getattr(loss_function, "keywords", {}).get("config")
-    if getattr(loss_function, "func", None) is not ppo_loss or config is None or loss_function.args:
-        name = getattr(getattr(loss_function, "func", loss_function), "__qualname__", repr(loss_function))
+    bound = loss_function if isinstance(loss_function, functools.partial) else None
+    config = bound.keywords.get("config") if bound is not None else None
+    if bound is None or bound.func is not ppo_loss or config is None or bound.args:
+        name = getattr(bound.func if bound is not None else loss_function, "__qualname__", repr(loss_function))
         return f"loss_function {name} is not verl's ppo_loss, whose row additivity this engine knows"
     mode = config.policy_loss.get("loss_mode", "vanilla")
     if mode not in ROW_ADDITIVE_POLICY_LOSSES:
@@ -101,8 +102,14 @@ def micro_batch_adjoints(
         leaves = [s.detach().requires_grad_() for s in row_scores[first : first + len(micro_batch)]]
         first += len(micro_batch)
         with torch.enable_grad():
-            loss, metrics = loss_function(model_output=model_output(micro_batch, leaves), data=micro_batch, dp_group=dp_group)
-            grads = torch.autograd.grad(scale(loss), leaves, allow_unused=True) if loss.requires_grad else [None] * len(leaves)
+            loss, metrics = loss_function(
+                model_output=model_output(micro_batch, leaves), data=micro_batch, dp_group=dp_group
+            )
+            grads = (
+                torch.autograd.grad(scale(loss), leaves, allow_unused=True)
+                if loss.requires_grad
+                else [None] * len(leaves)
+            )
         adjoints += [torch.zeros_like(leaf) if g is None else g for leaf, g in zip(leaves, grads)]
         outputs.append({"loss": loss.detach().item(), "metrics": metrics})
     return outputs, adjoints

@@ -103,9 +103,11 @@ def _rank_main(
     loss_agg_mode: str,
     entropy_coeff: float,
     system: int,
+    rows_per_micro_batch: int | None = None,
 ) -> None:
     """``cp_max``: the largest degree expected to run; ``system``: tokens of a system prompt in front of every
-    prompt (0: none)."""
+    prompt (0: none); ``rows_per_micro_batch``: verl's micro-batches, ours and the stock engine's (None: a rank's
+    whole share in one of ours, 2 rows in the stock engine's)."""
     H.use_cpu_platform()  # a spawned process: select verl's CPU platform before building engines
     from verl.utils import tensordict_utils as tu
 
@@ -133,11 +135,12 @@ def _rank_main(
         ours_idx = [k for k, row in enumerate(rows) if int(row["uid"].split("-")[1]) % dp_size == dp_rank]
         stock_idx = list(range(rank, len(rows), world))
         our_rows = [rows[k] for k in ours_idx]
-        # A rank's whole share in one verl micro-batch.
         batch = H.rows_to_batch(
-            our_rows, micro_batch_size=len(our_rows), extra={"augtree_plan": _plan_entries(our_rows, specs)}
+            our_rows,
+            micro_batch_size=rows_per_micro_batch or len(our_rows),
+            extra={"augtree_plan": _plan_entries(our_rows, specs)},
         )
-        stock_batch = H.rows_to_batch([rows[k] for k in stock_idx])
+        stock_batch = H.rows_to_batch([rows[k] for k in stock_idx], micro_batch_size=rows_per_micro_batch or 2)
         for b in (batch, stock_batch):  # use_remove_padding as verl's worker sets it (False for hybrids)
             tu.assign_non_tensor(
                 b, global_batch_size=len(rows), use_remove_padding=stock.model_config.use_remove_padding
@@ -148,6 +151,8 @@ def _rank_main(
         out_stock, out_ours = _train(stock, stock_loss, stock_batch), _train(ours, our_loss, batch)
         metrics = out_ours["metrics"]
         assert metrics["augtree/plan_fallbacks"].aggregate() == 0
+        # a loss that couples the rows of a call (``loss_calls.coupling``) runs scores first, on every rank
+        assert (metrics["augtree/loss/scores_first_s"].aggregate() > 0) == (loss_agg_mode == "seq-mean-token-sum-norm")
         # a hybrid's CP plans run on one rank, counted (linear attention has no CP replay)
         cp_trees = {row["uid"] for row in our_rows if _degree(specs[int(row["uid"].split("-")[1])]) > 1}
         assert metrics["augtree/planner/cp_demoted_linear_attention"].aggregate() == (
@@ -180,14 +185,20 @@ def _rank_main(
     torch.distributed.destroy_process_group()
 
 
-def _run(tmp_path, world, cp_degrees, specs, cp_max, loss_agg_mode="token-mean", entropy_coeff=0.0, system=0):
+def _run(
+    tmp_path,
+    world,
+    cp_degrees,
+    specs,
+    cp_max,
+    loss_agg_mode="token-mean",
+    entropy_coeff=0.0,
+    system=0,
+    rows_per_micro_batch=None,
+):
     model_path = H.save_tiny_qwen2(str(tmp_path / "tiny-qwen2"))
-    H.spawn(
-        _rank_main,
-        (world, H.free_port(), model_path, cp_degrees, specs, cp_max, loss_agg_mode, entropy_coeff, system),
-        world,
-        SPAWN_TIMEOUT_S[world],
-    )
+    args = (cp_degrees, specs, cp_max, loss_agg_mode, entropy_coeff, system, rows_per_micro_batch)
+    H.spawn(_rank_main, (world, H.free_port(), model_path, *args), world, SPAWN_TIMEOUT_S[world])
 
 
 @pytest.mark.timeout(420)
@@ -198,6 +209,14 @@ def test_one_cp_group_of_two_matches_stock_data_parallel(tmp_path):
 @pytest.mark.timeout(420)
 def test_a_batch_wide_system_prompt_runs_once_context_parallel_and_matches_stock(tmp_path):
     _run(tmp_path, 2, [1, 2], PLANS_DEGREE_2, 2, system=SYSTEM_TOKENS)
+
+
+@pytest.mark.timeout(420)
+def test_a_loss_coupling_a_calls_rows_runs_scores_first_and_matches_stock(tmp_path):
+    """seq-mean-token-sum-norm without loss_scale_factor divides by each call's padded width: on verl's one-row
+    micro-batches (both engines) the stock engine's loss is a per-row function whatever the data-parallel layout,
+    which the CP replay, whose own micro-batches hold a tree's rows, matches only by calling it on verl's."""
+    _run(tmp_path, 2, [1, 2], PLANS_DEGREE_2, 2, "seq-mean-token-sum-norm", rows_per_micro_batch=1)
 
 
 @pytest.mark.timeout(420)

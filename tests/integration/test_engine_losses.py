@@ -153,4 +153,3 @@ def test_loss_setting_matches_stock_engine(engines, mode, agg, scale, micro_batc
             assert abs(a - b) <= max(METRIC_ATOL, RTOL * abs(b)), f"metric {key}: {a} vs stock {b}"
     scores_first = _value(got_metrics["augtree/loss/scores_first_s"]) > 0
     assert scores_first == (loss_calls.coupling(loss_fn, batch) is not None)
-
