@@ -50,7 +50,8 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def grads(model) -> dict[str, torch.Tensor]:
-    return {n: p.grad.clone() for n, p in model.named_parameters()}
+    """The trained parameters' gradients (frozen ones, e.g. a LoRA model's base weights, have none)."""
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
 def assert_grads_match(got: dict, want: dict, rtol: float = RTOL) -> None:

@@ -21,6 +21,7 @@ from collections.abc import Callable
 
 import torch
 
+from augtree_verl.replay.adapters import causal_lm
 from augtree_verl.replay.logits import batched_family_logits, unbatched
 
 
@@ -76,4 +77,4 @@ class FSDPReplayModel:
         return _ThroughRoot(self._root, self._root.get_output_embeddings())
 
     def logits_head(self):
-        return unbatched(_ThroughRoot(self._root, batched_family_logits(self._root)))
+        return unbatched(_ThroughRoot(self._root, batched_family_logits(causal_lm(self._root))))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from augtree_verl.replay.adapters import causal_lm
 from augtree_verl.replay.attention import PrefillContext
 from augtree_verl.replay.linear_state import MIN_CALL_TOKENS, has_linear_attention
 from augtree_verl.replay.logits import family_logits
@@ -24,7 +25,7 @@ def logits_head(model):
     """hidden [N, H] -> ``model``'s own logits [N, V] (``logits.family_logits``); a wrapper that must route
     the call (``integration.fsdp_model``) gives its own through a ``logits_head()`` method."""
     own = getattr(model, "logits_head", None)
-    return own() if own is not None else family_logits(model)
+    return own() if own is not None else family_logits(causal_lm(model))
 
 
 class ModelCalls:

@@ -25,6 +25,7 @@ import time
 import torch
 
 from augtree_verl.groups import Tree
+from augtree_verl.replay.adapters import adapter_problems, causal_lm
 from augtree_verl.replay.attention import PrefillContext, original_attention, use_augtree_attention
 from augtree_verl.replay.baseline import flattened_replay
 from augtree_verl.replay.engine import per_response, replay
@@ -83,6 +84,9 @@ def check_model(model, *, training: bool = True) -> None:
         if layer is not None and layer not in layers:
             layers.append(layer)
 
+    for feature, setting in adapter_problems(model, training=training).items():
+        add(feature, None, setting)
+    model = causal_lm(model)  # a LoRA model's causal LM, its adapters in place (``replay.adapters``)
     forward = getattr(type(model), "forward", None)
     if (
         getattr(model, "get_decoder", None) is None

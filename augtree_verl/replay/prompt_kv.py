@@ -45,7 +45,9 @@ class PromptKV:
         with offload.saving() if offload is not None else contextlib.nullcontext():
             self.live_kv, self.hidden, self.last_row, self.live_scores = prefill()
         if train:
-            if not self.live_kv[0][0].requires_grad:
+            # Frozen layers leave some K/V without a graph (LoRA on q/v only, embeddings frozen); none with one
+            # while the hidden states have one is reentrant checkpointing.
+            if self.hidden.requires_grad and not any(x.requires_grad for kv in self.live_kv for x in kv):
                 raise ValueError(
                     "the prompt K/V carry no autograd graph: reentrant activation checkpointing "
                     "(use_reentrant=True) hides them; enable checkpointing with use_reentrant=False "
@@ -71,8 +73,11 @@ class PromptKV:
         if self.live_scores is not None:
             roots.append(self.live_scores)
             grads.append(_grad(self.live_scores, self.scores))
+        live = [(root, grad) for root, grad in zip(roots, grads) if root.requires_grad]  # frozen ones: no graph
+        if not live:
+            return
         with self.offload.restoring() if self.offload is not None else contextlib.nullcontext():
-            torch.autograd.backward(roots, grads)
+            torch.autograd.backward([root for root, _ in live], [grad for _, grad in live])
 
 
 def _grad(live: torch.Tensor, leaf: torch.Tensor) -> torch.Tensor:

@@ -174,8 +174,11 @@ def build_engine(
     gradient_checkpointing: bool = False,
     engine_knobs: dict | None = None,
     forward_only: bool = False,
+    model_settings: dict | None = None,
 ):
     """verl's engine for ``strategy`` ("fsdp2" = stock, "augtree" = ours), built the way verl's workers build it.
+
+    ``model_settings``: fields of verl's ``HFModelConfig`` (``actor_rollout_ref.model``), e.g. ``lora_rank``.
 
     ``forward_only=True`` builds it as verl builds the reference policy's engine. A training AugTree engine
     plans with a fixed profile of the model (``planner_profile``: no start-up calibration, which engines that
@@ -199,6 +202,7 @@ def build_engine(
         use_remove_padding=not hybrid,
         enable_gradient_checkpointing=gradient_checkpointing,
         override_config={"attn_implementation": "sdpa"},
+        **(model_settings or {}),
     )
     common: dict[str, Any] = dict(mixed_precision=FP32, use_torch_compile=False, forward_only=forward_only)
     if strategy == "augtree":
@@ -228,6 +232,7 @@ def build_engine(
     engine_config.use_dynamic_bsz = False
     engine_config.micro_batch_size_per_gpu = 2
     engine_config.infer_micro_batch_size_per_gpu = 2
+    torch.manual_seed(0)  # what verl draws at build (LoRA's A matrices): the same for every engine built here
     engine = EngineRegistry.new(
         model_type="language_model",
         backend=strategy,

@@ -52,10 +52,23 @@ def _assert_params_match(ours, stock, step):
         _assert_close(f"step {step} parameter {name}", got[name], want[name])
 
 
-def _run_steps(model_path, *, loss_agg_mode, order, entropy_coeff=0.0, knobs=None, gradient_checkpointing=False):
-    """STEPS optimizer steps of both engines; ours sees the rows permuted by ``order``."""
+def _run_steps(
+    model_path,
+    *,
+    loss_agg_mode,
+    order,
+    entropy_coeff=0.0,
+    knobs=None,
+    gradient_checkpointing=False,
+    model_settings=None,
+):
+    """STEPS optimizer steps of both engines; ours sees the rows permuted by ``order``. ``model_settings``: verl's
+    model config fields (e.g. LoRA's)."""
     common = dict(
-        loss_agg_mode=loss_agg_mode, entropy_coeff=entropy_coeff, gradient_checkpointing=gradient_checkpointing
+        loss_agg_mode=loss_agg_mode,
+        entropy_coeff=entropy_coeff,
+        gradient_checkpointing=gradient_checkpointing,
+        model_settings=model_settings,
     )
     stock, stock_loss = H.build_engine("fsdp2", model_path, **common)
     ours, our_loss = H.build_engine("augtree", model_path, **common, engine_knobs=knobs)
@@ -132,3 +145,17 @@ def test_gradient_checkpointing_matches_stock_engine(model_path, offload, monkey
     assert (moved > 0) == offload
     if offload:
         assert out_ours["metrics"]["augtree/offload/prefetched_bytes"].aggregate() == moved
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("target_modules", ["all-linear", ["q_proj", "v_proj"]])
+def test_lora_adapters_match_stock_engine(model_path, target_modules):
+    """verl's LoRA (``actor_rollout_ref.model.lora_rank``): the adapters train through the replay as through the
+    stock engine, the base weights stay frozen. LoRA's B starts at zero, so A's gradient is zero at the first step
+    and is compared from the second on (STEPS = 3)."""
+    lora = dict(lora_rank=4, lora_alpha=8, target_modules=target_modules)
+    order = list(range(ROWS))
+    random.Random(5).shuffle(order)
+    out_ours, _ = _run_steps(
+        model_path, loss_agg_mode="token-mean", order=order, knobs={"micro_batch_tokens": 8}, model_settings=lora
+    )
