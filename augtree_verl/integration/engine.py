@@ -57,11 +57,11 @@ from augtree_verl.plan import Plan
 from augtree_verl.plan_field import PLAN_FIELD
 from augtree_verl.planner.cost import cost_model
 from augtree_verl.replay import Offload, ReplayStats, StepPlan, replay
-from augtree_verl.replay.memory import ReplayMemory, device_budget_bytes
+from augtree_verl.replay.memory import STOCK_ENGINE, ReplayMemory, device_budget_bytes
 from augtree_verl.replay.model_check import check_model, probe_exactness
 
 logger = logging.getLogger(__name__)
-UNSUPPORTED_FLAGS = ("calculate_sum_pi_squared", "distillation_use_topk", "distillation_only")
+UNSUPPORTED_FLAGS = ("calculate_sum_pi_squared", "distillation_use_topk", "distillation_only", "use_fused_kernels")
 
 
 class AugTreeEngine(FSDPEngineWithLMHead):
@@ -77,6 +77,13 @@ class AugTreeEngine(FSDPEngineWithLMHead):
             raise ValueError(
                 f"the augtree engine does not combine with Ulysses sequence parallelism "
                 f"(ulysses_sequence_parallel_size={engine_config.ulysses_sequence_parallel_size})"
+            )
+        if getattr(model_config, "use_fused_kernels", False):
+            raise ValueError(
+                "the augtree engine does not run verl's fused kernels (actor_rollout_ref.model.use_fused_kernels="
+                "True): it scores the response tokens through the model's own LM head and logit transforms, one "
+                "call per replay micro-batch. Set actor_rollout_ref.model.use_fused_kernels=False, or train on "
+                f"verl's stock engine: {STOCK_ENGINE}"
             )
         super().__init__(model_config, engine_config, optimizer_config, checkpoint_config)
 

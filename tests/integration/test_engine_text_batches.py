@@ -48,3 +48,16 @@ def test_real_multimodal_input_is_refused_naming_the_sample(engine):
         r"'pixel_values'\]",
     ):
         _logps(engine, batch)
+
+
+def test_fused_kernels_are_refused_at_build_by_name(tmp_path):
+    path = H.save_tiny_qwen2(str(tmp_path / "tiny-qwen2"))
+    with pytest.raises(ValueError, match=r"use_fused_kernels=True.*use_fused_kernels=False.*strategy=fsdp2"):
+        H.build_engine("augtree", path, model_settings={"use_fused_kernels": True})
+
+
+def test_fused_kernels_in_a_batch_are_refused(engine):
+    batch = H.rows_to_batch(H.group_rows(GROUPS))
+    tu.assign_non_tensor(batch, use_fused_kernels=True)
+    with pytest.raises(ValueError, match=r"does not support use_fused_kernels=True"):
+        _logps(engine, batch)
