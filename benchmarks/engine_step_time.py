@@ -1,6 +1,7 @@
 """Update-stage time on CPU: verl's stock fsdp2 engine vs the augtree engine, side by side in one run.
 
     python benchmarks/engine_step_time.py [--repeats 3] [--model qwen2-small] [--setting rows-1 ...]
+        [--loss-agg-mode token-mean]
 
 Both engines are verl's real engines (``augtree_verl.testing.harness``: our CPU platform, gloo, world
 size 1, fp32) on one random-weight built-in model (``augtree_verl.models``). Two GRPO batches, each group's
@@ -25,6 +26,10 @@ The last lines give, per batch, the train ratio at one row per micro-batch over 
 against stock at the same setting and against stock at its best setting (its fastest train time over the
 settings run): the augtree engine prefills each prompt once per step whatever the micro-batch size, so its own
 time, and the second quotient, stay near 1; the first also moves with stock's packed-SDPA penalty at 2 rows.
+
+``--loss-agg-mode``: verl's ``actor.loss_agg_mode`` for both engines; ``seq-mean-token-sum-norm`` (Dr. GRPO, without
+``loss_scale_factor``) couples the rows of a loss call, so the augtree engine runs its scores first
+(``integration.loss_calls``): the train ratio against ``token-mean``'s is that pass's cost.
 """
 
 from __future__ import annotations
@@ -78,6 +83,7 @@ def main() -> None:
     parser.add_argument("--setting", choices=SETTINGS, action="append", help="run only these micro-batch settings")
     parser.add_argument("--batch", choices=sorted(BATCHES), action="append", help="run only these batches")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument("--loss-agg-mode", default="token-mean", help="verl's actor.loss_agg_mode, both engines")
     args = parser.parse_args()
     if args.repeats < 1 or args.threads < 1:
         raise ValueError(f"--repeats and --threads must be >= 1, got {args.repeats} and {args.threads}")
@@ -87,10 +93,16 @@ def main() -> None:
     H.init_process_group()
     model_path = tempfile.mkdtemp(prefix="augtree-step-time-")
     load_model(args.model).save_pretrained(model_path)
-    engines = {strategy: H.build_engine(strategy, model_path) for strategy in ("fsdp2", "augtree")}
+    engines = {
+        strategy: H.build_engine(strategy, model_path, loss_agg_mode=args.loss_agg_mode)
+        for strategy in ("fsdp2", "augtree")
+    }
     import augtree_verl.integration.engine as ours
 
-    print(f"model {args.model}, {args.threads} torch thread(s), augtree engine from {ours.__file__}")
+    print(
+        f"model {args.model}, loss_agg_mode {args.loss_agg_mode}, {args.threads} torch thread(s), augtree engine "
+        f"from {ours.__file__}"
+    )
     print(f"{'batch':16}{'setting':9}{'pass':7}{'stock s':>9}{'augtree s':>11}{'stock/augtree':>15}")
     ratios, train_s = {}, {}
     for name, (p, r, g, groups) in BATCHES.items():

@@ -36,7 +36,7 @@ def compared(assets, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("compare")
     log = run_script(
         "compare_engines.sh",
-        run_env(assets, out, OUT_DIR=str(out), WANDB_DIR=str(out)),
+        run_env(assets, out, OUT_DIR=str(out), WANDB_DIR=str(out), PROMPTS="short"),  # the test's own task
         out,
         f"actor_rollout_ref.actor.optim.lr={LR}",
         *SAVE_EVERY_STEP,
