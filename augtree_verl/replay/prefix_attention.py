@@ -24,7 +24,7 @@ from augtree_verl.ops.attention import (
     varlen_attention_backward,
     varlen_attention_forward,
 )
-from augtree_verl.ops.merge import merge_into
+from augtree_verl.ops.merge import accum_dtype, merge_into
 from augtree_verl.ops.segments import Segments
 
 
@@ -39,7 +39,8 @@ class PrefixCausalAttention(torch.autograd.Function):
         (b, h, rq, _), d = q.shape, v.shape[3]  # d: D_v, the width of out
         queries = _packed(q)
         out, lse = attention_forward(queries, prefix[0][0], prefix[1][0], causal=False, scale=scale)
-        out, lse = out.float().reshape(h, b * rq, d).clone(), lse.float().clone()
+        acc = accum_dtype(q.dtype)  # float32, float64 for float64 inputs (``merge.accum_dtype``)
+        out, lse = out.to(acc).reshape(h, b * rq, d).clone(), lse.to(acc).clone()
         for pk, pv in zip(prefix[2::2], prefix[3::2]):
             merge_into(out, lse, *attention_forward(queries, pk[0], pv[0], causal=False, scale=scale))
         rows = Segments.uniform(b, rq, rq)
