@@ -106,12 +106,16 @@ PARITY = {
         dict(_MLA_V3, qk_nope_head_dim=4, v_head_dim=12, rope_parameters=_MISTRAL4_ROPE),
     ),
     # LongCat-Flash: two attention sublayers per layer (num_layers 1: 2 attention layers), no intermediate_size
-    # (ffn_hidden_size), zero-computation experts among the routed ones; its head_dim is the rope part
+    # (ffn_hidden_size), zero-computation experts among the routed ones, LoRA scales sqrt(hidden / rank) of 2 (q)
+    # and sqrt(2) (kv); its head_dim is the rope part. Its router's float32 gradient is the worst conditioned of
+    # the matrix: over seeds the flattened baseline itself lies up to 1e-5 of it from float64 (as far as the
+    # replay does; in float64 throughout both agree to 1e-14), so this seed's 3e-6 is the margin under RTOL.
     "longcat-flash": (
         tf.LongcatFlashConfig,
         tf.LongcatFlashForCausalLM,
         dict(
             _MLA,
+            q_lora_rank=8,
             num_layers=1,
             head_dim=4,
             intermediate_size=ABSENT,
