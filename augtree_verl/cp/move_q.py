@@ -95,12 +95,13 @@ def move_q_bytes(
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
-    """[H, n, D] -> [n, H * D] (rows are tokens, the split dimension of all_to_all)."""
+    """[H, n, D] -> [n, H * D] (rows are tokens, the split dimension of all_to_all; D: D_k for queries and dq,
+    D_v for outputs, dout and the merged out)."""
     return x.transpose(0, 1).reshape(x.shape[1], x.shape[0] * x.shape[2])
 
 
 def _heads(rows: torch.Tensor, heads: int) -> torch.Tensor:
-    """[n, H * D] -> [H, n, D]."""
+    """[n, H * D] -> [H, n, D] (D any width)."""
     return rows.view(rows.shape[0], heads, rows.shape[1] // heads).transpose(0, 1)
 
 
