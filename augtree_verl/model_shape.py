@@ -19,7 +19,11 @@ LAYERS = ("num_hidden_layers", "n_layer", "num_layers")
 HIDDEN = ("hidden_size", "n_embd", "d_model")
 HEADS = ("num_attention_heads", "n_head")
 KV_HEADS = ("num_key_value_heads", "num_kv_heads", "multi_query_group_num")
-QK_HEAD_DIM = ("qk_head_dim", "head_dim")  # MLA's ``head_dim`` is its rope part: ``qk_head_dim`` first
+# The query/key width: MLA's ``qk_head_dim``, else the sum of its two parts (DeepSeek-V2 names no ``qk_head_dim``),
+# and only then ``head_dim`` (MLA's ``head_dim`` is its rope part).
+QK_HEAD_DIM = ("qk_head_dim",)
+QK_PARTS = ("qk_nope_head_dim", "qk_rope_head_dim")
+HEAD_DIM = ("head_dim",)
 V_HEAD_DIM = ("v_head_dim",)
 DENSE_MLP = ("intermediate_size", "ffn_hidden_size", "ffn_dim", "n_inner")
 EXPERT_MLP = ("moe_intermediate_size", "expert_ffn_hidden_size")
@@ -75,7 +79,7 @@ class ModelShape:
                     f"config of model {model_type!r} has no {what} under a name augtree knows ({', '.join(names)})"
                 )
         layers, hidden, heads = sizes["layers"], sizes["hidden size"], sizes["heads"]
-        head_dim = _first(config, QK_HEAD_DIM) or hidden // heads
+        head_dim = _first(config, QK_HEAD_DIM) or _qk_parts(config) or _first(config, HEAD_DIM) or hidden // heads
         layer_types = getattr(config, "layer_types", None) or ()
         return cls(
             model_type=model_type,
@@ -117,6 +121,12 @@ class ModelShape:
     def head_flops(self) -> int:
         """Forward FLOPs of the LM head per scored token."""
         return 2 * self.hidden_size * self.vocab_size
+
+
+def _qk_parts(config) -> int | None:
+    """qk_nope_head_dim + qk_rope_head_dim where a config names both (multi-head latent attention), else None."""
+    nope, rope = (_first(config, (name,), minimum=0) for name in QK_PARTS)
+    return nope + rope if nope is not None and rope is not None and nope + rope > 0 else None
 
 
 def _mlp_size(config, hidden: int) -> int:

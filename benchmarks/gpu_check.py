@@ -12,7 +12,9 @@ Checks (sizes on a GPU; ``--cpu-smoke`` shrinks every one):
  1. ``ops.attention`` forward (out, lse) and backward (dq, dk, dv) vs float32 attention: head layouts
     (28 q, 4 kv), (40, 8), (32, 32) x head dims 64, 128 x {causal 777 x 777, full 513 x 2049, single-query
     GQA 1 x 3001}; one 4096 x 16384 block (28/4, d 128); a merge of 3 partial states (1024 x 3000) with its
-    merged-state backward.
+    merged-state backward. Multi-head latent attention, the value width D_v apart from the query/key width D_k
+    (the kernels run padded to max(D_k, D_v), ``ops.head_pad``): 32/32 heads of D_k 192, D_v 128 (DeepSeek-V3's)
+    and of D_k 64, D_v 128, each on the three block kinds and a merge of 3 with its merged-state backward.
  2. prefix attention (``replay.prefix_attention``): 4 ragged rows against a 1500-token prompt, out and every
     gradient, prompt K/V included.
  3. ``replay()`` on a 2-layer Qwen2.5-7B-shaped model (hidden 3584, 28/4 heads of 128, vocab 152,064; 1.5B
@@ -127,6 +129,7 @@ class Sizes:
     speed: dict  # name -> (P, R, G)
     repeats: int
     hybrid: dict  # the hybrid check's model shape (check 9)
+    mla: tuple  # (H = H_kv, (D_k, D_v) pairs): multi-head latent attention, K/V expanded to every query head
 
 
 GPU = Sizes(
@@ -143,6 +146,7 @@ GPU = Sizes(
     speed={"prompt-heavy": (16384, 256, 8), "response-heavy": (512, 4096, 8)},
     repeats=3,
     hybrid=QWEN35_SHAPE,
+    mla=(32, ((192, 128), (64, 128))),
 )
 SMOKE = Sizes(
     heads=((4, 2), (4, 4)),
@@ -165,6 +169,7 @@ SMOKE = Sizes(
         linear_key_head_dim=16,
         linear_value_head_dim=16,
     ),
+    mla=(4, ((24, 16), (8, 16))),
 )
 
 
@@ -200,17 +205,21 @@ def fmt(errs: dict) -> str:
 
 
 def reference_attention(q, k, v, scale, visible):
-    """float32 softmax attention with GQA heads repeated: q [H, n, D], k/v [H_kv, m, D], visible [n, m]."""
+    """float32 softmax attention with GQA heads repeated: q [H, n, D_k], k [H_kv, m, D_k], v [H_kv, m, D_v],
+    visible [n, m] -> out [H, n, D_v], lse [H, n]."""
     rep = q.shape[0] // k.shape[0]
     s = (q @ k.repeat_interleave(rep, 0).transpose(-1, -2)) * scale
     s = s.masked_fill(~visible, float("-inf"))
     return torch.softmax(s, -1) @ v.repeat_interleave(rep, 0), torch.logsumexp(s, -1)
 
 
-def random_block(h, hk, sq, sk, d, device, g):
-    """bf16-rounded q, k, v, dout on ``device``: (bf16 tensors, float32 copies of the same values)."""
+def random_block(h, hk, sq, sk, d, device, g, dv=None):
+    """bf16-rounded q, k [.., d], v, dout [.., dv] (default d) on ``device``: (bf16 tensors, float32 copies of the
+    same values)."""
+    dv = dv or d
     xs = [
-        torch.randn(n, s, d, generator=g) * c for n, s, c in ((h, sq, 0.5), (hk, sk, 0.5), (hk, sk, 1.0), (h, sq, 1.0))
+        torch.randn(n, s, w, generator=g) * c
+        for n, s, w, c in ((h, sq, d, 0.5), (hk, sk, d, 0.5), (hk, sk, dv, 1.0), (h, sq, dv, 1.0))
     ]
     low = [x.to(device, torch.bfloat16) for x in xs]
     return low, [x.float() for x in low]
@@ -222,8 +231,8 @@ def reference_block(q, k, v, dout, scale, visible):
     return (out, lse, *torch.autograd.grad(out, (q, k, v), dout))
 
 
-def check_op_block(report, name, h, hk, sq, sk, d, causal, device, g):
-    (q, k, v, dout), ref_in = random_block(h, hk, sq, sk, d, device, g)
+def check_op_block(report, name, h, hk, sq, sk, d, causal, device, g, dv=None):
+    (q, k, v, dout), ref_in = random_block(h, hk, sq, sk, d, device, g, dv)
     scale = d**-0.5
     visible = torch.ones(sq, sk, dtype=torch.bool, device=device)
     if causal:
@@ -235,26 +244,34 @@ def check_op_block(report, name, h, hk, sq, sk, d, causal, device, g):
     report.check(max(errs.values()) <= OPS_RTOL, name, fmt(errs) + f" (tol {OPS_RTOL})")
 
 
-def check_op_merge(report, sizes, device, g):
-    (h, hk), d, (sq, sk) = sizes.heads[0], max(sizes.dims), sizes.merge
-    (q, k, v, dout), ref_in = random_block(h, hk, sq, sk, d, device, g)
+def check_op_merge(report, h, hk, d, sizes, device, g, dv=None):
+    """A merge of 3 partial states of one (sq x sk) block and the merged-state backward; values ``dv`` wide."""
+    (sq, sk), dv = sizes.merge, dv or d
+    (q, k, v, dout), ref_in = random_block(h, hk, sq, sk, d, device, g, dv)
     scale = d**-0.5
     want = reference_block(*ref_in, scale, torch.ones(sq, sk, dtype=torch.bool, device=device))
     cols = [slice(c[0].item(), c[-1].item() + 1) for c in torch.tensor_split(torch.arange(sk), 3)]
-    out, lse = empty_state(h, sq, d, q)
+    out, lse = empty_state(h, sq, dv, q)
     for c in cols:
         merge_into(out, lse, *attention_forward(q, k[:, c], v[:, c], causal=False, scale=scale))
     out = out.to(q.dtype)
-    dq, dk, dv = (torch.zeros_like(x, dtype=torch.float32) for x in (q, k, v))
+    gq, gk, gv = (torch.zeros_like(x, dtype=torch.float32) for x in (q, k, v))
     for c in cols:
         bq, bk, bv = attention_backward(dout, q, k[:, c], v[:, c], out, lse, causal=False, scale=scale)
-        dq += bq
-        dk[:, c] += bk
-        dv[:, c] += bv
-    errs = dict(zip(("out", "lse", "dq", "dk", "dv"), (rel(a, b) for a, b in zip((out, lse, dq, dk, dv), want))))
+        gq += bq
+        gk[:, c] += bk
+        gv[:, c] += bv
+    errs = dict(zip(("out", "lse", "dq", "dk", "dv"), (rel(a, b) for a, b in zip((out, lse, gq, gk, gv), want))))
+    width = f"d{d}" if dv == d else f"dk{d}/dv{dv}"
     report.check(
-        max(errs.values()) <= OPS_RTOL, f"ops merge of 3 h{h}/kv{hk} d{d} {sq}x{sk}", fmt(errs) + f" (tol {OPS_RTOL})"
+        max(errs.values()) <= OPS_RTOL,
+        f"ops merge of 3 h{h}/kv{hk} {width} {sq}x{sk}",
+        fmt(errs) + f" (tol {OPS_RTOL})",
     )
+
+
+def _kind(sq: int, causal: bool) -> str:
+    return "causal" if causal else ("single-query" if sq == 1 else "full")
 
 
 def check_ops(report, sizes, device):
@@ -262,11 +279,17 @@ def check_ops(report, sizes, device):
     for h, hk in sizes.heads:
         for d in sizes.dims:
             for sq, sk, causal in sizes.blocks:
-                kind = "causal" if causal else ("single-query" if sq == 1 else "full")
-                check_op_block(report, f"ops h{h}/kv{hk} d{d} {kind} {sq}x{sk}", h, hk, sq, sk, d, causal, device, g)
+                name = f"ops h{h}/kv{hk} d{d} {_kind(sq, causal)} {sq}x{sk}"
+                check_op_block(report, name, h, hk, sq, sk, d, causal, device, g)
     (h, hk), d, (sq, sk) = sizes.heads[0], max(sizes.dims), sizes.big_block
     check_op_block(report, f"ops h{h}/kv{hk} d{d} full {sq}x{sk}", h, hk, sq, sk, d, False, device, g)
-    check_op_merge(report, sizes, device, g)
+    check_op_merge(report, h, hk, max(sizes.dims), sizes, device, g)
+    heads, widths = sizes.mla
+    for dk, dv in widths:  # value width apart from the query/key width: the padded kernel calls
+        for sq, sk, causal in sizes.blocks:
+            name = f"ops value width h{heads} dk{dk}/dv{dv} {_kind(sq, causal)} {sq}x{sk}"
+            check_op_block(report, name, heads, heads, sq, sk, dk, causal, device, g, dv)
+        check_op_merge(report, heads, heads, dk, sizes, device, g, dv)
 
 
 # ---- 2. prefix attention --------------------------------------------------------------------------------

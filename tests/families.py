@@ -41,10 +41,34 @@ _LINEAR = dict(
     linear_value_head_dim=8,
     layer_types=["linear_attention", "full_attention"],
 )
+# Multi-head latent attention: q/k of width D_k = qk_nope + qk_rope = 8 + 4 = 12 (D_v = 8) or 4 + 4 = 8 (D_v = 12),
+# through low-rank K/V (and query) projections; K/V are expanded to every query head, as in the released configs
+# (num_key_value_heads = num_attention_heads). One dense layer, then an MoE layer with a shared expert.
+_MLA = dict(
+    num_key_value_heads=4, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, kv_lora_rank=16, q_lora_rank=16
+)
+_MLA_MOE = dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1)
+_MLA_V3 = dict(**_MLA, **_MLA_MOE, first_k_dense_replace=1, n_group=1, topk_group=1)
+# Mistral 4's YaRN with its Llama-4 query scaling 1 + beta log(1 + floor(position / original)): an original context
+# of 8 scales the queries of every position from 8 on, which the responses reach only with their true positions.
+_MISTRAL4_ROPE = dict(
+    rope_type="yarn",
+    rope_theta=10000.0,
+    factor=64.0,
+    original_max_position_embeddings=8,
+    beta_fast=32.0,
+    beta_slow=1.0,
+    mscale_all_dim=1.0,
+    mscale=1.0,
+    llama_4_scaling_beta=0.1,
+    partial_rotary_factor=0.5,
+)
 # Gated DeltaNet's per-token decay is exp(-A softplus(a + dt_bias)); transformers initialises A in (0, 16), a
 # decay near exp(-10) that forgets a prompt within a token or two and leaves the decay parameters' gradients
 # at ~1e-9. A in (0.02, 0.2) keeps ~90% of the state per token, so the prompt's state reaches the responses.
 LINEAR_A = (0.02, 0.2)
+
+ABSENT = object()  # a family's kwarg of this value drops that size of ``_SHAPE``: its config has no such attribute
 
 # name: (config class, model class, config kwargs)
 PARITY = {
@@ -73,6 +97,35 @@ PARITY = {
     "qwen3.5": (tf.Qwen3_5TextConfig, tf.Qwen3_5ForCausalLM, dict(_LINEAR)),
     "qwen3.5-moe": (tf.Qwen3_5MoeTextConfig, tf.Qwen3_5MoeForCausalLM, dict(**_LINEAR, **_MOE)),
     "qwen3-next": (tf.Qwen3NextConfig, tf.Qwen3NextForCausalLM, dict(**_LINEAR, **_MOE)),
+    # Multi-head latent attention, value width apart from the query/key width (D_v < D_k but Mistral 4's D_v > D_k)
+    "deepseek-v2": (tf.DeepseekV2Config, tf.DeepseekV2ForCausalLM, dict(**_MLA, **_MLA_MOE, first_k_dense_replace=1)),
+    "deepseek-v3": (tf.DeepseekV3Config, tf.DeepseekV3ForCausalLM, _MLA_V3),
+    "mistral4": (
+        tf.Mistral4Config,
+        tf.Mistral4ForCausalLM,
+        dict(_MLA_V3, qk_nope_head_dim=4, v_head_dim=12, rope_parameters=_MISTRAL4_ROPE),
+    ),
+    # LongCat-Flash: two attention sublayers per layer (num_layers 1: 2 attention layers), no intermediate_size
+    # (ffn_hidden_size), zero-computation experts among the routed ones, LoRA scales sqrt(hidden / rank) of 2 (q)
+    # and sqrt(2) (kv); its head_dim is the rope part. Its router's float32 gradient is the worst conditioned of
+    # the matrix: over seeds the flattened baseline itself lies up to 1e-5 of it from float64 (as far as the
+    # replay does; in float64 throughout both agree to 1e-14), so this seed's 3e-6 is the margin under RTOL.
+    "longcat-flash": (
+        tf.LongcatFlashConfig,
+        tf.LongcatFlashForCausalLM,
+        dict(
+            _MLA,
+            q_lora_rank=8,
+            num_layers=1,
+            head_dim=4,
+            intermediate_size=ABSENT,
+            ffn_hidden_size=64,
+            expert_ffn_hidden_size=32,
+            n_routed_experts=4,
+            zero_expert_num=2,
+            moe_topk=2,
+        ),
+    ),
 }
 REFUSED = {
     "gemma2-default": (
@@ -118,7 +171,9 @@ def family_model(name: str, seed: int = 0, dtype: torch.dtype = torch.float32):
     """Family ``name``'s tiny model (``PARITY`` or ``REFUSED``), random weights from ``seed``, train mode."""
     config_cls, model_cls, kwargs = (PARITY.get(name) or REFUSED[name])[:3]
     torch.manual_seed(seed)
-    config = config_cls(**{**_SHAPE, "attn_implementation": "sdpa", **kwargs})
+    config = config_cls(
+        **{k: v for k, v in {**_SHAPE, "attn_implementation": "sdpa", **kwargs}.items() if v is not ABSENT}
+    )
     model = model_cls(config)
     with torch.no_grad():
         for module in model.modules():

@@ -35,10 +35,10 @@ def tiny_model(name: str = "qwen2-gqa", seed: int = 0):
     return model_cls(config).float().train()
 
 
-def random_trees(prompt_lens, response_lens, seed: int = 0) -> list[Tree]:
-    """``response_lens[t]`` lists the response lengths of tree t."""
+def random_trees(prompt_lens, response_lens, seed: int = 0, vocab: int = VOCAB) -> list[Tree]:
+    """``response_lens[t]`` lists the response lengths of tree t; token ids below ``vocab``."""
     g = torch.Generator().manual_seed(seed)
-    ids = lambda n: torch.randint(0, VOCAB, (n,), generator=g)
+    ids = lambda n: torch.randint(0, vocab, (n,), generator=g)
     return [Tree.of_tokens(ids(p), [ids(r) for r in rs]) for p, rs in zip(prompt_lens, response_lens)]
 
 

@@ -33,6 +33,9 @@ def test_multi_head_latent_attention_reads_qk_and_v_widths():
     assert shape.kv_width == 128 * (192 + 128)
     assert shape.attention_pair_flops == 61 * 2 * 128 * (192 + 128)
     assert shape.mlp_size == 2048 * 8 + 2048 * 1  # 8 routed experts and the shared one
+    # DeepSeek-V2 names no qk_head_dim: its two parts, nope 128 + rope 64
+    v2 = ModelShape.of(tf.DeepseekV2Config())
+    assert (v2.head_dim, v2.value_head_dim) == (192, 128)
 
 
 def test_configs_without_intermediate_size():

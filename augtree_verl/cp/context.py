@@ -1,14 +1,14 @@
 """The attention contexts a CP replay passes through the model call (``augtree_ctx=...``).
 
 The replay engine's "augtree" attention function (``replay.attention``) calls ``ctx.attend(layer, q, k, v,
-scaling)`` with this rank's tokens, q [1, H, S, D], k/v [1, H_kv, S, D] post-RoPE, and wants [1, H, S, D]
-back. A rank that owns no token of the sequence still has to relay K/V and serve queries, but transformers
-cannot run a model on zero tokens: such a rank runs one dummy token, ``S = max(n, 1)`` while only the
-first ``n`` rows are real; the dummy gets a zero output (independent of its q/k/v, so its gradients are
-exactly zero) and its K/V never leave the rank. Contexts are read-only during a model call, so an
-activation-checkpoint recompute re-runs the same attention (and the same communication) on every rank.
-They are plain classes, not dataclasses: FSDP2's cast_forward_inputs copies dataclasses found in forward
-kwargs, which would lose the prefill capture (as in ``replay.attention``).
+scaling)`` with this rank's tokens, q [1, H, S, D_k], k [1, H_kv, S, D_k], v [1, H_kv, S, D_v] post-RoPE, and wants
+[1, H, S, D_v] back (D_v != D_k: multi-head latent attention). A rank that owns no token of the sequence still has
+to relay K/V and serve queries, but transformers cannot run a model on zero tokens: such a rank runs one dummy
+token, ``S = max(n, 1)`` while only the first ``n`` rows are real; the dummy gets a zero output (independent of its
+q/k/v, so its gradients are exactly zero) and its K/V never leave the rank. Contexts are read-only during a model
+call, so an activation-checkpoint recompute re-runs the same attention (and the same communication) on every rank.
+They are plain classes, not dataclasses: FSDP2's cast_forward_inputs copies dataclasses found in forward kwargs,
+which would lose the prefill capture (as in ``replay.attention``).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ def _real(x: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def _padded(out: torch.Tensor, rows: int) -> torch.Tensor:
-    """[H, n, D] -> [1, H, rows, D] with zero rows for the dummy token."""
+    """[H, n, D_v] -> [1, H, rows, D_v] with zero rows for the dummy token."""
     if out.shape[1] < rows:
         out = torch.cat([out, out.new_zeros(out.shape[0], rows - out.shape[1], out.shape[2])], dim=1)
     return out[None]
@@ -34,8 +34,8 @@ def _padded(out: torch.Tensor, rows: int) -> torch.Tensor:
 
 class RingContext:
     """Causal ring attention over ``layout`` (RingCP over [prompt || response], or a prompt prefill).
-    With ``capture`` (a dict), records each layer's real (k, v) [H_kv, n, D], still in the graph; the
-    first capture wins so a checkpoint recompute cannot replace it."""
+    With ``capture`` (a dict), records each layer's real (k [H_kv, n, D_k], v [H_kv, n, D_v]), still in the graph;
+    the first capture wins so a checkpoint recompute cannot replace it."""
 
     def __init__(self, ring: Ring, layout: ZigzagLayout, meter: Meter, capture: dict | None = None):
         self.ring, self.layout, self.meter, self.capture = ring, layout, meter, capture

@@ -20,6 +20,9 @@ from augtree_verl.plan import Plan
 
 @dataclass(frozen=True)
 class AttentionShape:
+    """Per layer: ``heads`` query heads of width ``head_dim`` (D_k, also the keys'), ``kv_heads`` key/value heads,
+    values of width ``value_dim`` (D_v: ``value_head_dim``, or D_k where that is None)."""
+
     layers: int
     heads: int
     kv_heads: int
@@ -41,6 +44,11 @@ class AttentionShape:
             value_head_dim=shape.value_head_dim,
         )
 
+    @property
+    def value_dim(self) -> int:
+        """D_v: ``value_head_dim``, else the query/key width."""
+        return self.value_head_dim or self.head_dim
+
 
 def analytic_bytes(
     plan: Plan, prompt_len: int, response_lens: list[int], rank: int, shape: AttentionShape, train: bool = True
@@ -48,7 +56,7 @@ def analytic_bytes(
     """Bytes subgroup rank ``rank`` sends for one tree: the per-primitive formulas summed over the steps of
     ``schedule.cp_tree_schedule`` (the prefill ring, then each step's ring or MoveQ exchange)."""
     schedule, total = cp_tree_schedule(plan, prompt_len, response_lens, rank), {"fwd": 0, "bwd": 0}
-    kv = (shape.kv_heads, shape.head_dim, shape.element_size)
+    kv = (shape.kv_heads, shape.head_dim, shape.value_dim, shape.element_size)
 
     def add(per_layer: dict[str, int]) -> None:
         total["fwd"] += shape.layers * per_layer["fwd"]
@@ -66,11 +74,7 @@ def analytic_bytes(
             spec = MoveQSpec(
                 None, rank, schedule.prefill.layout, step.query_counts, ring(step.members, step.layout), 1.0
             )
-            add(
-                move_q_bytes(
-                    spec, shape.heads, shape.kv_heads, shape.head_dim, shape.element_size, shape.lse_element_size
-                )
-            )
+            add(move_q_bytes(spec, shape.heads, *kv[:3], shape.element_size, shape.lse_element_size))
         else:
             add(ring_bytes(ring(step.members, step.layout, step.prefix), *kv))
     return total

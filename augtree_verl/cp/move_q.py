@@ -2,11 +2,12 @@
 
 The prompt (all but what the responses recompute) is zigzag-sharded over all d ranks of the CP group and
 prefilled once. In a replay step each lane of ranks holds one response, its tokens zigzag-sharded over
-the lane. For one attention layer, the rank holding queries q [H, n, D] of a response:
+the lane. For one attention layer, the rank holding queries q [H, n, D_k] of a response (D_k the query/key head
+width, D_v the value width; equal but for multi-head latent attention):
   1. sends q to every prompt owner (``all_to_all_single`` over the CP group; an owner serves the queries
      of every lane at once);
   2. each owner attends all received queries to its prompt shard and returns the partial states
-     (out [H, n, D] in q's dtype, lse [H, n]);
+     (out [H, n, D_v] in q's dtype, lse [H, n]);
   3. the response's own causal part runs as a K/V ring over the lane (``ring.ring_forward``, no prefix);
   4. all partial states merge exactly on the query owner (``merge.merge_into``, float32).
 Backward: the query owner sends (dout, merged out, merged lse) to every owner, which runs its block's
@@ -19,8 +20,9 @@ exact and needs no lse gradient.
 
 Bytes one rank sends per layer (e = q/K/V element size, f = lse element size, O = prompt owners other
 than this rank, S = queries this rank serves for other ranks, 0 if it owns no prompt token):
-    forward  = e n H D |O| + S H (e D + f)            + lane ring forward
-    backward = n H (2 e D + f) |O| + S H D e          + lane ring backward
+    forward  = e n H D_k |O| + S H (e D_v + f)            + lane ring forward
+    backward = n H (2 e D_v + f) |O| + S H D_k e          + lane ring backward
+(queries and dq are D_k wide; partial outputs, dout and the merged out D_v wide)
 ``move_q_bytes`` states it in code.
 """
 
@@ -34,7 +36,7 @@ import torch.distributed as dist
 
 from augtree_verl.cp.comm import Meter, all_to_all_rows
 from augtree_verl.cp.layout import ZigzagLayout
-from augtree_verl.cp.ring import RingSpec, ring_backward, ring_bytes, ring_forward
+from augtree_verl.cp.ring import RingSpec, no_prefix, ring_backward, ring_bytes, ring_forward
 from augtree_verl.ops.attention import attention_backward, attention_forward
 from augtree_verl.ops.merge import accum_dtype, merge_into
 
@@ -72,27 +74,34 @@ class MoveQSpec:
 
 
 def move_q_bytes(
-    spec: MoveQSpec, heads: int, kv_heads: int, head_dim: int, element_size: int, lse_element_size: int
+    spec: MoveQSpec,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    value_dim: int,
+    element_size: int,
+    lse_element_size: int,
 ) -> dict[str, int]:
-    """Analytic bytes this rank sends per layer (see module docstring)."""
+    """Analytic bytes this rank sends per layer (see module docstring); ``head_dim`` D_k, ``value_dim`` D_v."""
     n = spec.query_counts[spec.rank]
     other_owners = sum(1 for j in spec.owners() if j != spec.rank)
     served = sum(c for j, c in enumerate(spec.recv_counts()) if j != spec.rank)
-    ring = ring_bytes(spec.lane, kv_heads, head_dim, element_size)
-    e, f, h, d = element_size, lse_element_size, heads, head_dim
+    ring = ring_bytes(spec.lane, kv_heads, head_dim, value_dim, element_size)
+    e, f, h, dk, dv = element_size, lse_element_size, heads, head_dim, value_dim
     return {
-        "fwd": e * n * h * d * other_owners + served * h * (e * d + f) + ring["fwd"],
-        "bwd": n * h * (2 * e * d + f) * other_owners + served * h * d * e + ring["bwd"],
+        "fwd": e * n * h * dk * other_owners + served * h * (e * dv + f) + ring["fwd"],
+        "bwd": n * h * (2 * e * dv + f) * other_owners + served * h * dk * e + ring["bwd"],
     }
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
-    """[H, n, D] -> [n, H * D] (rows are tokens, the split dimension of all_to_all)."""
+    """[H, n, D] -> [n, H * D] (rows are tokens, the split dimension of all_to_all; D: D_k for queries and dq,
+    D_v for outputs, dout and the merged out)."""
     return x.transpose(0, 1).reshape(x.shape[1], x.shape[0] * x.shape[2])
 
 
 def _heads(rows: torch.Tensor, heads: int) -> torch.Tensor:
-    """[n, H * D] -> [H, n, D]."""
+    """[n, H * D] -> [H, n, D] (D any width)."""
     return rows.view(rows.shape[0], heads, rows.shape[1] // heads).transpose(0, 1)
 
 
@@ -101,7 +110,8 @@ def _split_owners(rows: torch.Tensor, owners: int, n: int) -> list[torch.Tensor]
 
 
 def _prompt_partials(q, pk, pv, spec: MoveQSpec, meter: Meter):
-    """Steps 1-2: returns (served queries [H, N, D], per-owner partial states for my queries)."""
+    """Steps 1-2: returns (served queries [H, N, D_k], per-owner partial states (out [H, n, D_v], lse [H, n])
+    for my queries)."""
     heads, n, _ = q.shape
     owners, send, recv = spec.owners(), spec.send_counts(n), spec.recv_counts()
     q_rows = _rows(q)
@@ -109,7 +119,7 @@ def _prompt_partials(q, pk, pv, spec: MoveQSpec, meter: Meter):
     if served.shape[1]:
         o, lse = attention_forward(served, pk, pv, causal=False, scale=spec.scale)
     else:
-        o, lse = served.clone(), served.new_empty(heads, 0, dtype=accum_dtype(q.dtype))
+        o, lse = served.new_empty(heads, 0, pv.shape[2]), served.new_empty(heads, 0, dtype=accum_dtype(q.dtype))
     o_back = all_to_all_rows(_rows(o), recv, send, spec.group, meter, "fwd")
     lse_back = all_to_all_rows(lse.t().contiguous(), recv, send, spec.group, meter, "fwd")
     parts = [
@@ -120,14 +130,14 @@ def _prompt_partials(q, pk, pv, spec: MoveQSpec, meter: Meter):
 
 
 class MoveQAttention(torch.autograd.Function):
-    """out [H, n, D]: my response queries attend to [every owner's prompt shard ; the lane's response K/V
-    (causal)]; inputs q [H, n, D], k/v [H_kv, n, D] (my response shard), pk/pv [H_kv, p, D] (my prompt shard)."""
+    """out [H, n, D_v]: my response queries attend to [every owner's prompt shard ; the lane's response K/V
+    (causal)]; inputs q [H, n, D_k], k [H_kv, n, D_k], v [H_kv, n, D_v] (my response shard), pk [H_kv, p, D_k],
+    pv [H_kv, p, D_v] (my prompt shard)."""
 
     @staticmethod
     def forward(ctx, q, k, v, pk, pv, spec: MoveQSpec, meter: Meter):
         served, parts = _prompt_partials(q, pk, pv, spec, meter)
-        empty = k.new_empty(k.shape[0], 0, k.shape[2])
-        out, lse = ring_forward(q, k, v, empty, empty, spec.lane, meter)
+        out, lse = ring_forward(q, k, v, *no_prefix(k, v), spec.lane, meter)
         for part_out, part_lse in parts:
             merge_into(out, lse, part_out, part_lse)
         out = out.to(q.dtype)
@@ -153,8 +163,7 @@ class MoveQAttention(torch.autograd.Function):
         else:
             dq_served, dpk, dpv = served.clone(), torch.zeros_like(pk), torch.zeros_like(pv)
         dq_back = all_to_all_rows(_rows(dq_served), recv, send, spec.group, meter, "bwd")
-        empty = k.new_empty(k.shape[0], 0, k.shape[2])
-        dq, dk, dv, _, _ = ring_backward(dout, q, k, v, empty, empty, out, lse, spec.lane, meter)
+        dq, dk, dv, _, _ = ring_backward(dout, q, k, v, *no_prefix(k, v), out, lse, spec.lane, meter)
         for part in _split_owners(dq_back, len(owners), n):
             dq += _heads(part, heads)
         grads = (dq, dk, dv, dpk, dpv)

@@ -3,10 +3,11 @@ visible prefix (the prompt) riding along. RingCP is this ring over [prompt || re
 lane ring is this ring over a response with the lane's prompt shards as the prefix; MoveQ runs it over a
 response's lane for the response's own causal part.
 
-Every member m of a ring of size M holds, for one attention layer:
-    q [H, n_m, D]                    its queries (its zigzag shard of the causal sequence),
-    k, v [H_kv, n_m, D]              the K/V of the same tokens,
-    pk, pv [H_kv, p_m, D]            its shard of a prefix every query sees in full (p_m may be 0).
+Every member m of a ring of size M holds, for one attention layer (D_k the query/key head width, D_v the
+value width; equal but for multi-head latent attention):
+    q [H, n_m, D_k]                  its queries (its zigzag shard of the causal sequence),
+    k [H_kv, n_m, D_k], v [H_kv, n_m, D_v]     the K/V of the same tokens,
+    pk [H_kv, p_m, D_k], pv [H_kv, p_m, D_v]   its shard of a prefix every query sees in full (p_m may be 0).
 Forward: the block (k, v, pk, pv) of each member travels once around the ring (M - 1 P2P steps); each
 member attends its queries to every block (full / diagonal / skipped per zigzag chunk pair, the prefix
 in full) and merges the states in float32. Backward (docs/design.md §5: re-fetch rotated K/V, never reuse
@@ -14,7 +15,8 @@ step-0 tensors): the blocks travel around again, each followed by a float32 grad
 collects every member's dK/dV contribution and arrives back at its owner after M sends; every block
 backward uses the *merged* (out, lse).
 
-Bytes one member sends per layer (e = K/V element size, ``block_elems(j) = 2 H_kv D (n_j + p_j)``):
+Bytes one member sends per layer (e = K/V element size, ``block_elems(j) = H_kv (D_k + D_v) (n_j + p_j)``,
+the K/V at their true widths):
     forward  = e * sum_{t=0}^{M-2} block_elems((m - t) mod M)          (every block but the next member's)
     backward = e * sum_{t=0}^{M-2} block_elems((m - t) mod M) + a * sum_j block_elems(j)
 (the second term: M gradient-accumulator sends, one per block, in the accumulation dtype: a = 4 bytes,
@@ -52,28 +54,34 @@ class RingSpec:
         return self.prefix.size(member) if self.prefix is not None else 0
 
 
-def block_elems(spec: RingSpec, member: int, kv_heads: int, head_dim: int) -> int:
-    """Elements of member ``member``'s travelling block (k, v, pk, pv)."""
-    return 2 * kv_heads * head_dim * (spec.layout.size(member) + spec.prefix_size(member))
+def block_elems(spec: RingSpec, member: int, kv_heads: int, head_dim: int, value_dim: int) -> int:
+    """Elements of member ``member``'s travelling block (k, v, pk, pv): H_kv (D_k + D_v) per token."""
+    return kv_heads * (head_dim + value_dim) * (spec.layout.size(member) + spec.prefix_size(member))
 
 
-def ring_bytes(spec: RingSpec, kv_heads: int, head_dim: int, kv_element_size: int) -> dict[str, int]:
-    """Analytic bytes this rank sends per layer (see module docstring)."""
+def ring_bytes(spec: RingSpec, kv_heads: int, head_dim: int, value_dim: int, kv_element_size: int) -> dict[str, int]:
+    """Analytic bytes this rank sends per layer (see module docstring); ``head_dim`` D_k, ``value_dim`` D_v."""
     m, size = spec.ring.index, spec.ring.size
-    relayed = sum(block_elems(spec, (m - t) % size, kv_heads, head_dim) for t in range(size - 1))
-    grads = sum(block_elems(spec, j, kv_heads, head_dim) for j in range(size)) if size > 1 else 0
+    relayed = sum(block_elems(spec, (m - t) % size, kv_heads, head_dim, value_dim) for t in range(size - 1))
+    grads = sum(block_elems(spec, j, kv_heads, head_dim, value_dim) for j in range(size)) if size > 1 else 0
     accum_size = max(4, kv_element_size)  # float32 accumulators, float64 for float64 inputs
     return {"fwd": kv_element_size * relayed, "bwd": kv_element_size * relayed + accum_size * grads}
 
 
-class _Blocks:
-    """Packs a member's (k, v, pk, pv) into one flat buffer and unpacks any member's buffer by its sizes."""
+def no_prefix(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """An empty prefix (pk [H_kv, 0, D_k], pv [H_kv, 0, D_v]) for a ring without one."""
+    return k.new_empty(k.shape[0], 0, k.shape[2]), v.new_empty(v.shape[0], 0, v.shape[2])
 
-    def __init__(self, spec: RingSpec, kv_heads: int, head_dim: int):
-        self.spec, self.h, self.d = spec, kv_heads, head_dim
+
+class _Blocks:
+    """Packs a member's (k, v, pk, pv) into one flat buffer and unpacks any member's buffer by its sizes
+    (k/pk of width D_k, v/pv of width D_v)."""
+
+    def __init__(self, spec: RingSpec, k: torch.Tensor, v: torch.Tensor):
+        self.spec, self.h, self.dk, self.dv = spec, k.shape[0], k.shape[2], v.shape[2]
 
     def numel(self, member: int) -> int:
-        return block_elems(self.spec, member, self.h, self.d)
+        return block_elems(self.spec, member, self.h, self.dk, self.dv)
 
     @staticmethod
     def pack(*tensors: torch.Tensor) -> torch.Tensor:
@@ -81,9 +89,9 @@ class _Blocks:
 
     def unpack(self, buf: torch.Tensor, member: int) -> list[torch.Tensor]:
         n, p = self.spec.layout.size(member), self.spec.prefix_size(member)
-        sizes = [self.h * n * self.d] * 2 + [self.h * p * self.d] * 2
-        lens = [n, n, p, p]
-        return [t.view(self.h, ln, self.d) for t, ln in zip(buf.split(sizes), lens)]
+        shapes = [(n, self.dk), (n, self.dv), (p, self.dk), (p, self.dv)]
+        sizes = [self.h * ln * d for ln, d in shapes]
+        return [t.view(self.h, ln, d) for t, (ln, d) in zip(buf.split(sizes), shapes)]
 
 
 def _block_pairs(spec: RingSpec, me: int, other: int):
@@ -105,11 +113,11 @@ def _block_pairs(spec: RingSpec, me: int, other: int):
 
 
 def ring_forward(q, k, v, pk, pv, spec: RingSpec, meter: Meter):
-    """Merged state (out [H, n, D], lse [H, n]) in the accumulation dtype, of my queries over every
+    """Merged state (out [H, n, D_v], lse [H, n]) in the accumulation dtype, of my queries over every
     member's sequence K/V (causal) and prefix K/V (full)."""
-    ring, blocks = spec.ring, _Blocks(spec, k.shape[0], k.shape[2])
+    ring, blocks = spec.ring, _Blocks(spec, k, v)
     me = ring.index
-    out, lse = empty_state(q.shape[0], q.shape[1], q.shape[2], q)
+    out, lse = empty_state(q.shape[0], q.shape[1], v.shape[2], q)
     cur = blocks.pack(k, v, pk, pv)
     for t in range(ring.size):
         j = (me - t) % ring.size
@@ -131,7 +139,7 @@ def ring_backward(dout, q, k, v, pk, pv, out, lse, spec: RingSpec, meter: Meter)
     """Given the merged ``out`` (q's dtype) and ``lse`` of my queries (they may include attention parts
     outside this ring, e.g. MoveQ's prompt part), returns dq, dk, dv, dpk, dpv in the accumulation dtype:
     dq for my queries from this ring's keys, dK/dV for my own K/V and prefix shard from every member."""
-    ring, blocks = spec.ring, _Blocks(spec, k.shape[0], k.shape[2])
+    ring, blocks = spec.ring, _Blocks(spec, k, v)
     me, size, acc = ring.index, ring.size, accum_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     cur = blocks.pack(k, v, pk, pv)
@@ -178,7 +186,7 @@ def ring_backward(dout, q, k, v, pk, pv, out, lse, spec: RingSpec, meter: Meter)
 
 
 class RingAttention(torch.autograd.Function):
-    """out [H, n, D] = causal ring attention of q over the ring's sequence K/V and prefix K/V."""
+    """out [H, n, D_v] = causal ring attention of q over the ring's sequence K/V and prefix K/V."""
 
     @staticmethod
     def forward(ctx, q, k, v, pk, pv, spec: RingSpec, meter: Meter):
@@ -201,11 +209,11 @@ class RingAttention(torch.autograd.Function):
 
 
 def ring_attention(q, k, v, spec: RingSpec, meter: Meter, prefix_kv=None) -> torch.Tensor:
-    """RingCP attention of one layer on this member: q [H, n, D], k/v [H_kv, n, D] (this member's zigzag
-    shard, post-RoPE), ``prefix_kv`` = (pk, pv) [H_kv, p, D] or None -> out [H, n, D]."""
+    """RingCP attention of one layer on this member: q [H, n, D_k], k [H_kv, n, D_k], v [H_kv, n, D_v] (this
+    member's zigzag shard, post-RoPE), ``prefix_kv`` = (pk [H_kv, p, D_k], pv [H_kv, p, D_v]) or None
+    -> out [H, n, D_v]."""
     if (prefix_kv is None) != (spec.prefix is None):
         raise ValueError("ring_attention: prefix_kv must be given exactly when the RingSpec has a prefix layout")
     if prefix_kv is None:
-        empty = k.new_empty(k.shape[0], 0, k.shape[2])
-        prefix_kv = (empty, empty)
+        prefix_kv = no_prefix(k, v)
     return RingAttention.apply(q, k, v, prefix_kv[0], prefix_kv[1], spec, meter)

@@ -8,16 +8,19 @@ natively (H_kv divides H):
   ``AUGTREE_ATTENTION_BACKEND`` = ``torch`` (default) | ``flash_attn``. Both take float16/bfloat16 only;
   float32 CUDA tensors raise a ``ValueError`` naming the dtype and the setting to change.
 
-Shapes (one sequence, batch dimension dropped):
-    q [H, Sq, D], k/v [H_kv, Sk, D]  ->  out [H, Sq, D] (q's dtype), lse [H, Sq] (float32; float64 for
-float64 inputs, see ``merge.accum_dtype``).
+Shapes (one sequence, batch dimension dropped), D_k the query/key head width, D_v the value width (equal for
+most models; multi-head latent attention has D_v != D_k):
+    q [H, Sq, D_k], k [H_kv, Sk, D_k], v [H_kv, Sk, D_v]  ->  out [H, Sq, D_v] (q's dtype), lse [H, Sq]
+(float32; float64 for float64 inputs, see ``merge.accum_dtype``). The kernels take one width: the two calls
+below widen to max(D_k, D_v) with zero columns and narrow the results back (``head_pad``), the one place
+this happens.
 ``causal=True`` means a square diagonal block (Sq == Sk, query i sees keys 0..i); the CP primitives only
 ever need full blocks and square diagonal blocks, so top-left vs bottom-right alignment never differs.
 Blocks are never empty (a ``ValueError`` otherwise).
 
-``varlen_attention_forward/_backward`` run many independent blocks in one kernel call: q [H, Tq, D] and
-k/v [H_kv, Tk, D] packed along the token axis as described by a ``Segments`` (its device offsets are made
-once, without a host sync; single blocks use memoised one-segment ``Segments``).
+``varlen_attention_forward/_backward`` run many independent blocks in one kernel call: q [H, Tq, D_k] and
+k [H_kv, Tk, D_k], v [H_kv, Tk, D_v] packed along the token axis as described by a ``Segments`` (its device
+offsets are made once, without a host sync; single blocks use memoised one-segment ``Segments``).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import os
 import torch
 
 from augtree_verl.ops import cpu_flash, torch_flash
+from augtree_verl.ops.head_pad import kernel_width, narrow, widen
 from augtree_verl.ops.segments import Segments
 
 BACKEND_ENV = "AUGTREE_ATTENTION_BACKEND"
@@ -54,11 +58,9 @@ def _backend(q: torch.Tensor):
 def attention_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One block: q [H, Sq, D_k], k [H_kv, Sk, D_k], v [H_kv, Sk, D_v] -> out [H, Sq, D_v], lse [H, Sq]."""
     _check_block(q, k, causal)
-    backend = _backend(q)
-    if backend is cpu_flash:
-        return cpu_flash.forward(q, k, v, causal, scale)
-    return backend.varlen_forward(q, k, v, Segments.uniform(1, q.shape[1], k.shape[1]), causal, scale)
+    return _forward(q, k, v, Segments.uniform(1, q.shape[1], k.shape[1]), causal, scale)
 
 
 def attention_backward(
@@ -72,26 +74,24 @@ def attention_backward(
     causal: bool,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients (dq [H, Sq, D], dk/dv [H_kv, Sk, D], in the inputs' dtype) of one block.
+    """Gradients (dq [H, Sq, D_k], dk [H_kv, Sk, D_k], dv [H_kv, Sk, D_v], in the inputs' dtype) of one block;
+    dout and out [H, Sq, D_v].
 
     ``out`` and ``lse`` may be the *merged* state of a query over many blocks: then the result is this
     block's exact share of the merged attention's gradient (softmax weights exp(s - lse_merged), and
     D_i = <dout_i, out_merged_i>), which is how every CP primitive here runs its backward.
     """
     _check_block(q, k, causal)
-    backend = _backend(q)
-    if backend is cpu_flash:
-        return cpu_flash.backward(dout, q, k, v, out, lse, causal, scale)
-    return backend.varlen_backward(dout, q, k, v, out, lse, Segments.uniform(1, q.shape[1], k.shape[1]), causal, scale)
+    return _backward(dout, q, k, v, out, lse, Segments.uniform(1, q.shape[1], k.shape[1]), causal, scale)
 
 
 def varlen_attention_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: Segments, *, causal: bool, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Packed q [H, Tq, D], k/v [H_kv, Tk, D] -> out [H, Tq, D], lse [H, Tq]: each segment of
-    ``segments`` attends only to its own keys (``causal``: every segment a square diagonal block)."""
+    """Packed q [H, Tq, D_k], k [H_kv, Tk, D_k], v [H_kv, Tk, D_v] -> out [H, Tq, D_v], lse [H, Tq]: each
+    segment of ``segments`` attends only to its own keys (``causal``: every segment a square diagonal block)."""
     _check_segments(q, k, segments, causal)
-    return _backend(q).varlen_forward(q, k, v, segments, causal, scale)
+    return _forward(q, k, v, segments, causal, scale)
 
 
 def varlen_attention_backward(
@@ -106,9 +106,26 @@ def varlen_attention_backward(
     causal: bool,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dq [H, Tq, D], dk/dv [H_kv, Tk, D] of ``varlen_attention_forward`` for the (merged) state (out, lse)."""
+    """dq [H, Tq, D_k], dk [H_kv, Tk, D_k], dv [H_kv, Tk, D_v] of ``varlen_attention_forward`` for the (merged)
+    state (out [H, Tq, D_v], lse)."""
     _check_segments(q, k, segments, causal)
-    return _backend(q).varlen_backward(dout, q, k, v, out, lse, segments, causal, scale)
+    return _backward(dout, q, k, v, out, lse, segments, causal, scale)
+
+
+def _forward(q, k, v, segments: Segments, causal: bool, scale: float):
+    """The kernel call: widened to one head width, the output narrowed back to D_v (``head_pad``)."""
+    width = kernel_width(q, k, v)
+    out, lse = _backend(q).varlen_forward(widen(q, width), widen(k, width), widen(v, width), segments, causal, scale)
+    return narrow(out, v.shape[-1]), lse
+
+
+def _backward(dout, q, k, v, out, lse, segments: Segments, causal: bool, scale: float):
+    """The kernel call: dout and the (merged) out widened with zeros like v, dq/dk/dv narrowed back."""
+    width = kernel_width(q, k, v)
+    dq, dk, dv = _backend(q).varlen_backward(
+        *(widen(x, width) for x in (dout, q, k, v, out)), lse, segments, causal, scale
+    )
+    return narrow(dq, q.shape[-1]), narrow(dk, k.shape[-1]), narrow(dv, v.shape[-1])
 
 
 def _check_block(q, k, causal):

@@ -1,6 +1,8 @@
 """CPU backend: ATen's flash kernel ``_scaled_dot_product_flash_attention_for_cpu`` and its backward op.
 
 Natural-log lse in float32 (float64 for float64 inputs), grouped-query attention native (H_kv divides H).
+The kernel takes one head width D for q, k and v: ``ops.attention`` widens attention whose value width differs
+(``head_pad``) before calling here.
 Packed segments of equal lengths run as one batched call; ragged ones run one call per segment (a CPU
 loop over Python lengths costs no host sync). The kernel crashes on zero-length inputs: callers never
 pass empty blocks (``Segments`` rejects them). Both ops are private: called by argument name through ``AtenCall``,

@@ -9,6 +9,7 @@ calling conventions, by release:
   keywords cannot be discovered); ``window_size_left, window_size_right`` as two arguments; the forward
   returns 4 values (out, softmax_lse, S_dmask, rng_state), the backward fills dq/dk/dv in place.
 
+One head width D for q, k and v (``ops.attention`` widens attention whose value width differs, ``head_pad``).
 Every argument is passed positionally, up to the last one all three releases share, chosen by
 ``flash_attn.__version__``. Layout and offsets as in ``torch_flash`` (tokens-major, ``Segments``).
 """

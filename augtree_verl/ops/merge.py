@@ -1,6 +1,7 @@
 """Exact online-softmax merge of partial attention states (out, lse), accumulated in float32.
 
-A state for a set of queries over a set of keys is (out [H, n, D], lse [H, n]) with natural-log lse.
+A state for a set of queries over a set of keys is (out [H, n, D_v], lse [H, n]) with natural-log lse (D_v the
+value head width).
 Merging the states of two disjoint key sets gives the state over their union:
 
     lse = log(exp(lse_a) + exp(lse_b))
@@ -28,18 +29,18 @@ def accum_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def empty_state(
-    num_heads: int, num_queries: int, head_dim: int, like: torch.Tensor
+    num_heads: int, num_queries: int, value_dim: int, like: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The state of queries that have seen no key yet: out 0 [H, n, D] and lse -inf [H, n], in the
-    accumulation dtype of ``like`` (the query tensor) and on its device."""
+    """The state of queries that have seen no key yet: out 0 [H, n, D_v] (``value_dim``: the value head width)
+    and lse -inf [H, n], in the accumulation dtype of ``like`` (the query tensor) and on its device."""
     dtype = accum_dtype(like.dtype)
-    out = torch.zeros(num_heads, num_queries, head_dim, dtype=dtype, device=like.device)
+    out = torch.zeros(num_heads, num_queries, value_dim, dtype=dtype, device=like.device)
     lse = torch.full((num_heads, num_queries), float("-inf"), dtype=dtype, device=like.device)
     return out, lse
 
 
 def merge_into(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
-    """Merge a block state into the float32 accumulator (out [H, n, D], lse [H, n]) in place.
+    """Merge a block state into the float32 accumulator (out [H, n, D_v], lse [H, n]) in place.
 
     ``out``/``lse`` may be row slices (views) of a larger accumulator; ``block_out``/``block_lse`` may be
     in any float dtype and are promoted to the accumulator's dtype before use.

@@ -1,10 +1,10 @@
 """Packed variable-length blocks: many (query, key) segment pairs in one kernel call.
 
 ``Segments`` describes B independent attention segments packed along the token axis: segment b's
-queries are rows ``q_offsets[b] : q_offsets[b + 1]`` of q [H, Tq, D] and its keys rows
-``k_offsets[b] : k_offsets[b + 1]`` of k/v [H_kv, Tk, D]. The caller builds it from Python lengths; the
-device offsets (``cu_seqlens``, int32 [B + 1]) are made at most once per ``Segments`` and device and never
-copied back, so a kernel call launches without a host sync:
+queries are rows ``q_offsets[b] : q_offsets[b + 1]`` of q [H, Tq, D_k] and its keys rows
+``k_offsets[b] : k_offsets[b + 1]`` of k [H_kv, Tk, D_k] and v [H_kv, Tk, D_v]. The caller builds it from
+Python lengths; the device offsets (``cu_seqlens``, int32 [B + 1]) are made at most once per ``Segments``
+and device and never copied back, so a kernel call launches without a host sync:
 
 - equal-length segments (``Segments.uniform``: one block, or the padded rows of a micro-batch) are
   memoised by shape, so every layer and every later call of that shape reuses the same offsets, made

@@ -2,7 +2,8 @@
 
 The variable-length form: tokens-major [T, H, D] inputs with int32 ``cu_seqlens`` (``Segments``), float32
 natural-log lse [H, T]; grouped-query attention native (the backward sums dK/dV over each K/V head's
-query heads). Ships with CUDA torch: no extra package. float16/bfloat16 only (``check_flash_dtype``).
+query heads). One head width D for q, k and v (``ops.attention`` widens attention whose value width differs,
+``head_pad``). Ships with CUDA torch: no extra package. float16/bfloat16 only (``check_flash_dtype``).
 Dropout is 0, so the backward never reads the philox seed/offset: empty ones are passed. The ops are private
 and their argument lists differ between torch releases: they are called by argument name through
 ``AtenCall``, bound to the installed torch's schema.

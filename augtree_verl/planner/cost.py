@@ -1,14 +1,15 @@
 """The planner's cost model: per-rank time and memory of one replay tree under each primitive.
 
 Notation: P prompt tokens, R_i response tokens, L layers, H hidden size, I MLP width, V vocab,
-H_q / H_kv query / key-value heads of width D, e bytes per element (``dtype_bytes``), a = max(4, e) bytes per
+H_q / H_kv query / key-value heads, D_k the query/key head width and D_v the value width (equal but for
+multi-head latent attention), e bytes per element (``dtype_bytes``), a = max(4, e) bytes per
 gradient-accumulator element, F / F_attn / F_causal achieved dense / attention
 FLOP/s (full and causal blocks).
 
-Compute (summed over layers, forward only, per token or per query-key pair):
-    lin  = L * (2H(H_q + 2H_kv)D + 2 H_q D H + 6 H I)   QKV and output projections, SwiGLU MLP
+Compute (summed over layers, forward only, per token or per query-key pair; ``model_shape.ModelShape``):
+    lin  = L * (2H(H_q D_k + H_kv (D_k + D_v)) + 2 H_q D_v H + 6 H I)   QKV and output projections, SwiGLU MLP
     head = 2 H V                                        LM head, only for scored (response) tokens
-    attn = L * 4 H_q D                                  QK^T and PV per (query, key) pair; causal halves it
+    attn = L * 2 H_q (D_k + D_v)                        QK^T and PV per (query, key) pair; causal halves it
 Training multiplies forward FLOPs by f + 2 (backward = 2 x forward), f = 2 forward passes with activation
 checkpointing (the forward runs again in backward), else 1. A pass (one forward+backward over a chunk of
 tokens) costs (f + 2) (dense / F + attention / F_attn + causal attention / F_causal): the prompt-to-prompt and
@@ -30,15 +31,15 @@ One device (any plan of degree 1) runs the responses as padded micro-batches of 
 Communication per rank (bytes / bandwidth + a fixed cost per sequential step: ``ring_hop_s`` for the K/V ring,
 ``all_to_all_s`` for MoveQ; no overlap credited),
 mirroring what the CP engine sends (cp/ring.py, cp/move_q.py, and ``cp.cost.analytic_bytes``):
-    K/V ring over k > 1 ranks, keys of N tokens, kv = L 2 H_kv D:
+    K/V ring over k > 1 ranks, keys of N tokens, kv = L H_kv (D_k + D_v):
         bytes = (f + 1) (k-1)/k N kv e  +  N kv a
         (each forward relays the other members' K/V blocks; backward relays them again, and every block's
         dK/dV accumulator visits all k members, so a rank sends k accumulators of N/k tokens)
         steps = L (f (k-1) + k)
         TreeMoveKV replaying R in a lane of m ranks carries N = P + R: C_TreeMoveKV ~ 2(L_P + L_R) H_kv.
-    MoveQ, Q queries over d prompt owners: bytes = (d-1)/d Q L H_q (f (2 e D + 4) + (3 e D + 4))
-        forward: the queries travel (e D per head) and the owners return partial states (e D + 4 lse);
-        backward: (dout, merged out, lse) travel (2 e D + 4), dq returns (e D): C_MoveQ ~ L_R H_q + T_red.
+    MoveQ, Q queries over d prompt owners: bytes = (d-1)/d Q L H_q (f (e (D_k + D_v) + 4) + (e (D_k + 2 D_v) + 4))
+        forward: the queries travel (e D_k per head) and the owners return partial states (e D_v + 4 lse);
+        backward: (dout, merged out, lse) travel (2 e D_v + 4), dq returns (e D_k): C_MoveQ ~ L_R H_q + T_red.
         steps = rounds L (3 f + 3) ceil(log2 d): three all-to-alls per layer forward, three backward; and
         each round one score exchange among all d.
 
@@ -75,21 +76,22 @@ class CostModel:
         p = profile
         self.profile = p
         L, H, I, V = p.num_layers, p.hidden_size, p.intermediate_size, p.vocab_size
-        Hq, Hkv, D, beta = p.num_heads, p.num_kv_heads, p.head_dim, p.dtype_bytes
+        Hq, Dk, Dv, beta = p.num_heads, p.head_dim, p.value_head_dim, p.dtype_bytes
+        kv_width = p.shape.kv_width  # H_kv (D_k + D_v): one token's K and V in one layer
         forward_passes = 2 if p.activation_checkpointing else 1
         self.forward_passes = forward_passes
         self.train_factor = p.train_factor
         self.lin_flops, self.head_flops, self.attn_flops = p.linear_flops, p.head_flops, p.attention_pair_flops
-        self.kv_bytes = L * 2 * Hkv * D * beta
+        self.kv_bytes = L * kv_width * beta
         # Ring bytes per key token: relays (times (k-1)/k) and float32 (or wider) dK/dV accumulators.
         self.ring_relay_bytes = (forward_passes + 1) * self.kv_bytes
-        self.ring_accumulator_bytes = L * 2 * Hkv * D * max(4, beta)
-        self.query_state_bytes = L * Hq * (2 * D * beta + LSE_BYTES)  # q out, (O, lse) back
-        self.moveq_bytes = L * Hq * (forward_passes * (2 * D * beta + LSE_BYTES) + 3 * D * beta + LSE_BYTES)
+        self.ring_accumulator_bytes = L * kv_width * max(4, beta)
+        self.query_state_bytes = L * Hq * ((Dk + Dv) * beta + LSE_BYTES)  # q out, (O, lse) back
+        self.moveq_bytes = L * Hq * (forward_passes * ((Dk + Dv) * beta + LSE_BYTES) + (Dk + 2 * Dv) * beta + LSE_BYTES)
         self.moveq_steps_per_round = L * MOVEQ_COLLECTIVES * (forward_passes + 1)
         # Elements a decoder layer saves per token for backward: 4 H (norm inputs/outputs, residual),
-        # (H_q + 2 H_kv) D (Q, K, V), 2 H_q D (attention out, O-proj input), 3 I (gate, up, act*up).
-        layer_bytes = (4 * H + (Hq + 2 * Hkv) * D + 2 * Hq * D + 3 * I) * beta
+        # H_q D_k + H_kv (D_k + D_v) (Q, K, V), 2 H_q D_v (attention out, O-proj input), 3 I (gate, up, act*up).
+        layer_bytes = (4 * H + Hq * Dk + kv_width + 2 * Hq * Dv + 3 * I) * beta
         self.saved_bytes_per_token = L * H * beta if p.activation_checkpointing else L * layer_bytes
         self.working_bytes_per_token = layer_bytes if p.activation_checkpointing else 0
         self.logit_bytes_per_token = LOGIT_BYTES_PER_ENTRY * V

@@ -31,10 +31,10 @@ class PrefillContext:
     """Phase A: causal attention over the prompt; captures each layer's state: an attention layer's post-RoPE
     K/V, a linear-attention layer's final (conv, recurrent) state (``linear_state``).
 
-    ``kv[layer] = (k, v)``, each [1, H_kv, P, D], or (conv, recurrent) (shapes in ``linear_state``), still
-    attached to the prompt graph. The first capture wins, so a checkpoint recompute during the delayed
-    backward cannot replace it. ``path`` (a trie node below a root): its ancestors' per-layer leaves, root
-    first; the node's tokens then also attend to their K/V and its linear layers start from the parent's state.
+    ``kv[layer] = (k, v)``, k [1, H_kv, P, D_k] and v [1, H_kv, P, D_v], or (conv, recurrent) (shapes in
+    ``linear_state``), still attached to the prompt graph. The first capture wins, so a checkpoint recompute during
+    the delayed backward cannot replace it. ``path`` (a trie node below a root): its ancestors' per-layer leaves,
+    root first; the node's tokens then also attend to their K/V and its linear layers start from the parent's state.
     """
 
     def __init__(self, path: list[list[tuple[torch.Tensor, torch.Tensor]]] | None = None):
@@ -58,8 +58,9 @@ class ResponseContext:
     layers start from the prompt's state (``linear_state``).
 
     ``path[j][layer]``: the leaves that collect the gradients of one node of the prompt's path (one node: a
-    tree's prompt; a trie: root first), (k, v) each [1, H_kv, P_j, D] for an attention layer (every node's
-    block is attended), (conv, recurrent) for a linear-attention one (the last node's state is the start).
+    tree's prompt; a trie: root first), (k [1, H_kv, P_j, D_k], v [1, H_kv, P_j, D_v]) for an attention layer
+    (every node's block is attended), (conv, recurrent) for a linear-attention one (the last node's state is the
+    start).
     """
 
     def __init__(self, path: list[list[tuple[torch.Tensor, torch.Tensor]]]):
@@ -73,7 +74,9 @@ class ResponseContext:
 
 
 def augtree_attention_forward(module, query, key, value, attention_mask, scaling=None, augtree_ctx=None, **kwargs):
-    """transformers attention signature: q [B, H, S, D], k/v [B, H_kv, S, D] -> ([B, S, H, D], None)."""
+    """transformers attention signature: q [B, H, S, D_k], k [B, H_kv, S, D_k], v [B, H_kv, S, D_v]
+    -> ([B, S, H, D_v], None) (D_v != D_k: multi-head latent attention, whose values transformers hands over
+    unpadded to any implementation but flash attention's)."""
     if augtree_ctx is None:
         fallback = ALL_ATTENTION_FUNCTIONS.get(_FALLBACKS.get(id(module.config), "sdpa"), sdpa_attention_forward)
         return fallback(module, query, key, value, attention_mask, scaling=scaling, **kwargs)

@@ -52,17 +52,18 @@ def trie_root_bytes(
 ) -> dict[str, int]:
     """Bytes ``member`` sends for a root of ``length`` tokens over ``degree`` members ({"fwd", "bwd"}): the ring
     prefill's (``cp.ring.ring_bytes``; ``forward_runs`` 2 where activation checkpointing re-runs it), the
-    padded all-gather of each layer's K/V (shards of at most n_max tokens: (d - 1) n_max 2 H_kv D elements at
-    the K/V dtype), its float32 return (the same count, 4 bytes each), and the last hidden state's two
+    padded all-gather of each layer's K/V (shards of at most n_max tokens: (d - 1) n_max H_kv (D_k + D_v)
+    elements at the K/V dtype), its float32 return (the same count, 4 bytes each), and the last hidden state's two
     float32 [hidden] all-reduces ((d - 1) hidden 4 bytes each, counted as one ring pass)."""
     layout = ZigzagLayout(length, degree)
     ring = ring_bytes(
         RingSpec(Ring(None, tuple(range(degree)), member), layout, None, 1.0),
         shape.kv_heads,
         shape.head_dim,
+        shape.value_dim,
         shape.element_size,
     )
-    gathered = (degree - 1) * max(layout.sizes()) * 2 * shape.kv_heads * shape.head_dim
+    gathered = (degree - 1) * max(layout.sizes()) * shape.kv_heads * (shape.head_dim + shape.value_dim)
     last = (degree - 1) * hidden * 4
     return {
         "fwd": shape.layers * (forward_runs * ring["fwd"] + gathered * shape.element_size) + last,
@@ -72,8 +73,8 @@ def trie_root_bytes(
 
 class _GatheredRoot:
     """The root's whole K/V on this member of ``group`` (the subgroup, its ranks the ``layout``'s parts), as a
-    trie path entry (``kv``, ``last``, ``scores``): one-device tensors [1, H_kv, P, D] and [H] built from the
-    members' shards of ``shard`` (training: float32-summing leaves)."""
+    trie path entry (``kv``, ``last``, ``scores``): one-device tensors k [1, H_kv, P, D_k], v [1, H_kv, P, D_v]
+    and [H] built from the members' shards of ``shard`` (training: float32-summing leaves)."""
 
     def __init__(self, shard: PromptKV, layout: ZigzagLayout, group, meter: Meter):
         self.shard, self.layout, self.group, self.meter = shard, layout, group, meter
@@ -95,7 +96,8 @@ class _GatheredRoot:
         dist.all_reduce(x, group=self.group)
 
     def _gather(self, shard: torch.Tensor) -> torch.Tensor:
-        """This member's [H_kv, n, D] shard -> the whole [1, H_kv, P, D], every member's at its positions."""
+        """This member's [H_kv, n, D] shard (D: D_k for K, D_v for V) -> the whole [1, H_kv, P, D], every member's at
+        its positions."""
         shard = shard.detach()
         padded = shard.new_zeros(shard.shape[0], self.n_max, shard.shape[2])
         padded[:, : shard.shape[1]] = shard
@@ -121,7 +123,8 @@ class _GatheredRoot:
             set_grad_sum(self.shard.last, last)
 
     def _scatter(self, grad: torch.Tensor | None, shard: torch.Tensor) -> torch.Tensor:
-        """[1, H_kv, P, D] float32 sums (None: zeros) -> the sum over members of my rows, [H_kv, n, D]."""
+        """[1, H_kv, P, D] float32 sums (None: zeros) -> the sum over members of my rows, [H_kv, n, D] (D: the
+        width of ``shard``, D_k for K, D_v for V)."""
         heads, dim = shard.shape[0], shard.shape[2]
         send = shard.new_zeros(self.degree, heads, self.n_max, dim, dtype=torch.float32)
         if grad is not None:

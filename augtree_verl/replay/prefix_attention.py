@@ -6,7 +6,9 @@ per row), and each row attends causally to its own K/V (a square diagonal block,
 wasted work above the diagonal; all rows in one packed call of B equal segments, no per-row kernel
 launch). The backward runs each block's backward with the *merged* (out, lse).
 
-Shapes: q [B, H, Rq, D]; k, v [B, H_kv, Rq, D]; pk, pv [1, H_kv, P, D] -> out [B, H, Rq, D]. Under a trie
+Shapes (D_k the query/key head width, D_v the value width; equal but for multi-head latent attention):
+q [B, H, Rq, D_k]; k [B, H_kv, Rq, D_k], v [B, H_kv, Rq, D_v]; pk [1, H_kv, P, D_k], pv [1, H_kv, P, D_v]
+-> out [B, H, Rq, D_v]. Under a trie
 node the prefix is several blocks, one per node of its path (``path_causal_attention``): each is merged the
 same way, and each block's backward gives its own dK/dV.
 Rows are right padded: a padded query sees garbage, a real query never sees a padded key.
@@ -22,22 +24,23 @@ from augtree_verl.ops.attention import (
     varlen_attention_backward,
     varlen_attention_forward,
 )
-from augtree_verl.ops.merge import merge_into
+from augtree_verl.ops.merge import accum_dtype, merge_into
 from augtree_verl.ops.segments import Segments
 
 
 def _packed(x: torch.Tensor) -> torch.Tensor:
-    """[B, H, S, D] -> [H, B * S, D] (B consecutive segments)."""
+    """[B, H, S, D] -> [H, B * S, D] (B consecutive segments; D any width)."""
     return x.transpose(0, 1).reshape(x.shape[1], -1, x.shape[3])
 
 
 class PrefixCausalAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, scale: float, *prefix):
-        b, h, rq, d = q.shape
+        (b, h, rq, _), d = q.shape, v.shape[3]  # d: D_v, the width of out
         queries = _packed(q)
         out, lse = attention_forward(queries, prefix[0][0], prefix[1][0], causal=False, scale=scale)
-        out, lse = out.float().reshape(h, b * rq, d).clone(), lse.float().clone()
+        acc = accum_dtype(q.dtype)  # float32, float64 for float64 inputs (``merge.accum_dtype``)
+        out, lse = out.to(acc).reshape(h, b * rq, d).clone(), lse.to(acc).clone()
         for pk, pv in zip(prefix[2::2], prefix[3::2]):
             merge_into(out, lse, *attention_forward(queries, pk[0], pv[0], causal=False, scale=scale))
         rows = Segments.uniform(b, rq, rq)
@@ -51,7 +54,7 @@ class PrefixCausalAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse, *prefix = ctx.saved_tensors
-        b, h, rq, d = q.shape
+        (b, h, rq, _), d = q.shape, v.shape[3]
         queries, dout = _packed(q), _packed(dout)
         out, lse = out.reshape(h, b * rq, d), lse.reshape(h, b * rq)
         dq, dk, dv = varlen_attention_backward(
@@ -64,13 +67,13 @@ class PrefixCausalAttention(torch.autograd.Function):
             )
             dq = dq + dq_block
             dprefix += [dpk[None], dpv[None]]
-        unpack = lambda x: x.reshape(x.shape[0], b, rq, d).transpose(0, 1)
+        unpack = lambda x: x.reshape(x.shape[0], b, rq, x.shape[2]).transpose(0, 1)
         return unpack(dq), unpack(dk), unpack(dv), None, *dprefix
 
 
 def path_causal_attention(q, k, v, prefix: list[tuple[torch.Tensor, torch.Tensor]], scale: float) -> torch.Tensor:
-    """Queries attend to every block of ``prefix`` (k, v [1, H_kv, P_j, D] each, a trie path's nodes, root
-    first; at least one) fully and to their own tokens causally."""
+    """Queries attend to every block of ``prefix`` (k [1, H_kv, P_j, D_k], v [1, H_kv, P_j, D_v] each, a trie
+    path's nodes, root first; at least one) fully and to their own tokens causally."""
     return PrefixCausalAttention.apply(q, k, v, scale, *(x for block in prefix for x in block))
 
 

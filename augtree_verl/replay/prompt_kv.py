@@ -1,7 +1,9 @@
 """``PromptKV``: one prompt's per-layer state between its prefill and its delayed backward, on one device or
 one CP rank. Each layer's state is a pair, by layer kind (gpt-fast's one cache entry per layer):
 
-    attention layer          (k, v)               one device [1, H_kv, P, D], a CP rank [H_kv, p, D] (its shard)
+    attention layer          (k, v)               one device [1, H_kv, P, D_k] and [1, H_kv, P, D_v], a CP rank
+                                                  [H_kv, p, D_k] and [H_kv, p, D_v] (its shard; D_v the value
+                                                  width, D_k but for multi-head latent attention)
     linear-attention layer   (conv, recurrent)    [1, conv_dim, K] and [1, H_v, D_k, D_v] (``linear_state``;
                                                   one device only)
 

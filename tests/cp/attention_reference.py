@@ -8,6 +8,8 @@ from dataclasses import dataclass
 import torch
 
 HEADS, KV_HEADS, HEAD_DIM, SCALE = 4, 2, 8, 0.35
+# (D_k, D_v) of the query/key and value heads: equal, and apart on both sides (multi-head latent attention)
+WIDTHS = ((HEAD_DIM, HEAD_DIM), (12, 8), (8, 12))
 # float32 CPU: the ring merges the same exponentials in another order; 1e-5 relative is ~100x eps.
 RTOL = 1e-5
 
@@ -22,11 +24,11 @@ def rel(a, b) -> float:
 
 @dataclass
 class Reference:
-    q: torch.Tensor  # [H, L, D]
-    k: torch.Tensor  # [H_kv, L, D]
-    v: torch.Tensor
-    pk: torch.Tensor  # [H_kv, P, D]
-    pv: torch.Tensor
+    q: torch.Tensor  # [H, L, D_k]
+    k: torch.Tensor  # [H_kv, L, D_k]
+    v: torch.Tensor  # [H_kv, L, D_v]
+    pk: torch.Tensor  # [H_kv, P, D_k]
+    pv: torch.Tensor  # [H_kv, P, D_v]
     dout: torch.Tensor
     out: torch.Tensor
     dq: torch.Tensor
@@ -36,19 +38,23 @@ class Reference:
     dpv: torch.Tensor
 
 
-def random_heads(heads: int, n: int, dtype, g: torch.Generator) -> torch.Tensor:
-    return torch.randn(heads, n, HEAD_DIM, generator=g, dtype=dtype)
+def random_heads(heads: int, n: int, dtype, g: torch.Generator, dim: int = HEAD_DIM) -> torch.Tensor:
+    return torch.randn(heads, n, dim, generator=g, dtype=dtype)
 
 
-def prefix_causal_reference(prefix_len: int, seq_len: int, dtype, seed: int, prefix_kv=None) -> Reference:
-    """Random q/k/v/dout for a causal sequence of ``seq_len`` after a prefix (random, or ``prefix_kv``)."""
+def prefix_causal_reference(
+    prefix_len: int, seq_len: int, dtype, seed: int, prefix_kv=None, widths=(HEAD_DIM, HEAD_DIM)
+) -> Reference:
+    """Random q/k/v/dout for a causal sequence of ``seq_len`` after a prefix (random, or ``prefix_kv``), with
+    query/key heads of width ``widths[0]`` and value heads of width ``widths[1]``."""
     g = torch.Generator().manual_seed(seed)
-    q, k, v = (random_heads(h, seq_len, dtype, g) for h in (HEADS, KV_HEADS, KV_HEADS))
-    dout = random_heads(HEADS, seq_len, dtype, g)
+    dk, dv = widths
+    q, k, v = (random_heads(h, seq_len, dtype, g, d) for h, d in ((HEADS, dk), (KV_HEADS, dk), (KV_HEADS, dv)))
+    dout = random_heads(HEADS, seq_len, dtype, g, dv)
     pk, pv = (
         prefix_kv
         if prefix_kv is not None
-        else (random_heads(KV_HEADS, prefix_len, dtype, g), random_heads(KV_HEADS, prefix_len, dtype, g))
+        else (random_heads(KV_HEADS, prefix_len, dtype, g, dk), random_heads(KV_HEADS, prefix_len, dtype, g, dv))
     )
     seq_len, prefix_len = q.shape[1], pk.shape[1]
     leaves = [t.clone().requires_grad_() for t in (q, k, v, pk, pv)]

@@ -24,6 +24,7 @@ from augtree_verl.replay.stats import TRIE_ROOT
 from tests.cp.distributed import run_distributed
 from tests.cp.test_engine import grpo_like_loss, summed_grads
 from tests.cp.test_lockstep import _record, _same_on_every_rank
+from tests.families import family_model
 from tests.parity import assert_grads_match, assert_logps_match, grads, random_trees, tiny_model
 from tests.replay.test_trie import MIN_SHARED, SHORT, sharing_batch
 
@@ -106,6 +107,8 @@ def _world2(rank, world):
     model = tiny_model("qwen3-gqa", seed=1)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     _check(model, trees, plans, forward_runs=2)
+    # multi-head latent attention (DeepSeek-V3, D_v < D_k): the root's K/V gathered and returned at their true widths
+    _check(family_model("deepseek-v3", seed=3), trees, plans)
 
 
 def _world4_lockstep(rank, world):

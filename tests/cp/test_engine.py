@@ -17,6 +17,8 @@ from augtree_verl.replay import held_prompt_tensors
 from augtree_verl.replay.baseline import flattened_replay
 from augtree_verl.replay.offload import Offload
 from tests.cp.distributed import run_distributed
+from tests.families import VOCAB as FAMILY_VOCAB
+from tests.families import family_model
 from tests.parity import assert_grads_match, assert_logps_match, grads, random_trees, tiny_model
 
 pytestmark = pytest.mark.slow  # spawns process groups, Ray, verl engines or subprocesses
@@ -117,6 +119,11 @@ def _world2(rank, world):
     model = tiny_model("qwen3-gqa", seed=1)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     check_call(model, trees, plans, forward_runs=2)
+    # multi-head latent attention, the value width apart from the query/key width (DeepSeek-V3: D_v < D_k,
+    # Mistral 4: D_v > D_k): every primitive in one call, bytes by the shape its config gives
+    mla_trees = random_trees([13, 30, 2], [[4, 9], [5, 1, 7, 3], [6, 2, 1]], seed=5, vocab=FAMILY_VOCAB)
+    for name in ("deepseek-v3", "mistral4"):
+        check_call(family_model(name, seed=2), mla_trees, plans)
 
 
 def _world4(rank, world):

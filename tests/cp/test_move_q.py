@@ -1,5 +1,6 @@
 """MoveQ at the attention level: a prompt sharded over all d ranks, one response per lane, queries moved
-to the prompt owners; every rank's output/grad shards vs plain attention, and the bytes it sends."""
+to the prompt owners; every rank's output/grad shards vs plain attention, and the bytes it sends; with the value
+width equal to the query/key width and (world 2) apart from it on both sides."""
 
 import pytest
 import torch
@@ -10,11 +11,11 @@ from augtree_verl.cp.move_q import MoveQSpec, move_q_attention, move_q_bytes
 from augtree_verl.cp.ring import RingSpec
 from augtree_verl.replay.stats import ReplayStats
 from tests.cp.attention_reference import (
-    HEAD_DIM,
     HEADS,
     KV_HEADS,
     RTOL,
     SCALE,
+    WIDTHS,
     prefix_causal_reference,
     random_heads,
     rel,
@@ -24,12 +25,12 @@ from tests.cp.distributed import run_distributed
 pytestmark = pytest.mark.slow  # spawns process groups, Ray, verl engines or subprocesses
 
 
-def _move_q_member(rank, world, prompt_len, response_lens, lanes, dtype):
-    """``response_lens[l]``: the response lane l replays in this step (0 = the lane is idle)."""
+def _move_q_member(rank, world, prompt_len, response_lens, lanes, dtype, widths):
+    """``response_lens[l]``: the response lane l replays in this step (0 = the lane is idle); ``widths``: (D_k, D_v)."""
     g = torch.Generator().manual_seed(prompt_len * 7 + sum(response_lens))
-    pk_full, pv_full = random_heads(KV_HEADS, prompt_len, dtype, g), random_heads(KV_HEADS, prompt_len, dtype, g)
+    pk_full, pv_full = (random_heads(KV_HEADS, prompt_len, dtype, g, d) for d in widths)
     refs = [
-        prefix_causal_reference(prompt_len, r, dtype, seed=100 + lane, prefix_kv=(pk_full, pv_full))
+        prefix_causal_reference(prompt_len, r, dtype, seed=100 + lane, prefix_kv=(pk_full, pv_full), widths=widths)
         for lane, r in enumerate(response_lens)
     ]
     members = [lane_members(world, lanes, lane) for lane in range(lanes)]
@@ -60,7 +61,7 @@ def _move_q_member(rank, world, prompt_len, response_lens, lanes, dtype):
     # the prompt shard collects the gradient of every lane's queries
     assert rel(pk.grad, sum(r.dpk for r in refs)[:, ppos]) <= RTOL
     assert rel(pv.grad, sum(r.dpv for r in refs)[:, ppos]) <= RTOL
-    want = move_q_bytes(spec, HEADS, KV_HEADS, HEAD_DIM, q.element_size(), 4)
+    want = move_q_bytes(spec, HEADS, KV_HEADS, *widths, q.element_size(), 4)
     got = {d: stats.comm_bytes.get(f"move_q/{d}", 0) for d in ("fwd", "bwd")}
     assert got == want, (rank, got, want)
 
@@ -71,12 +72,13 @@ CASES = {
 }
 
 
-def _move_q_cases(rank, world):
+def _move_q_cases(rank, world, widths):
     for prompt_len, response_lens, lanes in CASES[world]:
-        _move_q_member(rank, world, prompt_len, response_lens, lanes, torch.float32)
+        for dims in widths:
+            _move_q_member(rank, world, prompt_len, response_lens, lanes, torch.float32, dims)
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("world", [2, 4])
-def test_move_q_matches_plain_attention(world):
-    run_distributed(_move_q_cases, world)
+@pytest.mark.parametrize("world,widths", [(2, WIDTHS), (4, WIDTHS[:1])])
+def test_move_q_matches_plain_attention(world, widths):
+    run_distributed(_move_q_cases, world, widths)

@@ -1,5 +1,6 @@
 """The K/V ring (RingCP, and the ring TreeMoveKV runs with a prompt prefix) vs plain attention on one
-process: every member's output shard and its q/k/v/prefix gradient shards, plus the bytes it sends."""
+process: every member's output shard and its q/k/v/prefix gradient shards, plus the bytes it sends; with the
+value width equal to the query/key width and (world 2) apart from it on both sides."""
 
 import pytest
 import torch
@@ -8,14 +9,14 @@ from augtree_verl.cp.comm import Meter, Ring
 from augtree_verl.cp.layout import ZigzagLayout
 from augtree_verl.cp.ring import RingSpec, ring_attention, ring_bytes
 from augtree_verl.replay.stats import ReplayStats
-from tests.cp.attention_reference import HEAD_DIM, KV_HEADS, RTOL, SCALE, prefix_causal_reference, rel
+from tests.cp.attention_reference import KV_HEADS, RTOL, SCALE, WIDTHS, prefix_causal_reference, rel
 from tests.cp.distributed import run_distributed
 
 pytestmark = pytest.mark.slow  # spawns process groups, Ray, verl engines or subprocesses
 
 
-def _ring_member(rank, world, seq_len, prefix_len, dtype):
-    ref = prefix_causal_reference(prefix_len, seq_len, dtype, seed=seq_len * 31 + prefix_len)
+def _ring_member(rank, world, seq_len, prefix_len, dtype, widths):
+    ref = prefix_causal_reference(prefix_len, seq_len, dtype, seed=seq_len * 31 + prefix_len, widths=widths)
     layout = ZigzagLayout(seq_len, world)
     prefix = ZigzagLayout(prefix_len, world) if prefix_len else None
     spec = RingSpec(Ring(None, tuple(range(world)), rank), layout, prefix, SCALE)
@@ -42,7 +43,7 @@ def _ring_member(rank, world, seq_len, prefix_len, dtype):
         assert rel(got, want) <= RTOL, (rank, name, rel(got, want))
     if prefix is not None:
         assert rel(pk.grad, ref.dpk[:, pmine]) <= RTOL and rel(pv.grad, ref.dpv[:, pmine]) <= RTOL
-    want = ring_bytes(spec, KV_HEADS, HEAD_DIM, ref.k.element_size())
+    want = ring_bytes(spec, KV_HEADS, *widths, ref.k.element_size())
     got = {d: stats.comm_bytes.get(f"ring/{d}", 0) for d in ("fwd", "bwd")}
     assert got == want, (rank, got, want)
 
@@ -55,19 +56,20 @@ CASES = [
 ]
 
 
-def _ring_cases(rank, world):
+def _ring_cases(rank, world, widths):
     for seq_len, prefix_len in CASES:  # one process group for all cases: spawning dominates the run time
-        _ring_member(rank, world, seq_len, prefix_len, torch.float32)
+        for dims in widths:
+            _ring_member(rank, world, seq_len, prefix_len, torch.float32, dims)
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("world", [2, 4])
-def test_ring_matches_plain_attention(world):
-    run_distributed(_ring_cases, world)
+@pytest.mark.parametrize("world,widths", [(2, WIDTHS), (4, WIDTHS[:1])])
+def test_ring_matches_plain_attention(world, widths):
+    run_distributed(_ring_cases, world, widths)
 
 
 def _ring_d1(rank, world):
-    _ring_member(rank, world, 9, 4, torch.float64)
+    _ring_member(rank, world, 9, 4, torch.float64, WIDTHS[1])
 
 
 @pytest.mark.timeout(120)

@@ -1,8 +1,9 @@
 """The family matrix against verl's stock engine: each ``tests.families.PARITY`` family picked here trains two
-optimizer steps on 2 gloo ranks with the augtree engine and with verl's stock fsdp2 engine, and must give the
-same log-probs, entropies, losses, gradient norms and weights (the families whose logits the family's own
-forward transforms, and an MoE); a refused family is refused when the engine is built, and so is a replay
-that skipped a family's logit transform (the start-up exactness probe)."""
+optimizer steps on 2 gloo ranks with the augtree engine and with verl's stock fsdp2 engine, and must give the same
+log-probs, entropies, losses, gradient norms and weights (the families whose logits the family's own forward
+transforms, MoEs, and multi-head latent attention, whose value width differs from the query/key width); a refused
+family is refused when the engine is built, and so is a replay that skipped a family's logit transform (the start-up
+exactness probe)."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ WORLD = 2
 # float32: the probe's rounding error was at most 8.8e-7 over 11 families and 3 seeds (replay/model_check.py)
 PROBE_BOUND = 1e-4
 GROUPS = [(9, [3, 5, 4, 2]), (4, [6, 2, 3, 1]), (6, [4, 2, 3, 1])]  # rows dealt round-robin: 6 a rank
-FAMILIES = ["granite", "cohere", "gemma2", "qwen3-moe", "qwen3.5-moe"]
+FAMILIES = ["granite", "cohere", "gemma2", "qwen3-moe", "qwen3.5-moe", "deepseek-v3"]
 
 
 def _save(name: str, directory) -> str:

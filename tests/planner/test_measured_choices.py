@@ -4,7 +4,7 @@ calibrated on the benchmark machine it picks the primitive that was measured fas
 import dataclasses
 
 import pytest
-from transformers import Qwen2Config
+from transformers import DeepseekV3Config, Qwen2Config
 
 from augtree_verl import Plan
 from augtree_verl.cp.cost import AttentionShape, analytic_bytes
@@ -20,6 +20,25 @@ SMALL = Qwen2Config(
     num_key_value_heads=2,
     vocab_size=512,
 )
+# Multi-head latent attention of qwen2-small's size: queries and keys 24 + 8 = 32 wide, values 16 (D_v < D_k), and
+# values 48 (D_v > D_k); K/V heads are the query heads, as MLA expands them.
+MLA = dict(
+    hidden_size=128,
+    intermediate_size=352,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    qk_nope_head_dim=24,
+    qk_rope_head_dim=8,
+    kv_lora_rank=32,
+    q_lora_rank=32,
+    vocab_size=512,
+)
+BYTE_CONFIGS = {
+    "qwen2-small": SMALL,
+    "mla-narrow-v": DeepseekV3Config(**MLA, v_head_dim=16),
+    "mla-wide-v": DeepseekV3Config(**MLA, v_head_dim=48),
+}
 BENCH_BASE = dataclasses.replace(
     ClusterProfile.default().with_model(SMALL), activation_checkpointing=False, dtype_bytes=4
 )
@@ -87,28 +106,32 @@ def _byte_counting(profile: ClusterProfile) -> ClusterProfile:
     )
 
 
-def _engine_mean_bytes(plan: Plan, prompt_len: int, response_lens: list[int]) -> float:
-    shape = AttentionShape.of(SMALL, element_size=4)
+def _engine_mean_bytes(plan: Plan, prompt_len: int, response_lens: list[int], config) -> float:
+    shape = AttentionShape.of(config, element_size=4)
     return (
         sum(sum(analytic_bytes(plan, prompt_len, response_lens, rank, shape).values()) for rank in range(plan.degree))
         / plan.degree
     )
 
 
+@pytest.mark.parametrize("config", sorted(BYTE_CONFIGS))
 @pytest.mark.parametrize("degree", [2, 4])
-def test_ring_bytes_are_what_the_engine_sends(degree):
+def test_ring_bytes_are_what_the_engine_sends(degree, config):
     """TreeMoveKV with one lane: lane prefill ring + one ring per response over [its R - 1 fed tokens ; prompt]."""
-    cost = cost_model(_byte_counting(BENCH_BASE))
+    config = BYTE_CONFIGS[config]
+    cost = cost_model(_byte_counting(BENCH_BASE.with_model(config)))
     P, R = 1000, [201, 301, 57]
     plan = Plan(degree=degree, primitive="tree_move_kv", rounds=3, lanes=1, placement=((0, 0), (1, 0), (2, 0)))
     planner = cost.ring_comm(P, degree) + sum(cost.ring_comm(P + r - 1, degree) for r in R)
-    assert float(planner) == pytest.approx(_engine_mean_bytes(plan, P, R), rel=BYTES_REL)
+    assert float(planner) == pytest.approx(_engine_mean_bytes(plan, P, R, config), rel=BYTES_REL)
 
 
+@pytest.mark.parametrize("config", sorted(BYTE_CONFIGS))
 @pytest.mark.parametrize("degree", [2, 4])
-def test_move_q_bytes_are_what_the_engine_sends(degree):
+def test_move_q_bytes_are_what_the_engine_sends(degree, config):
     """MoveQ with one rank per lane: prefill ring over all d + every fed query to the d - 1 other owners."""
-    cost = cost_model(_byte_counting(BENCH_BASE))
+    config = BYTE_CONFIGS[config]
+    cost = cost_model(_byte_counting(BENCH_BASE.with_model(config)))
     P, R = 1000, [201, 301, 57, 90]
     plan = Plan(
         degree=degree,
@@ -119,4 +142,4 @@ def test_move_q_bytes_are_what_the_engine_sends(degree):
     )
     queries = sum(r - 1 for r in R)
     planner = cost.ring_comm(P, degree) + cost.moveq_owners(P, queries, plan.rounds, degree)[1]
-    assert float(planner) == pytest.approx(_engine_mean_bytes(plan, P, R), rel=BYTES_REL)
+    assert float(planner) == pytest.approx(_engine_mean_bytes(plan, P, R, config), rel=BYTES_REL)
