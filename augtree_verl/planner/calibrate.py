@@ -197,16 +197,19 @@ def _attention_block(profile, device: torch.device, dtype: torch.dtype, causal: 
     """(step, FLOPs): a forward + backward of one attention block (``causal`` or full) and the FLOPs the cost
     model counts for it."""
     kv_heads = min(profile.num_kv_heads, ATTENTION_MAX_KV_HEADS.get(device.type, ATTENTION_MAX_KV_HEADS["cpu"]))
-    heads, dim = kv_heads * (profile.num_heads // profile.num_kv_heads), profile.head_dim
+    heads = kv_heads * (profile.num_heads // profile.num_kv_heads)
+    dim, value_dim = profile.head_dim, profile.value_head_dim
+    pair = 2 * heads * (dim + value_dim)  # FLOPs per (query, key) pair: QK^T and PV (``ModelShape``)
     if device.type == "cuda":
         tokens = ATTENTION_TOKENS_CUDA
     else:
         lo, hi = ATTENTION_CPU_TOKENS
-        tokens = int(min(hi, max(lo, math.sqrt(ATTENTION_CPU_FLOPS / (4 * heads * dim)))))
+        tokens = int(min(hi, max(lo, math.sqrt(ATTENTION_CPU_FLOPS / pair))))
     q = torch.randn(heads, tokens, dim, device=device, dtype=dtype)
-    k, v = (torch.randn(kv_heads, tokens, dim, device=device, dtype=dtype) for _ in range(2))
-    dout = torch.randn_like(q)
-    return _attention_step(q, k, v, dout, causal), 3 * 4 * heads * dim * tokens * tokens / (2 if causal else 1)
+    k = torch.randn(kv_heads, tokens, dim, device=device, dtype=dtype)
+    v = torch.randn(kv_heads, tokens, value_dim, device=device, dtype=dtype)
+    dout = torch.randn(heads, tokens, value_dim, device=device, dtype=dtype)
+    return _attention_step(q, k, v, dout, causal), 3 * pair * tokens * tokens / (2 if causal else 1)
 
 
 def _attention_step(q, k, v, dout, causal: bool):

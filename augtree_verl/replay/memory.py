@@ -16,12 +16,12 @@ scored (``TrieNode.score_from``):
                    them) x (saved + layer) + scored x head)
 
 and the peak is the largest (Σ path resident + call) over the trie's nodes X. Per-token bytes, from the model
-config (L layers, H hidden, H_q / H_kv heads of width D, I MLP width, V vocab, e bytes per element of the
-dtype the layers compute in):
+config (``ModelShape``: L layers, H hidden, H_q / H_kv heads, query/key width D_k, value width D_v, I MLP width,
+V vocab, e bytes per element of the dtype the layers compute in):
 
-    kv     = L 2 H_kv D e
-    kv_sum = L 2 H_kv D 4
-    layer  = e (LAYER_HIDDEN H + LAYER_HEADS H_q D + 2 H_kv D + LAYER_MLP I)   one decoder layer's saved
+    kv     = L H_kv (D_k + D_v) e
+    kv_sum = L H_kv (D_k + D_v) 4
+    layer  = e (LAYER_HIDDEN H + LAYER_HEADS H_q D_k + H_kv (D_k + D_v) + LAYER_MLP I)   one decoder layer's saved
              activations (no checkpointing: every layer's until the backward; with it: the one layer that is
              recomputed at a time)
     saved  = (L + CHECKPOINT_EXTRA) H e    with checkpointing: each layer's input and the final norm's
@@ -63,7 +63,7 @@ FLOAT32_BYTES = 4  # gradient sums, tempered logits and their gradient are float
 # Elements a decoder layer saves for its backward per token (Qwen2/Llama, counted from transformers' code and
 # checked by the measurement in tests/replay/test_memory.py): 6 H from the two RMSNorms (input, x * rsqrt,
 # weight * that, each norm), 3 H_q D from attention (the rotated queries, the output, and the o_proj input's
-# contiguous copy), 2 H_kv D (the rotated keys and the values) and 4 I from the SwiGLU MLP (gate, silu(gate),
+# contiguous copy), H_kv (D_k + D_v) (the rotated keys and the values) and 4 I from the SwiGLU MLP (gate, silu(gate),
 # up, their product).
 LAYER_HIDDEN, LAYER_HEADS, LAYER_MLP = 6, 3, 4
 # Without autograd a layer's largest moment: the residual and its normed copy, and the MLP's gate, up and
