@@ -88,18 +88,27 @@ def _check_ids(t, what: str, device: torch.device | None) -> None:
         raise ValueError(f"{what} is on {t.device} but the model is on {device}")
 
 
+# verl's per-sequence work estimate w(s) = 12 h^2 s + 2 h s^2 at h = 4096, divided by 2h
+# (``verl.utils.seqlen_balancing.calculate_workload``, which the stock trainer balances by): linear layers plus causal
+# attention. Written here so the ground floor imports no verl; tests/test_groups.py holds it equal to verl's.
+WORKLOAD_LINEAR = 24576
+
+
+def sequence_workload(lens: torch.Tensor) -> torch.Tensor:
+    """w(s) per sequence length (int64 tensor), verl's estimate (``WORKLOAD_LINEAR``)."""
+    return WORKLOAD_LINEAR * lens + lens**2
+
+
 def tree_workload(prompt_len: int, response_lens: Sequence[int]) -> int:
     """Estimated work of replaying one tree with the prompt run once.
 
-    With verl's per-sequence estimate w(s) = ``calculate_workload(s)`` (linear layers + causal
-    attention), a flattened group costs sum_i w(P + R_i). Running the prompt once removes G - 1 prompt
-    passes and keeps each response's attention to the prompt (the 2·P·R_i cross term of w(P + R_i)),
-    so the tree costs sum_i w(P + R_i) - (G - 1)·w(P).
+    With verl's per-sequence estimate w(s) (``sequence_workload``: linear layers + causal attention), a flattened
+    group costs sum_i w(P + R_i). Running the prompt once removes G - 1 prompt passes and keeps each response's
+    attention to the prompt (the 2·P·R_i cross term of w(P + R_i)), so the tree costs
+    sum_i w(P + R_i) - (G - 1)·w(P).
     """
-    from verl.utils.seqlen_balancing import calculate_workload  # lazy: importing verl takes seconds
-
     lens = torch.tensor([prompt_len] + [prompt_len + r for r in response_lens], dtype=torch.int64)
-    work = calculate_workload(lens)
+    work = sequence_workload(lens)
     return int(work[1:].sum() - (len(response_lens) - 1) * work[0])
 
 

@@ -63,7 +63,6 @@ VERL_NAMES = {
         "verl.tools.schemas.OpenAIFunctionToolSchema",
         "verl.tools.schemas.ToolResponse",
     ),
-    "groups.py": ("verl.utils.seqlen_balancing.calculate_workload",),
     "integration/config.py": ("verl.workers.config.FSDPEngineConfig",),
     "integration/cpu_platform.py": (
         "verl.plugin.platform.PlatformBase",

@@ -248,7 +248,7 @@ def shared_root_plans(
     ``micro_batch_tokens``, as the lock-step's."""
     out, cp_roots, demoted = list(plans), [], 0
     roots = (trie if trie is not None else StepTrie(trees)).roots
-    work: list[int] | None = None  # each tree's, where a cost model needs it (``tree_workload`` imports verl)
+    work: list[int] | None = None  # each tree's, where a cost model needs it
     for root in roots:
         members = root.trees()
         degree = max(p.degree if (p := plans[t]) is not None else 1 for t in members)
