@@ -46,6 +46,20 @@ _LINEAR = dict(
 # at ~1e-9. A in (0.02, 0.2) keeps ~90% of the state per token, so the prompt's state reaches the responses.
 LINEAR_A = (0.02, 0.2)
 
+# Phi-3's longrope: short factors up to original_max_position_embeddings, long ones beyond (``replay.rope``), the
+# threshold small enough that the matrix's trees and the probe cross it; factors far apart, so a row computed in the
+# wrong regime is off by far more than rounding.
+_LONGROPE = dict(
+    original_max_position_embeddings=12,
+    rope_parameters=dict(
+        rope_type="longrope",
+        rope_theta=10000.0,
+        original_max_position_embeddings=12,
+        short_factor=[1.0, 1.2, 1.5, 2.0],
+        long_factor=[3.0, 5.0, 8.0, 13.0],
+    ),
+)
+
 # name: (config class, model class, config kwargs)
 PARITY = {
     "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM, {}),
@@ -73,6 +87,7 @@ PARITY = {
     "qwen3.5": (tf.Qwen3_5TextConfig, tf.Qwen3_5ForCausalLM, dict(_LINEAR)),
     "qwen3.5-moe": (tf.Qwen3_5MoeTextConfig, tf.Qwen3_5MoeForCausalLM, dict(**_LINEAR, **_MOE)),
     "qwen3-next": (tf.Qwen3NextConfig, tf.Qwen3NextForCausalLM, dict(**_LINEAR, **_MOE)),
+    "phi3-longrope": (tf.Phi3Config, tf.Phi3ForCausalLM, dict(_LONGROPE)),
 }
 REFUSED = {
     "gemma2-default": (
