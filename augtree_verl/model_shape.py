@@ -21,6 +21,7 @@ HEADS = ("num_attention_heads", "n_head")
 KV_HEADS = ("num_key_value_heads", "num_kv_heads", "multi_query_group_num")
 QK_HEAD_DIM = ("qk_head_dim", "head_dim")  # MLA's ``head_dim`` is its rope part: ``qk_head_dim`` first
 V_HEAD_DIM = ("v_head_dim",)
+MLA_QK_PARTS = ("qk_nope_head_dim", "qk_rope_head_dim")  # MLA's query/key width in two parts
 DENSE_MLP = ("intermediate_size", "ffn_hidden_size", "ffn_dim", "n_inner")
 EXPERT_MLP = ("moe_intermediate_size", "expert_ffn_hidden_size")
 EXPERTS_PER_TOKEN = ("num_experts_per_tok", "moe_topk")
@@ -75,7 +76,15 @@ class ModelShape:
                     f"config of model {model_type!r} has no {what} under a name augtree knows ({', '.join(names)})"
                 )
         layers, hidden, heads = sizes["layers"], sizes["hidden size"], sizes["heads"]
-        head_dim = _first(config, QK_HEAD_DIM) or hidden // heads
+        # MLA's query/key width: ``qk_head_dim`` where the config keeps it (DeepSeek-V3), else its two parts
+        # (DeepSeek-V2 has only ``qk_nope_head_dim`` and ``qk_rope_head_dim``; its ``head_dim`` is the rope part)
+        mla_parts = [_first(config, (name,)) for name in MLA_QK_PARTS]
+        head_dim = (
+            _first(config, QK_HEAD_DIM[:1])
+            or (sum(mla_parts) if all(mla_parts) else None)
+            or _first(config, QK_HEAD_DIM[1:])
+            or hidden // heads
+        )
         layer_types = getattr(config, "layer_types", None) or ()
         return cls(
             model_type=model_type,

@@ -39,6 +39,7 @@ import torch
 from transformers import PretrainedConfig
 
 from augtree_verl.groups import Tree
+from augtree_verl.model_shape import ModelShape
 from augtree_verl.replay.attention import PrefillContext, original_attention, use_augtree_attention
 from augtree_verl.replay.baseline import flattened_replay
 from augtree_verl.replay.engine import per_response, replay
@@ -99,6 +100,18 @@ def check_model(model, *, training: bool = True) -> None:
             layers.append(layer)
 
     decoder = _check_structure(model, add)
+    try:  # the sizes the planner, the memory guard and the FLOP counts read (``model_shape``)
+        shape = ModelShape.of(config)
+    except ValueError as error:
+        add("a config whose sizes augtree cannot read", None, str(error))
+    else:
+        if shape.value_head_dim != shape.head_dim:
+            for i in range(n):
+                add(
+                    "value heads of another width than the query/key heads (multi-head latent attention)",
+                    i,
+                    f"query/key head width {shape.head_dim}, value head width {shape.value_head_dim}",
+                )
     layer_types = getattr(config, "layer_types", None)
     window = getattr(config, "sliding_window", None)
     with_state = {m.layer_idx for m in linear_attention_modules(model)}  # Gated DeltaNet layers (``linear_state``)
@@ -147,8 +160,14 @@ def check_model(model, *, training: bool = True) -> None:
         if type(module).__name__.endswith("Indexer"):
             add(KEY_SELECTION["index_topk"], _layer_of(name), f"{type(module).__name__} {name}")
         elif getattr(module, "is_causal", True) is False and hasattr(module, "layer_idx"):
+            # cross-attention modules (to an encoder's or an image's states) by their names: BART's ``encoder_attn``,
+            # Mllama's ``MllamaTextCrossAttention``
+            cross = any(word in f"{name}.{type(module).__name__}".lower() for word in ("cross", "encoder_attn"))
+            feature = "cross-attention" if cross else "bidirectional attention"
             add(
-                "bidirectional attention (the replay's attention is causal)", _layer_of(name), f"{name}.is_causal=False"
+                f"{feature} (the replay's attention is causal self-attention)",
+                _layer_of(name),
+                f"{name}.is_causal=False",
             )
     cycles = {name: value for name in CYCLES if isinstance(value := getattr(config, name, None), int) and value > 1}
     if cycles:
