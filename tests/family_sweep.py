@@ -1,13 +1,14 @@
 """Every causal-LM and image-text-to-text class the installed transformers registers, as a tiny random model, through
-the engine's build checks (``replay.model_check``: ``check_model``, then the start-up probe): each must replay exactly
-or be refused by name. ``tests/replay/test_family_sweep.py`` runs it; ``python -m tests.family_sweep`` writes the
+the engine's build checks (``replay.model_check``: ``check_model``, then the start-up probe, then what the engine reads
+of the config after it: the planner's profile, the memory guard): each must replay exactly or be refused by name.
+``tests/replay/test_family_sweep.py`` runs it; ``python -m tests.family_sweep --write docs/models.md`` writes the
 table of docs/models.md.
 
 A class's tiny model is its config class's defaults shrunk generically (``shrink``: widths, heads, layers, vocabulary,
-experts; dropout off, so that the table shows what the family's layers do in training without it; token ids inside
-the vocabulary), the few settings the generic shrink cannot get right per model type in ``OVERRIDES``, and the classes
-whose tiny model cannot be built at all in ``SKIPPED`` with the reason. float32, CPU, one process: the probe's
-flattened rows are the model's own forward, no verl engine is needed.
+experts, the lengths a family changes at; dropout off, so that the table shows what the family's layers do in training
+without it; token ids inside the vocabulary), the few settings the generic shrink cannot get right per model type in
+``OVERRIDES``, and the classes whose tiny model cannot be built here in ``SKIPPED`` with the reason. float32, CPU, one
+process: the probe's flattened rows are the model's own forward, no verl engine is needed.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from transformers.models.auto.modeling_auto import (
     MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
 )
 
-from augtree_verl.replay.memory import STOCK_ENGINE
+from augtree_verl.planner import ClusterProfile
+from augtree_verl.replay.memory import STOCK_ENGINE, ReplayMemory
 from augtree_verl.replay.model_check import check_model, probe_exactness
 
 # Config sizes and their tiny values (a config's own value where smaller).
@@ -235,6 +237,11 @@ def run(cls_name: str, model_type: str, kind: str) -> Outcome:
             return outcome("refused" if ours else "broken", str(error) if ours else f"ValueError: {error}")
         except Exception as error:  # noqa: BLE001
             return outcome("broken", f"{type(error).__name__}: {error}")
+        try:  # what the engine reads of the config after the probe: the planner's profile, the memory guard
+            ClusterProfile.default().with_model(model.config)
+            ReplayMemory.of(model.config, dtype=probe.dtype, checkpointing=True, train=True, budget_bytes=1)
+        except Exception as error:  # noqa: BLE001
+            return outcome("broken", f"after the probe: {type(error).__name__}: {error}")
     return outcome("exact", f"log-prob error {probe.logp_err:.1e}, gradient error {probe.grad_err:.1e}")
 
 
