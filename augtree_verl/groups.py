@@ -9,6 +9,7 @@ length (e.g. multi-turn outputs) are separate trees of one group.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -28,6 +29,10 @@ class Tree:
     ``samples[i]``: the batch index of response i (empty outside a batch); ``response_lens[i]`` its length;
     the order is the order of first appearance in the batch (the order the planner sees). With tokens
     (``of_tokens``): ``prompt`` LongTensor [P] and ``responses`` G LongTensors [R_i], on the model's device.
+    ``call_lens[i]``: the length of the model call verl's stock engine runs response i's row in (the longest
+    row of its verl micro-batch, whose rows it packs into one call); empty: each row alone (P + R_i, as the
+    flattened baseline runs it). ``rope_len``: the call length this tree's model calls fix a length-dependent
+    rope's frequencies for (``replay.rope``; set by ``rope.split_regimes``); None: each call's own.
     """
 
     uid: str
@@ -36,10 +41,18 @@ class Tree:
     samples: tuple[int, ...] = ()
     prompt: torch.Tensor | None = None
     responses: tuple[torch.Tensor, ...] = ()
+    call_lens: tuple[int, ...] = ()
+    rope_len: int | None = None
 
     @classmethod
     def of_tokens(
-        cls, prompt: torch.Tensor, responses: Sequence[torch.Tensor], *, uid: str = "", samples: Sequence[int] = ()
+        cls,
+        prompt: torch.Tensor,
+        responses: Sequence[torch.Tensor],
+        *,
+        uid: str = "",
+        samples: Sequence[int] = (),
+        call_lens: Sequence[int] = (),
     ) -> Tree:
         """The tree of ``prompt`` [P] and ``responses`` [R_i] (checked by ``check_tokens``, not here)."""
         return cls(
@@ -49,11 +62,29 @@ class Tree:
             samples=tuple(samples),
             prompt=prompt,
             responses=tuple(responses),
+            call_lens=tuple(int(n) for n in call_lens),
         )
 
     @property
     def tree_id(self) -> str:
         return tree_id(self.uid, self.prompt_len)
+
+    @property
+    def row_call_lens(self) -> tuple[int, ...]:
+        """Per response, the length of the stock engine's call that holds its row (``call_lens``; default P + R_i)."""
+        return self.call_lens or tuple(self.prompt_len + r for r in self.response_lens)
+
+    def part(self, rows: Sequence[int], *, rope_len: int | None) -> Tree:
+        """The tree of responses ``rows`` (indices, in order) of this one, its model calls at ``rope_len``."""
+        pick = lambda values: tuple(values[i] for i in rows) if values else ()
+        return dataclasses.replace(
+            self,
+            response_lens=pick(self.response_lens),
+            samples=pick(self.samples),
+            responses=pick(self.responses),
+            call_lens=pick(self.call_lens),
+            rope_len=rope_len,
+        )
 
     def check_tokens(self, index: int, vocab_size: int | None = None, device: torch.device | None = None) -> None:
         """Raise ``ValueError`` naming tree ``index`` (and the response) for malformed token ids: not 1-D
@@ -65,6 +96,15 @@ class Tree:
             raise ValueError(f"tree {index} has no responses")
         for i, r in enumerate(self.responses):
             _check_ids(r, f"tree {index} response {i}", device)
+        if self.call_lens and (
+            len(self.call_lens) != len(self.responses)
+            or any(n < self.prompt_len + r for n, r in zip(self.call_lens, self.response_lens))
+        ):
+            raise ValueError(
+                f"tree {index}: call_lens {list(self.call_lens)} must give each of its {len(self.responses)} responses "
+                f"a call at least as long as its row (prompt {self.prompt_len} + response lengths "
+                f"{list(self.response_lens)})"
+            )
         if vocab_size is None:
             return
         ids = [self.prompt, *self.responses]
@@ -117,12 +157,14 @@ def find_trees(
     prompt_lens: Sequence[int],
     response_lens: Sequence[int],
     sequences: Sequence[torch.Tensor] | None = None,
+    call_lens: Sequence[int] = (),
 ) -> list[Tree]:
     """Group samples into trees by ``tree_id``; raise ValueError naming the sample on bad input.
 
     With ``sequences`` (sample i's token ids [prompt_lens[i] + response_lens[i]]) the trees carry their
     tokens, and samples of one ``tree_id`` whose prompt tokens differ become separate trees (each is
-    then only part of the tree the trainer planned, so a split plan cannot apply to it).
+    then only part of the tree the trainer planned, so a split plan cannot apply to it); ``call_lens[i]``:
+    the length of the stock engine's call holding sample i (``Tree.call_lens``; empty: each row alone).
     """
     if not len(uids) == len(prompt_lens) == len(response_lens):
         raise ValueError(
@@ -148,6 +190,12 @@ def find_trees(
             for (uid, p), idx in members.items()
         ]
     return [
-        Tree.of_tokens(sequences[idx[0]][:p], [sequences[i][p:] for i in idx], uid=uid, samples=idx)
+        Tree.of_tokens(
+            sequences[idx[0]][:p],
+            [sequences[i][p:] for i in idx],
+            uid=uid,
+            samples=idx,
+            call_lens=[call_lens[i] for i in idx] if call_lens else (),
+        )
         for (uid, p, _), idx in members.items()
     ]

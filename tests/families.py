@@ -70,6 +70,20 @@ LINEAR_A = (0.02, 0.2)
 
 ABSENT = object()  # a family's kwarg of this value drops that size of ``_SHAPE``: its config has no such attribute
 
+# Phi-3's longrope: short factors up to original_max_position_embeddings, long ones beyond (``replay.rope``), the
+# threshold small enough that the matrix's trees and the probe cross it; factors far apart, so a row computed in the
+# wrong regime is off by far more than rounding.
+_LONGROPE = dict(
+    original_max_position_embeddings=12,
+    rope_parameters=dict(
+        rope_type="longrope",
+        rope_theta=10000.0,
+        original_max_position_embeddings=12,
+        short_factor=[1.0, 1.2, 1.5, 2.0],
+        long_factor=[3.0, 5.0, 8.0, 13.0],
+    ),
+)
+
 # name: (config class, model class, config kwargs)
 PARITY = {
     "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM, {}),
@@ -126,6 +140,7 @@ PARITY = {
             moe_topk=2,
         ),
     ),
+    "phi3-longrope": (tf.Phi3Config, tf.Phi3ForCausalLM, dict(_LONGROPE)),
 }
 REFUSED = {
     "gemma2-default": (
@@ -163,6 +178,77 @@ REFUSED = {
         tf.OlmoHybridForCausalLM,
         dict(_LINEAR),
         r"'olmo_hybrid'.*layer 0: linear attention outside Qwen3NextGatedDeltaNet.*'linear_attention'",
+    ),
+    # attention modules that never call transformers' attention interface (ALiBi, own kernels)
+    "falcon": (
+        tf.FalconConfig,
+        tf.FalconForCausalLM,
+        {},
+        r"'falcon'.*layers 0-1: attention outside transformers' attention interface .*FalconAttention",
+    ),
+    "mpt": (
+        tf.MptConfig,
+        tf.MptForCausalLM,
+        dict(d_model=32, n_heads=4, n_layers=2, attn_implementation="eager"),
+        r"'mpt'.*layers 0-1: attention outside transformers' attention interface .*MptAttention",
+    ),
+    # Llama 4's text model: get_decoder() returns the causal LM itself; chunked attention layers
+    "llama4-text": (
+        tf.Llama4TextConfig,
+        tf.Llama4ForCausalLM,
+        dict(
+            head_dim=8,
+            num_local_experts=2,
+            intermediate_size_mlp=64,
+            no_rope_layers=[1, 1],
+            attention_chunk_size=8,
+            layer_types=["chunked_attention", "full_attention"],
+        ),
+        r"'llama4_text'.*get_decoder\(\) returns the model itself.*layer 0: chunked attention .*attention_chunk_size=8",
+    ),
+    "gemma4-kv-sharing": (
+        tf.Gemma4TextConfig,
+        tf.Gemma4ForCausalLM,
+        dict(head_dim=8, global_head_dim=8, num_kv_shared_layers=1, **_FULL),
+        r"'gemma4_text'.*layer 1: K/V shared across layers .*num_kv_shared_layers=1",
+    ),
+    # DeepSeek sparse attention: an indexer keeps the top index_topk keys of each query
+    "glm-moe-dsa": (
+        tf.GlmMoeDsaConfig,
+        tf.GlmMoeDsaForCausalLM,
+        dict(
+            kv_lora_rank=16,
+            q_lora_rank=16,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=8,
+            v_head_dim=16,
+            index_topk=4,
+            index_head_dim=8,
+            index_n_heads=2,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+        ),
+        r"'glm_moe_dsa'.*layers 0-1: per-query key selection .*index_topk=4",
+    ),
+    # dynamic NTK: frequencies of each call beyond max_position_embeddings, kept for the calls after it
+    "llama-dynamic-rope": (
+        tf.LlamaConfig,
+        tf.LlamaForCausalLM,
+        dict(rope_parameters=dict(rope_type="dynamic", rope_theta=10000.0, factor=2.0)),
+        r"'llama'.*rope whose frequencies depend on the engine's earlier calls .*rope_type 'dynamic'",
+    ),
+    "gpt2-dropout": (
+        tf.GPT2Config,
+        tf.GPT2LMHeadModel,
+        dict(n_embd=32, n_layer=2, n_head=4, resid_pdrop=0.1),
+        r"'gpt2'.*layers 0-1: dropout in training .*p=0.1",
+    ),
+    "qwen2-vl": (
+        tf.Qwen2VLConfig,
+        tf.Qwen2VLForConditionalGeneration,
+        dict(text_config=dict(_SHAPE), vision_config=dict(depth=1, embed_dim=32, num_heads=4, hidden_size=32)),
+        r"'qwen2_vl'.*a multimodal model .*vision_config",
     ),
 }
 

@@ -38,6 +38,12 @@ def test_multi_head_latent_attention_reads_qk_and_v_widths():
     assert (v2.head_dim, v2.value_head_dim) == (192, 128)
 
 
+def test_multi_head_latent_attention_without_qk_head_dim():
+    """DeepSeek-V2's config keeps only the query/key width's parts: 128 without rope and 64 with it."""
+    shape = ModelShape.of(tf.DeepseekV2Config())
+    assert (shape.head_dim, shape.value_head_dim) == (128 + 64, 128)
+
+
 def test_configs_without_intermediate_size():
     assert ModelShape.of(tf.LongcatFlashConfig()).mlp_size > 0
     assert ModelShape.of(tf.OPTConfig()).mlp_size == 3072  # ffn_dim

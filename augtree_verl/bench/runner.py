@@ -34,6 +34,7 @@ from augtree_verl.planner.startup import RunProfile
 from augtree_verl.replay import ReplayStats, StepPlan, Tree, per_response, replay
 from augtree_verl.replay.baseline import flattened_replay
 from augtree_verl.replay.flops import step_flops, trie_flops
+from augtree_verl.replay.rope import RopeRegimes
 from augtree_verl.replay.trie import build_trie
 
 # float32: every method sums the same terms in another order (prompt adjoints accumulated over micro-batches,
@@ -276,6 +277,7 @@ def _timed_step(
                 min_shared_tokens=method.min_shared_tokens,
                 cp_alone=method.fixed is not None,
                 trie_cost=method.trie_cost(profile, world),
+                rope=RopeRegimes.of(model.config),
             ),
             per_response(loss_fn),
         )

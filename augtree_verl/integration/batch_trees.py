@@ -4,7 +4,9 @@ A tree is one ``groups.tree_id`` (uid, prompt length), the trainer's; samples un
 tokens differ become separate trees (``groups.find_trees``), a group of one is a tree of one response, and
 a group whose samples land in different micro-batches is still one tree (its prompt runs once per rank).
 Samples of a group on another rank form that rank's own tree. Rows are numbered through the micro-batches
-in order (``Tree.samples``).
+in order (``Tree.samples``). Each row carries the length of the call verl's stock engine runs it in
+(``Tree.call_lens``): its micro-batch's longest row, as the stock engine packs a micro-batch's rows into one
+call (positions restarting at each row), which is what a length-dependent rope sees (``replay.rope``).
 """
 
 from __future__ import annotations
@@ -32,9 +34,11 @@ def build_trees(micro_batches: list[TensorDict]) -> list[Tree]:
     prompt_lens: list[int] = []
     response_lens: list[int] = []
     sequences: list[torch.Tensor] = []
+    call_lens: list[int] = []
     for m, mb in enumerate(micro_batches):
         mb_uids = [str(u) for u in mb["uid"]]
         mb_prompt_lens, mb_response_lens = sequence_lengths(mb)
+        call_lens += [max(p + r for p, r in zip(mb_prompt_lens, mb_response_lens))] * len(mb_uids)
         for k, (seq, pos) in enumerate(zip(mb["input_ids"].unbind(), mb["position_ids"].unbind())):
             p, r = mb_prompt_lens[k], mb_response_lens[k]
             where = f"micro-batch {m} row {k} (uid {mb_uids[k]!r})"
@@ -48,4 +52,4 @@ def build_trees(micro_batches: list[TensorDict]) -> list[Tree]:
             prompt_lens.append(p)
             response_lens.append(r)
             sequences.append(seq)
-    return find_trees(uids, prompt_lens, response_lens, sequences)
+    return find_trees(uids, prompt_lens, response_lens, sequences, call_lens)

@@ -61,6 +61,12 @@ class AugTreeEngineConfig(FSDPEngineConfig):
         call); a step over it is refused before its first model call, on every rank at once, naming the trie,
         the node and its length. None: on CUDA the memory this process may still use less a safety margin
         (``replay.memory.device_budget_bytes``), on CPU no check.
+    probe_prompt_tokens, probe_response_tokens: the run's longest prompt and response (recipes set them from
+        verl's ``data.max_prompt_length`` and ``data.max_response_length``): the start-up exactness probe
+        (``replay.model_check.probe_exactness``) also replays a row of their lengths and crosses every length
+        threshold of the model below their sum, capped to the longest row the device holds (within
+        ``replay_memory_budget_gib``). None (either): the probe's short tree and the thresholds the model's
+        positions reach.
     """
 
     strategy: str = STRATEGY
@@ -76,6 +82,8 @@ class AugTreeEngineConfig(FSDPEngineConfig):
     planner_profile: str | None = None
     offload_prompt_activations: bool = False
     replay_memory_budget_gib: float | None = None
+    probe_prompt_tokens: int | None = None
+    probe_response_tokens: int | None = None
 
     def __post_init__(self):
         # FSDPEngineConfig.__post_init__ only adds a strategy assertion that rejects "augtree".
@@ -87,6 +95,9 @@ class AugTreeEngineConfig(FSDPEngineConfig):
         _check_int("micro_batch_tokens", self.micro_batch_tokens, minimum=1)
         _check_int("fallback_threshold_tokens", self.fallback_threshold_tokens, minimum=0)
         _check_int("planner_max_entries", self.planner_max_entries, minimum=1)
+        for name in ("probe_prompt_tokens", "probe_response_tokens"):
+            if getattr(self, name) is not None:
+                _check_int(name, getattr(self, name), minimum=1)
         degrees = list(self.cp_degrees) if not isinstance(self.cp_degrees, (str, bytes)) else None
         if not degrees:
             raise ValueError(

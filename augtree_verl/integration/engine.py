@@ -58,7 +58,8 @@ from augtree_verl.plan_field import PLAN_FIELD
 from augtree_verl.planner.cost import cost_model
 from augtree_verl.replay import Offload, ReplayStats, StepPlan, replay
 from augtree_verl.replay.memory import STOCK_ENGINE, ReplayMemory, device_budget_bytes
-from augtree_verl.replay.model_check import check_model, probe_exactness
+from augtree_verl.replay.model_check import check_model, probe_exactness, refusal
+from augtree_verl.replay.rope import RopeRegimes
 
 logger = logging.getLogger(__name__)
 UNSUPPORTED_FLAGS = ("calculate_sum_pi_squared", "distillation_use_topk", "distillation_only", "use_fused_kernels")
@@ -95,9 +96,14 @@ class AugTreeEngine(FSDPEngineWithLMHead):
 
     def _probe_exactness(self) -> None:
         """The start-up exactness probe on the user's model (``replay.model_check.probe_exactness``): prompt
-        reuse against the model's ordinary forward on a few dozen tokens, in the mode the engine trains
-        (or, forward only, infers) in; refuses the model beyond the dtype's tolerance. Every rank runs it."""
-        train = not self.engine_config.forward_only
+        reuse against the model's ordinary forward, in the mode the engine trains (or, forward only, infers) in,
+        on a short tree, across every length threshold of the model and on a row of the run's lengths
+        (``probe_prompt_tokens``, ``probe_response_tokens``), rows capped to what ``replay_memory_budget_gib``
+        (or, on CUDA, the free memory) holds; refuses the model beyond the dtype's tolerance. Every rank runs it.
+        Its cost: each probe tree forward and backward twice (prompt reuse, flattened rows); at the run's lengths
+        about two training rows of the longest length and one of the prompt."""
+        config = self.engine_config
+        train = not config.forward_only
         world = torch.distributed.get_world_size()
         with self.train_mode() if train else self.eval_mode():
             self.exactness_probe = probe_exactness(
@@ -105,13 +111,22 @@ class AugTreeEngine(FSDPEngineWithLMHead):
                 self.module,
                 train=train,
                 lockstep_group=torch.distributed.group.WORLD if world > 1 else None,
+                prompt_tokens=config.probe_prompt_tokens,
+                response_tokens=config.probe_response_tokens,
+                budget_bytes=device_budget_bytes(
+                    config.replay_memory_budget_gib, self.module.get_input_embeddings().weight.device
+                ),
+                checkpointing=bool(self.model_config.enable_gradient_checkpointing),
             )
         probe = self.exactness_probe
         logger.info(
-            "augtree exactness probe (%s): log-prob error %.2e, gradient error %.2e, %d tokens, %.3f s",
+            "augtree exactness probe (%s): log-prob error %.2e, gradient error %.2e; trees (prompt, responses) %s, "
+            "rows capped at %s tokens; %d tokens, %.3f s",
             probe.dtype,
             probe.logp_err,
             probe.grad_err,
+            list(probe.trees),
+            probe.row_cap if probe.row_cap is not None else "no",
             probe.tokens,
             probe.seconds,
         )
@@ -119,6 +134,20 @@ class AugTreeEngine(FSDPEngineWithLMHead):
     def _build_fsdp_module(self, module):
         # Refuse, by name, what the replay does not implement, before any work.
         check_model(module, training=not self.engine_config.forward_only)
+        if self.engine_config.pad_to_length and RopeRegimes.of(module.config) is not None:
+            # the stock engine's padded segment would then choose the rope (its positions restart at 0 up to the
+            # bucket's pad), which the rows' call lengths (``Tree.call_lens``) do not say
+            raise ValueError(
+                refusal(
+                    getattr(module.config, "model_type", None) or type(module).__name__,
+                    {
+                        "a length-dependent rope with verl's bucket padding": (
+                            [],
+                            f"pad_to_length=True, pad_to_length_bucket={self.engine_config.pad_to_length_bucket}",
+                        )
+                    },
+                )
+            )
         # verl's builder branches on the strategy string and knows only fsdp/fsdp2: build as fsdp2.
         requested = self.engine_config.strategy
         verl_compat.set_frozen_field(self.engine_config, "strategy", FSDP_STRATEGY)

@@ -74,6 +74,7 @@ from augtree_verl.planner.cost import cost_model
 from augtree_verl.planner.profile import ClusterProfile
 from augtree_verl.planner.search import estimate
 from augtree_verl.replay import StepPlan, Tree, per_response, replay
+from augtree_verl.replay.rope import RopeRegimes
 
 CUDA_MEMORY_HEADROOM = 0.9  # leave 10% of free memory to the allocator and NCCL
 MATMUL_TOKENS = {"cpu": 1024, "cuda": 8192}
@@ -251,7 +252,13 @@ def _replay_costs(model, profile, device: torch.device, lockstep_group, cp_world
     def step(trees, plans=None, micro_batch_tokens=longest):
         return lambda: replay(
             model,
-            StepPlan.build(trees, plans=plans, lockstep_group=lockstep_group, micro_batch_tokens=micro_batch_tokens),
+            StepPlan.build(
+                trees,
+                plans=plans,
+                lockstep_group=lockstep_group,
+                micro_batch_tokens=micro_batch_tokens,
+                rope=RopeRegimes.of(model.config),
+            ),
             loss,
         )
 

@@ -7,7 +7,8 @@ shared prefixes found from the tokens, a group is a depth-1 trie); with one (``c
 on its subgroup, context-parallel trees through ``cp_tree``, the others as the tries of each rank's own, and
 every response's scores are then shared over the CP group (``cp_tree.exchange_scores``). Each slot is one
 prefill into a ``PromptKV`` per trie node, response calls with their losses and backwards, and one delayed
-prompt backward per node.
+prompt backward per node; with a length-dependent rope, all of them with the frequencies of the slot's trees'
+regime (``rope.pinned``).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from augtree_verl.replay.calls import ModelCalls
 from augtree_verl.replay.cp_tree import SCORE_EXCHANGE, CPTreeRun, exchange_scores
 from augtree_verl.replay.cp_trie import CPTrieRun
 from augtree_verl.replay.linear_state import refuse_cp_plans
+from augtree_verl.replay.rope import RopeRegimes, caller_loss, in_caller_trees, pinned
 from augtree_verl.replay.step_plan import StepPlan
 from augtree_verl.replay.tree_run import TrieRun
 
@@ -45,8 +47,17 @@ def replay(model, step_plan: StepPlan, loss: MicroBatchLossFn | None = None) -> 
     device, per CP step on a CP tree; ``per_response`` makes one from a loss per response), every
     parameter's ``.grad`` grows by the gradient of the sum of the losses as the flattened baseline computes
     it (on a CP tree: summed over the members of its subgroup). Without a loss, runs forward only under
-    ``torch.no_grad``. With a mesh, every rank of the CP group gets every response's scores.
+    ``torch.no_grad``. With a mesh, every rank of the CP group gets every response's scores. Trees and
+    responses are the ones ``step_plan`` was built with (where it split a tree by rope regime, its ``origin``
+    maps them back); ``ValueError`` where it was built for other rope regimes than the model's.
     """
+    regimes = RopeRegimes.of(model.config)
+    if step_plan.rope != regimes:
+        raise ValueError(
+            f"the step plan was built for rope regimes {step_plan.rope} but the model's rope has {regimes}: build it "
+            f"with StepPlan.build(..., rope=RopeRegimes.of(model.config)) (augtree_verl.replay.rope)"
+        )
+    loss = caller_loss(loss, step_plan.origin)
     trees = step_plan.trees
     device = model.get_input_embeddings().weight.device
     vocab = model.get_input_embeddings().num_embeddings
@@ -54,13 +65,9 @@ def replay(model, step_plan: StepPlan, loss: MicroBatchLossFn | None = None) -> 
         tree.check_tokens(t, vocab, device)
     refuse_cp_plans(model.config, step_plan.plans)
     mesh, stats = step_plan.mesh, step_plan.stats
-    if (
-        mesh is not None
-        and any(p is not None and p.degree > 1 for p in step_plan.plans)
-        and model.training
-        and getattr(model.config, "attention_dropout", 0.0)
-    ):
-        raise ValueError(f"attention_dropout={model.config.attention_dropout} is not supported by the CP replay")
+    dropout = getattr(model.config, "attention_dropout", None)
+    if mesh is not None and any(p is not None and p.degree > 1 for p in step_plan.plans) and model.training and dropout:
+        raise ValueError(f"attention_dropout={dropout} is not supported by the CP replay")
     calls = ModelCalls(
         model,
         temperature=step_plan.temperature,
@@ -77,20 +84,23 @@ def replay(model, step_plan: StepPlan, loss: MicroBatchLossFn | None = None) -> 
     use_augtree_attention(model)
     with torch.set_grad_enabled(calls.train), _fp32_grad_sums(model if calls.train else None):
         for slot in step_plan.slots:
-            if slot.cp_trie is not None:  # a trie whose root runs context-parallel: each row on one member
-                cp_tries[slot.degree](slot)
-                stats.cp_roots += slot.cp_trie.member == 0
-                mine = slot.node.trees() if slot.cp_trie.member == 0 else []
-            elif slot.trie:  # a trie of this rank's trees (or a dummy slot)
-                tries(slot)
-                mine = slot.node.trees() if slot.node is not None else []
-            elif slot.tree is None:  # a dummy CP slot: prefill, calls, prompt backward
-                calls.finish_slot(calls.dummy_prompt(), 0, slot.calls, stats.start_timer(device))
-                mine = []
-            else:
-                scores[slot.tree] = cp_runs[slot.degree](slot.tree, trees[slot.tree], step_plan.plans[slot.tree], slot)
-                mine = [slot.tree] if mesh.subgroup_rank(slot.degree) == 0 else []
-                reported.update(mine)
+            # a slot's trees share one rope length (a trie never mixes them, ``replay.trie``); a dummy: none
+            with pinned(model, trees[slot.tree].rope_len if slot.tree is not None else None):
+                if slot.cp_trie is not None:  # a trie whose root runs context-parallel: each row on one member
+                    cp_tries[slot.degree](slot)
+                    stats.cp_roots += slot.cp_trie.member == 0
+                    mine = slot.node.trees() if slot.cp_trie.member == 0 else []
+                elif slot.trie:  # a trie of this rank's trees (or a dummy slot)
+                    tries(slot)
+                    mine = slot.node.trees() if slot.node is not None else []
+                elif slot.tree is None:  # a dummy CP slot: prefill, calls, prompt backward
+                    calls.finish_slot(calls.dummy_prompt(), 0, slot.calls, stats.start_timer(device))
+                    mine = []
+                else:
+                    tree = trees[slot.tree]
+                    scores[slot.tree] = cp_runs[slot.degree](slot.tree, tree, step_plan.plans[slot.tree], slot)
+                    mine = [slot.tree] if mesh.subgroup_rank(slot.degree) == 0 else []
+                    reported.update(mine)
             for t in mine:  # counted on one rank per tree
                 stats.logical_tokens += sum(trees[t].prompt_len + r for r in trees[t].response_lens)
                 stats.trees += 1
@@ -100,9 +110,10 @@ def replay(model, step_plan: StepPlan, loss: MicroBatchLossFn | None = None) -> 
             scores[t] = [None] * len(trees[t].responses)
         scores[t][i] = value
     if mesh is None:
-        return scores
+        return in_caller_trees(scores, step_plan.origin)
     owned = {(t, i) for t in reported for i in range(len(trees[t].responses))} | set(tries.scores)
-    return _share(step_plan, scores, owned, device, width=None if step_plan.entropy_fn is None else 2)
+    shared = _share(step_plan, scores, owned, device, width=None if step_plan.entropy_fn is None else 2)
+    return in_caller_trees(shared, step_plan.origin)
 
 
 def per_response(loss_fn: LossFn) -> MicroBatchLossFn:

@@ -14,17 +14,25 @@ FSDP2's unshard, a test's forward hook), tied embeddings included.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable
 
 import torch
 from transformers.modeling_outputs import MoeModelOutputWithPast
 
 
+@dataclasses.dataclass
+class _DecoderOutput(MoeModelOutputWithPast):
+    """Every field a family's forward may read of its decoder's output: the MoE ones (router_logits None: no
+    auxiliary loss) and, for decoders that can cross-attend (GPT-2, GPT-BigCode, BioGPT), cross_attentions."""
+
+    cross_attentions: tuple[torch.Tensor, ...] | None = None
+
+
 @contextlib.contextmanager
 def _decoder_answers(decoder: torch.nn.Module, hidden: torch.Tensor):
     """``decoder(...)`` returns ``hidden`` as its last hidden state (an instance ``forward`` for the call)."""
-    # MoE outputs: every field a family's forward may read (router_logits None: no auxiliary loss).
-    decoder.forward = lambda *args, **kwargs: MoeModelOutputWithPast(last_hidden_state=hidden)
+    decoder.forward = lambda *args, **kwargs: _DecoderOutput(last_hidden_state=hidden)
     try:
         yield
     finally:

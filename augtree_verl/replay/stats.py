@@ -76,6 +76,8 @@ class ReplayStats:
     # prompt and its trie's root cannot run context-parallel (``step_plan.shared_root_plans``)
     trie_demoted: int = counter("trie/cp_demoted")
     cp_roots: int = counter("trie/cp_roots")  # tries whose root ran context-parallel (``replay.cp_trie``)
+    # trees split into one per regime of a length-dependent rope, each prefilling its prompt (``replay.rope``)
+    rope_splits: int = counter("rope/split_trees")
     micro_batches: int = counter()
     offloaded_bytes: int = counter("offload/offloaded_bytes")  # prompt activations held on the host (``Offload``)
     prefetched_bytes: int = counter("offload/prefetched_bytes")  # of those, copied back ahead of their use

@@ -3,7 +3,8 @@
 flashinfer's plan/run shape: ``StepPlan.build`` (or ``StepPlan.from_batch``, the engine's, which decodes
 the trainer's plan field) takes the trees of the step and fixes
 
-- the trees (``groups.Tree``, with tokens) and one ``Plan`` (or None) per tree;
+- the trees (``groups.Tree``, with tokens) and one ``Plan`` (or None) per tree; with a length-dependent rope
+  (``replay.rope``), each tree's regime, a tree whose rows fall in different regimes split into one per regime;
 - the tries of their rows (``replay.trie.StepTrie``: found once, one device-to-host copy of the token ids,
   and read by every decision below);
 - the tries whose root runs context-parallel (``cp_roots``: a long shared prefix prefilled once over a
@@ -35,6 +36,7 @@ from augtree_verl.replay.lockstep import Slot, lockstep_slots, split_trie
 from augtree_verl.replay.memory import ReplayMemory, check_memory
 from augtree_verl.replay.microbatch import DEFAULT_MICRO_BATCH_TOKENS
 from augtree_verl.replay.offload import Offload
+from augtree_verl.replay.rope import Origin, RopeRegimes, split_regimes
 from augtree_verl.replay.scoring import EntropyFn
 from augtree_verl.replay.stats import ReplayStats
 from augtree_verl.replay.trie import MIN_SHARED_TOKENS, StepTrie, TrieNode
@@ -49,7 +51,9 @@ class StepPlan:
     on (with a mesh); ``slots``: this rank's lock-step sequence; ``fallbacks``: trees whose planned plan
     could not apply here (``plan_field.tree_plans``); ``cp_demoted``: trees whose context-parallel plan runs on
     one device because the model cannot run it (``linear_state.demote_cp_plans``); ``cp_roots``: (root,
-    degree) of the tries whose root runs context-parallel (their trees' plans are not run).
+    degree) of the tries whose root runs context-parallel (their trees' plans are not run); ``rope``: the
+    model's rope regimes the trees were split by (``rope.split_regimes``); ``origin``: where a tree was split,
+    each tree's (given tree, its responses), which ``replay`` reports scores and calls losses by.
     """
 
     trees: list[Tree]
@@ -64,6 +68,8 @@ class StepPlan:
     stats: ReplayStats = field(default_factory=ReplayStats)
     fallbacks: int = 0
     cp_demoted: int = 0
+    rope: RopeRegimes | None = None
+    origin: Origin | None = None
 
     @classmethod
     def build(
@@ -86,6 +92,7 @@ class StepPlan:
         cp_alone: bool = False,
         trie_cost: TrieCost | None = None,
         memory: ReplayMemory | None = None,
+        rope: RopeRegimes | None = None,
     ) -> StepPlan:
         """The plan of one step; ``ValueError`` naming the tree, plan or value on bad input.
 
@@ -112,6 +119,10 @@ class StepPlan:
         over several ranks (a batch-wide system prompt) runs with its root context-parallel where that is
         predicted sooner (``shared_root_plans``). ``memory`` (``replay.memory.ReplayMemory``): refuse, on every
         rank of ``lockstep_group`` at once, a step whose slots need more than its budget (``check_memory``).
+        ``rope``: the model's ``rope.RopeRegimes`` (``RopeRegimes.of(model.config)``; ``replay`` refuses a plan
+        built with others): each tree runs in the regime of its rows' stock-engine calls (``Tree.call_lens``), a
+        tree whose rows fall in several split into one tree per regime (``rope.split_regimes``, counted in
+        ``stats.rope_splits``); the plan's ``trees`` are then the split ones, and ``replay`` reports by the given.
         """
         trees = list(trees)
         for t, tree in enumerate(trees):
@@ -124,6 +135,7 @@ class StepPlan:
         if min_shared_tokens < 0:
             raise ValueError(f"min_shared_tokens must be >= 0, got {min_shared_tokens}")
         plans = _check_plans(plans, trees)
+        trees, plans, origin, rope_splits = split_regimes(trees, plans, rope)
         if trie is None:
             trie = StepTrie(trees, min_shared_tokens=min_shared_tokens)
         elif len(trie.trees) != len(trees) or any(a is not b for a, b in zip(trie.trees, trees)):
@@ -156,6 +168,7 @@ class StepPlan:
         stats = stats if stats is not None else ReplayStats()
         if mesh is None or mesh.cp_rank == 0:  # every rank of the CP group decides alike: one counts
             stats.trie_demoted += shared
+            stats.rope_splits += rope_splits
         slots = lockstep_slots(
             trie,
             plans,
@@ -179,6 +192,8 @@ class StepPlan:
             entropy_fn=entropy_fn,
             offload=offload,
             stats=stats,
+            rope=rope,
+            origin=origin,
         )
 
     @classmethod
@@ -197,13 +212,18 @@ class StepPlan:
         plans), demoted where they cannot apply here (counted in ``fallbacks``) or where the model
         (``model_config``: its Hugging Face config) cannot run them context-parallel (counted in
         ``cp_demoted``); a tree that shares tokens beyond its own prompt with others runs in its trie
-        (``build``); placed with ``rebalance``. ``mesh``: the engine's (its degrees are
-        the ones a plan may have). ``options``: those of ``build``."""
+        (``build``); placed with ``rebalance``; split by the model's rope regimes (``build``'s ``rope``).
+        ``mesh``: the engine's (its degrees are the ones a plan may have). ``options``: those of ``build``."""
         degrees = mesh.degrees if mesh is not None else (1,)
         plans, fallbacks = tree_plans(trees, entries, degrees, min_cp_tokens=min_cp_tokens)
         plans, cp_demoted = demote_cp_plans(model_config, plans)
         step_plan = cls.build(
-            trees, plans=plans, mesh=mesh if mesh is not None and mesh.cp_size > 1 else None, rebalance=True, **options
+            trees,
+            plans=plans,
+            mesh=mesh if mesh is not None and mesh.cp_size > 1 else None,
+            rebalance=True,
+            rope=RopeRegimes.of(model_config),
+            **options,
         )
         step_plan.fallbacks, step_plan.cp_demoted = fallbacks, cp_demoted
         return step_plan

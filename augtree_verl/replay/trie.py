@@ -16,6 +16,9 @@ dissolved too (then a prompt may end inside a node): on a hybrid model it starts
 linear-attention state, and a one-token continuation takes the layers' in-place single-step path
 (``linear_state``).
 
+Rows of trees whose model calls run at different rope lengths (``Tree.rope_len``: the regime of a
+length-dependent rope, ``replay.rope``) never share a node: their K/V differ.
+
 Inner nodes run as one prefill each (attending to their ancestors' K/V); leaves (the rows' own suffixes;
 identical rows share one) run as padded micro-batches of their parent's leaves. A node scores the tokens
 that some row through it scores (``score_from``); each row takes, from every node on its path, the scores of
@@ -160,7 +163,11 @@ class StepTrie:
         return self._build([r for r in self._rows if r[0] in chosen])
 
     def _build(self, rows: list[Row]) -> list[TrieNode]:
-        return self._simplify([self._node(group, 0) for group in _by_token(rows, self._arrays, 0)], top=True)
+        regimes: dict[int | None, list[Row]] = {}
+        for r in rows:
+            regimes.setdefault(self.trees[r[0]].rope_len, []).append(r)
+        groups = [group for regime in regimes.values() for group in _by_token(regime, self._arrays, 0)]
+        return self._simplify([self._node(group, 0) for group in groups], top=True)
 
     def _node(self, rows: list[Row], start: int) -> TrieNode:
         """The node of ``rows`` (which share their tokens up to ``start`` and the one at ``start``) and its

@@ -41,6 +41,8 @@ def test_rows_group_by_uid_and_prompt_across_micro_batches():
     assert [t.samples for t in trees] == [(0, 2, 5), (1, 6), (3,), (4,), (7,)]
     assert [t.tree_id for t in trees] == ["a|3", "b|1", "a|3", "c|2", "pad|2"]
     assert [t.response_lens for t in trees] == [(1, 2, 3), (2, 1), (1,), (1,), (1,)]
+    # each row's stock-engine call: its micro-batch's longest row (4, 5, 6 and 3 tokens)
+    assert [t.call_lens for t in trees] == [(4, 5, 6), (4, 3), (5,), (6,), (3,)]
 
 
 def test_non_contiguous_positions_are_rejected_naming_the_row():

@@ -21,6 +21,7 @@ def test_defaults_subclass_verl_fsdp_config():
         config.replay_memory_budget_gib is None
         and AugTreeEngineConfig(replay_memory_budget_gib=2).replay_memory_budget_gib == 2
     )
+    assert config.probe_prompt_tokens is None and config.probe_response_tokens is None
 
 
 def test_planner_timeout_has_one_default():
@@ -52,6 +53,9 @@ def test_planner_timeout_has_one_default():
         ("replay_memory_budget_gib", -1.5),
         ("replay_memory_budget_gib", "8"),
         ("replay_memory_budget_gib", True),
+        ("probe_prompt_tokens", 0),
+        ("probe_response_tokens", 2.5),
+        ("probe_response_tokens", "1024"),
     ],
 )
 def test_bad_knob_raises_value_error_naming_it(knob, bad):

@@ -1,8 +1,8 @@
 """Each folder of ``augtree_verl`` is one layer and its imports only point down.
 
     ops  <-  cp  <-  replay  <-  planner  <-  integration  <-  rollout / trainer  <-  bench / cli / testing
-(``plan.py``, ``groups.py`` and ``plan_field.py`` are small shared modules at the bottom.) Every import
-of our own modules counts, at module level or inside a function; there are no exceptions. Inside a layer,
+(``plan.py``, ``groups.py``, ``plan_field.py`` and ``model_shape.py`` are small shared modules at the bottom.)
+Every import of our own modules counts, at module level or inside a function; there are no exceptions. Inside a layer,
 no module imports itself back through others (no import cycle), and the oracle (``replay/baseline.py``)
 imports nothing of the engine it checks.
 """
@@ -17,13 +17,14 @@ import pytest
 import augtree_verl
 
 PACKAGE = Path(augtree_verl.__file__).parent
-BASE = {"plan", "groups", "plan_field"}
+BASE = {"plan", "groups", "plan_field", "model_shape"}
 # package -> the packages (and top-level modules) of ours it may import
 ALLOWED = {
     "ops": set(),
     "plan": set(),
     "groups": set(),
     "plan_field": {"plan", "groups"},
+    "model_shape": set(),
     "models": set(),
     "cp": {"ops"} | BASE,
     "replay": {"ops", "cp"} | BASE,

@@ -62,6 +62,10 @@ def test_recipe_selects_augtree_everywhere_and_passes_verls_validation(name):
     assert actor_engine.cp_degrees == ref_engine.cp_degrees == [1, 2, 4, 8]
     assert actor_engine.use_planner and ref_engine.forward_only and not actor_engine.forward_only
     assert actor_engine.offload_prompt_activations  # long prompts: their dormant activations wait on the host
+    # the start-up probe replays the run's own longest rows (actor and ref)
+    for engine in (actor_engine, ref_engine):
+        assert engine.probe_prompt_tokens == cfg.data.max_prompt_length
+        assert engine.probe_response_tokens == cfg.data.max_response_length
     assert omega_conf_to_dataclass(actor).engine.strategy == "augtree"
     validate_config(config=cfg, use_reference_policy=need_reference_policy(cfg), use_critic=need_critic(cfg))
 

@@ -9,6 +9,7 @@ import torch
 
 from augtree_verl import StepPlan, Tree, per_response, replay
 from augtree_verl.replay.baseline import flattened_replay
+from augtree_verl.replay.rope import RopeRegimes
 from tests.families import PARITY, VOCAB, family_model
 from tests.parity import assert_grads_match, assert_logps_match, grads
 
@@ -27,7 +28,9 @@ def _loss(t, i, logp):
 def test_family_replays_exactly(name):
     model = family_model(name)
     trees = _trees()
-    got = replay(model, StepPlan.build(trees, micro_batch_tokens=8), per_response(_loss))
+    got = replay(
+        model, StepPlan.build(trees, micro_batch_tokens=8, rope=RopeRegimes.of(model.config)), per_response(_loss)
+    )
     got_grads = grads(model)
     model.zero_grad(set_to_none=True)
     want = flattened_replay(model, trees, _loss)

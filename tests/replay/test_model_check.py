@@ -8,13 +8,25 @@ of Granite, Cohere and Gemma before the replay ran the family's forward tail).
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
 import torch
 
 from augtree_verl.replay import calls as calls_module
-from augtree_verl.replay.model_check import PROBE_TOLERANCE, STOCK_ENGINE, check_model, probe_exactness
+from augtree_verl.replay import engine as replay_engine
+from augtree_verl.replay.memory import ReplayMemory
+from augtree_verl.replay.model_check import (
+    PROBE_PROMPT,
+    PROBE_RESPONSES,
+    PROBE_TOLERANCE,
+    STOCK_ENGINE,
+    check_model,
+    length_thresholds,
+    probe_exactness,
+    probe_lengths,
+)
 from tests.families import PARITY, REFUSED, family_model
 
 
@@ -94,3 +106,52 @@ def test_probe_forward_only_and_existing_grads_kept():
     assert all(bool((p.grad == 3.0).all()) for p in model.parameters())
     result = probe_exactness(model, model, train=True)
     assert all(bool((p.grad == 3.0).all()) for p in model.parameters())
+
+
+def test_probe_lengths_cross_each_threshold_and_reach_the_runs_rows():
+    config = family_model("phi3-longrope").config  # longrope's original maximum: 12
+    assert length_thresholds(config) == {"rope original_max_position_embeddings": 12}
+    default = (PROBE_PROMPT, PROBE_RESPONSES)
+    assert probe_lengths(config) == [default, (10, (2, 4))]  # rows of 12 and 14 tokens on one prompt
+    assert probe_lengths(config, prompt_tokens=48, response_tokens=32) == [default, (10, (2, 4)), (48, (32, 5))]
+    # the device holds rows of 40 tokens: the run's row scaled to them; a run that never reaches 12: not crossed
+    assert probe_lengths(config, prompt_tokens=48, response_tokens=32, row_cap=40)[-1] == (24, (16, 5))
+    assert probe_lengths(config, prompt_tokens=6, response_tokens=4) == [default, (6, (4, 4))]
+
+
+def _rope_switching_at(model, tokens: int) -> None:
+    """A fault no config declares: the rotary embedding doubles its positions in a call longer than ``tokens``."""
+    rotary = model.model.rotary_emb
+    forward = rotary.forward
+    rotary.forward = lambda x, position_ids: forward(x, position_ids * (2 if position_ids.max() >= tokens else 1))
+
+
+def test_probe_at_the_runs_lengths_refuses_a_fault_beyond_the_short_probe():
+    model = family_model("llama")
+    _rope_switching_at(model, 64)
+    probe_exactness(model, model, train=True)  # the short probe's rows (24 tokens) never reach it
+    with pytest.raises(ValueError, match=r"exactness probe: model 'llama'.*\(48, \(32, 5\)\)"):
+        probe_exactness(model, model, train=True, prompt_tokens=48, response_tokens=32)
+
+
+def test_probe_crosses_a_declared_threshold(monkeypatch):
+    """Phi-3's longrope switches at 12 tokens, beyond the short probe's prompt: with the replay's rope pinning
+    off, the probe's tree across 12 refuses the model."""
+    model = family_model("phi3-longrope")
+    result = probe_exactness(model, model, train=True)
+    assert (10, (2, 4)) in result.trees
+    monkeypatch.setattr(replay_engine, "pinned", lambda model, length: contextlib.nullcontext())
+    with pytest.raises(ValueError, match=r"exactness probe: model 'phi3'.*log-prob error"):
+        probe_exactness(model, model, train=True)
+
+
+def test_probe_rows_capped_to_the_budget():
+    """A row's forward and backward, every position scored, costs ``ReplayMemory``'s per-token bytes: the probe's
+    rows stop at the budget's worth (the run's 400 + 100 tokens scaled to 60)."""
+    model = family_model("qwen2")
+    memory = ReplayMemory.of(model.config, dtype=torch.float32, checkpointing=False, train=True, budget_bytes=0)
+    per_token = memory.layer + memory.head + memory.saved
+    result = probe_exactness(
+        model, model, train=True, prompt_tokens=400, response_tokens=100, budget_bytes=60 * per_token
+    )
+    assert result.row_cap == 60 and result.trees[-1] == (48, (12, 5))
