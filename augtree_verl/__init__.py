@@ -2,6 +2,16 @@
 
 from augtree_verl.plan import Plan
 from augtree_verl.planner import ClusterProfile, plan_tree
-from augtree_verl.replay import ReplayStats, StepPlan, Tree, per_response, replay
+from augtree_verl.replay import ReplayOptions, ReplayStats, StepPlan, Tree, per_response, replay
 
-__all__ = ["ClusterProfile", "Plan", "ReplayStats", "StepPlan", "Tree", "per_response", "plan_tree", "replay"]
+__all__ = [
+    "ClusterProfile",
+    "Plan",
+    "ReplayOptions",
+    "ReplayStats",
+    "StepPlan",
+    "Tree",
+    "per_response",
+    "plan_tree",
+    "replay",
+]

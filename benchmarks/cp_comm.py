@@ -28,7 +28,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from augtree_verl import Plan, ReplayStats, StepPlan, Tree, per_response, replay
+from augtree_verl import Plan, ReplayOptions, ReplayStats, StepPlan, Tree, per_response, replay
 from augtree_verl.cp.cost import AttentionShape, analytic_bytes
 from augtree_verl.replay.cp_tree import SCORE_EXCHANGE
 
@@ -77,7 +77,7 @@ def _rank_main(rank, world, port, groups, queue):
             model.zero_grad(set_to_none=True)
             dist.barrier()
             start = time.perf_counter()
-            replay(model, StepPlan.build([tree], plans=[plan], stats=stats), per_response(loss_fn))
+            replay(model, StepPlan.build([tree], plans=[plan]), per_response(loss_fn), ReplayOptions(stats=stats))
             elapsed = time.perf_counter() - start
             want = analytic_bytes(plan, p, tree.response_lens, rank, shape)
             got = {k: stats.comm_bytes.get(f"{plan.primitive}/{k}", 0) for k in ("fwd", "bwd")}

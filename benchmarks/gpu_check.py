@@ -60,7 +60,7 @@ import torch.distributed as dist
 from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3_5ForCausalLM, Qwen3_5TextConfig
 from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
 
-from augtree_verl import Plan, ReplayStats, StepPlan, Tree, per_response, replay
+from augtree_verl import Plan, ReplayOptions, ReplayStats, StepPlan, Tree, per_response, replay
 from augtree_verl.ops.attention import attention_backward, attention_forward, cuda_backend_name
 from augtree_verl.ops.merge import empty_state, merge_into
 from augtree_verl.replay.baseline import flattened_replay
@@ -565,7 +565,7 @@ def check_offload(report, sizes, model, device):
             torch.cuda.reset_peak_memory_stats()
             before = torch.cuda.memory_allocated()
         start = time.perf_counter()
-        logps = replay(model, StepPlan.build(trees, offload=offload), per_response(loss))
+        logps = replay(model, StepPlan.build(trees), per_response(loss), ReplayOptions(offload=offload))
         if cuda:
             torch.cuda.synchronize()
         seconds = time.perf_counter() - start

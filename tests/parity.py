@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from augtree_verl import Tree
+from augtree_verl import ReplayOptions, Tree
 
 # float32 on CPU: the grouped schedule sums the same terms in another order (prompt adjoints accumulated
 # over micro-batches, attention over [prompt ; response] split differently), so results differ by rounding
@@ -40,6 +42,16 @@ def random_trees(prompt_lens, response_lens, seed: int = 0, vocab: int = VOCAB) 
     g = torch.Generator().manual_seed(seed)
     ids = lambda n: torch.randint(0, vocab, (n,), generator=g)
     return [Tree.of_tokens(ids(p), [ids(r) for r in rs]) for p, rs in zip(prompt_lens, response_lens)]
+
+
+OPTION_KEYS = frozenset(f.name for f in dataclasses.fields(ReplayOptions))
+
+
+def plan_and_options(kw: dict) -> tuple[dict, ReplayOptions]:
+    """A test's keyword arguments split into ``StepPlan.build``'s and the ``ReplayOptions`` of the run."""
+    return {k: v for k, v in kw.items() if k not in OPTION_KEYS}, ReplayOptions(
+        **{k: v for k, v in kw.items() if k in OPTION_KEYS}
+    )
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

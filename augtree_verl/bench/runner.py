@@ -31,7 +31,7 @@ from augtree_verl.models import load_model, vocab_size
 from augtree_verl.planner import ClusterProfile
 from augtree_verl.planner.calibrate import calibrate
 from augtree_verl.planner.startup import RunProfile
-from augtree_verl.replay import ReplayStats, StepPlan, Tree, per_response, replay
+from augtree_verl.replay import ReplayOptions, ReplayStats, StepPlan, Tree, per_response, replay
 from augtree_verl.replay.baseline import flattened_replay
 from augtree_verl.replay.flops import step_flops, trie_flops
 from augtree_verl.replay.rope import RopeRegimes
@@ -273,13 +273,13 @@ def _timed_step(
                 trees,
                 plans=plans,
                 mesh=mesh,
-                stats=stats,
                 min_shared_tokens=method.min_shared_tokens,
                 cp_alone=method.fixed is not None,
                 trie_cost=method.trie_cost(profile, world),
                 rope=RopeRegimes.of(model.config),
             ),
             per_response(loss_fn),
+            ReplayOptions(stats=stats),
         )
     _sync(model, world)
     return time.perf_counter() - start, stats

@@ -56,7 +56,7 @@ from augtree_verl.integration.run_profile import make_run_profile
 from augtree_verl.plan import Plan
 from augtree_verl.plan_field import PLAN_FIELD
 from augtree_verl.planner.cost import cost_model
-from augtree_verl.replay import Offload, ReplayStats, StepPlan, replay
+from augtree_verl.replay import Offload, ReplayOptions, ReplayStats, StepPlan, replay
 from augtree_verl.replay.memory import STOCK_ENGINE, ReplayMemory, device_budget_bytes
 from augtree_verl.replay.model_check import check_model, probe_exactness, refusal
 from augtree_verl.replay.rope import RopeRegimes
@@ -221,14 +221,17 @@ class AugTreeEngine(FSDPEngineWithLMHead):
             mesh=self.cp_mesh,
             min_cp_tokens=self.engine_config.fallback_threshold_tokens,
             micro_batch_tokens=min(self.engine_config.micro_batch_tokens, _largest_micro_batch(micro_batches)),
-            temperature=step.temperature,
-            entropy_fn=self._entropy if step.want_entropy else None,
-            offload=Offload(step.stats) if self.engine_config.offload_prompt_activations else None,
-            stats=step.stats,
             lockstep_group=torch.distributed.group.WORLD if world > 1 else None,
             model_config=self.module.config,
             trie_cost=cost_model(self.run_profile.profile) if hasattr(self, "run_profile") else None,
             memory=self._replay_memory(train, trees[0].prompt.device),
+        )
+        offload = self.engine_config.offload_prompt_activations
+        options = ReplayOptions(
+            temperature=step.temperature,
+            entropy_fn=self._entropy if step.want_entropy else None,
+            offload=Offload(step.stats) if offload else None,
+            stats=step.stats,
         )
         step.plans += step_plan.plans
         step.plan_fallbacks += step_plan.fallbacks
@@ -249,11 +252,11 @@ class AugTreeEngine(FSDPEngineWithLMHead):
                 )
                 return self._backpropagated(loss)
 
-            scores = replay(model, step_plan, micro_batch_loss)
+            scores = replay(model, step_plan, micro_batch_loss, options)
         elif train:  # verl's loss on verl's micro-batches at the scores of a forward-only pass first
             logger.info("augtree: scores first, the loss couples the rows of a call: %s", coupled)
             start = step.stats.start_timer(trees[0].prompt.device)
-            first = replay(model, dataclasses.replace(step_plan, offload=None, stats=ReplayStats()))
+            first = replay(model, step_plan, None, dataclasses.replace(options, offload=None, stats=ReplayStats()))
             step.stats.stop_timer("scores_first_s", start)
             outputs, adjoints = micro_batch_adjoints(
                 micro_batches,
@@ -263,9 +266,9 @@ class AugTreeEngine(FSDPEngineWithLMHead):
                 self._backpropagated,
                 dp_group,
             )
-            scores = replay(model, step_plan, adjoint_loss(lambda t, i: adjoints[row_of[t][i]]))
+            scores = replay(model, step_plan, adjoint_loss(lambda t, i: adjoints[row_of[t][i]]), options)
         else:
-            scores = replay(model, step_plan)
+            scores = replay(model, step_plan, None, options)
         row_scores = _rows_in_order(scores, trees)
 
         output_lst = []
@@ -293,8 +296,8 @@ class AugTreeEngine(FSDPEngineWithLMHead):
 
     def _replay_memory(self, train: bool, device: torch.device) -> ReplayMemory | None:
         """The step's memory check (``replay.memory``): the model's sizes in the dtype its layers compute in
-        (the exactness probe's), checkpointing as verl's model config sets it, and the budget
-        ``replay_memory_budget_gib`` (None: on CPU no check)."""
+        (the exactness probe's), checkpointing as verl's model config sets it, offload as the engine's, and the
+        budget ``replay_memory_budget_gib`` (None: on CPU no check)."""
         budget = device_budget_bytes(self.engine_config.replay_memory_budget_gib, device)
         if budget is None:
             return None
@@ -304,6 +307,7 @@ class AugTreeEngine(FSDPEngineWithLMHead):
             checkpointing=bool(self.model_config.enable_gradient_checkpointing),
             train=train,
             budget_bytes=budget,
+            offload=self.engine_config.offload_prompt_activations,
         )
 
     def _entropy(self, logits: torch.Tensor) -> torch.Tensor:

@@ -51,13 +51,16 @@ token), fp32 logits and their gradient for scored tokens, ring/exchange buffers,
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from functools import lru_cache
 
 import numpy as np
 
 from augtree_verl.cp.mesh import CPMesh
+from augtree_verl.plan import Plan
 from augtree_verl.planner.profile import ClusterProfile
 from augtree_verl.replay.cp_trie_schedule import cp_trie_shares
+from augtree_verl.replay.lockstep import CPTreeSlot, CPTrieSlot, DummySlot, Slot, TrieSlot
 from augtree_verl.replay.microbatch import DEFAULT_MICRO_BATCH_TOKENS, split_micro_batches
 from augtree_verl.replay.step_plan import StepPlan
 from augtree_verl.replay.trie import MIN_SHARED_TOKENS, StepTrie
@@ -284,6 +287,21 @@ def cost_model(profile: ClusterProfile) -> CostModel:
     return CostModel(profile)
 
 
+def slot_seconds(cost: CostModel, slot: Slot, plans: Sequence[Plan | None]) -> float:
+    """Predicted seconds of one lock-step slot: a trie on one device at ``CostModel.trie``, a trie with a
+    context-parallel root at ``CostModel.cp_trie``, a CP tree at its plan's estimate, padding at 0."""
+    match slot:
+        case TrieSlot():
+            return cost.trie(slot.node)
+        case CPTrieSlot():
+            return cost.cp_trie(slot.node, slot.degree)
+        case CPTreeSlot():
+            return plans[slot.tree].est_time_s
+        case DummySlot():
+            return 0.0
+    raise TypeError(f"not a lock-step slot: {slot!r}")
+
+
 def step_seconds(
     trees,
     plans,
@@ -306,11 +324,7 @@ def step_seconds(
     trie = StepTrie(trees, min_shared_tokens=min_shared_tokens)
     return max(
         sum(
-            cost.cp_trie(slot.node, slot.degree)
-            if slot.cp_trie is not None
-            else cost.trie(slot.node)
-            if slot.trie
-            else plans[slot.tree].est_time_s
+            slot_seconds(cost, slot, plans)
             for slot in StepPlan.build(
                 trees,
                 plans=plans,

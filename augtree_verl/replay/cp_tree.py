@@ -34,7 +34,7 @@ from augtree_verl.groups import Tree
 from augtree_verl.plan import Plan
 from augtree_verl.replay.attention import PrefillContext
 from augtree_verl.replay.calls import PAD_ID, ModelCalls
-from augtree_verl.replay.lockstep import Slot
+from augtree_verl.replay.lockstep import CPTreeSlot
 from augtree_verl.replay.prompt_kv import PromptKV
 
 SCORE_EXCHANGE = "logp_exchange"  # stats key for the score exchanges (not part of any primitive's bytes)
@@ -62,8 +62,8 @@ class CPTreeRun:
         self.calls, self.group = calls, group
         self.score_meter = Meter(calls.stats, SCORE_EXCHANGE)
 
-    def __call__(self, t: int, tree: Tree, plan: Plan, slot: Slot) -> list[torch.Tensor]:
-        calls, sched, stats = self.calls, slot.cp, self.calls.stats
+    def __call__(self, tree: Tree, plan: Plan, slot: CPTreeSlot) -> list[torch.Tensor]:
+        t, calls, sched, stats = slot.tree, self.calls, slot.schedule, self.calls.stats
         meter = Meter(stats, plan.primitive)
         start = stats.start_timer(tree.prompt.device)
         if sched.prefill is None:

@@ -34,7 +34,7 @@ from augtree_verl.cp.layout import ZigzagLayout
 from augtree_verl.cp.ring import RingSpec, ring_bytes
 from augtree_verl.cp.schedule import CPPrefill
 from augtree_verl.replay.cp_tree import CPTreeRun
-from augtree_verl.replay.lockstep import Slot
+from augtree_verl.replay.lockstep import CPTrieSlot
 from augtree_verl.replay.prompt_kv import PromptKV, grad_sum, set_grad_sum, summing_leaf
 from augtree_verl.replay.stats import TRIE_ROOT
 from augtree_verl.replay.tree_run import Path, TrieRun
@@ -144,8 +144,8 @@ class CPTrieRun:
     def __init__(self, tries: TrieRun, ring: CPTreeRun):
         self.tries, self.ring, self.group = tries, ring, ring.group
 
-    def __call__(self, slot: Slot) -> None:
-        calls, root, share = self.tries.calls, slot.node, slot.cp_trie
+    def __call__(self, slot: CPTrieSlot) -> None:
+        calls, root, share = self.tries.calls, slot.node, slot.share
         stats = calls.stats
         layout = ZigzagLayout(root.length, share.degree)
         prefill = CPPrefill(tuple(range(share.degree)), layout)

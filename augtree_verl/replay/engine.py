@@ -26,6 +26,8 @@ from augtree_verl.replay.calls import ModelCalls
 from augtree_verl.replay.cp_tree import SCORE_EXCHANGE, CPTreeRun, exchange_scores
 from augtree_verl.replay.cp_trie import CPTrieRun
 from augtree_verl.replay.linear_state import refuse_cp_plans
+from augtree_verl.replay.lockstep import CPTreeSlot, CPTrieSlot, DummySlot, TrieSlot
+from augtree_verl.replay.options import ReplayOptions
 from augtree_verl.replay.rope import RopeRegimes, caller_loss, in_caller_trees, pinned
 from augtree_verl.replay.step_plan import StepPlan
 from augtree_verl.replay.tree_run import TrieRun
@@ -39,11 +41,15 @@ LossFn = Callable[[int, int, torch.Tensor], torch.Tensor]
 MicroBatchLossFn = Callable[[int, list[int], list[torch.Tensor]], "torch.Tensor | None"]
 
 
-def replay(model, step_plan: StepPlan, loss: MicroBatchLossFn | None = None) -> list[list[torch.Tensor]]:
-    """Score (and, with a loss, backpropagate) every response of every tree of ``step_plan``.
+def replay(
+    model, step_plan: StepPlan, loss: MicroBatchLossFn | None = None, options: ReplayOptions | None = None
+) -> list[list[torch.Tensor]]:
+    """Score (and, with a loss, backpropagate) every response of every tree of ``step_plan``, as ``options``
+    (``ReplayOptions``: temperature, entropy, offload, where to count; default: temperature 1, no entropy, no
+    offload, a new ``ReplayStats``) say.
 
-    Returns ``scores[t][i]``: float32 [R_i] log-probs, or [R_i, 2] (log-prob, entropy) with the plan's
-    ``entropy_fn``, detached. With ``loss(t, rows, scores)`` (one loss per response micro-batch on one
+    Returns ``scores[t][i]``: float32 [R_i] log-probs, or [R_i, 2] (log-prob, entropy) with ``options.entropy_fn``,
+    detached. With ``loss(t, rows, scores)`` (one loss per response micro-batch on one
     device, per CP step on a CP tree; ``per_response`` makes one from a loss per response), every
     parameter's ``.grad`` grows by the gradient of the sum of the losses as the flattened baseline computes
     it (on a CP tree: summed over the members of its subgroup). Without a loss, runs forward only under
@@ -51,6 +57,7 @@ def replay(model, step_plan: StepPlan, loss: MicroBatchLossFn | None = None) -> 
     responses are the ones ``step_plan`` was built with (where it split a tree by rope regime, its ``origin``
     maps them back); ``ValueError`` where it was built for other rope regimes than the model's.
     """
+    options = options if options is not None else ReplayOptions()
     regimes = RopeRegimes.of(model.config)
     if step_plan.rope != regimes:
         raise ValueError(
@@ -64,17 +71,20 @@ def replay(model, step_plan: StepPlan, loss: MicroBatchLossFn | None = None) -> 
     for t, tree in enumerate(trees):
         tree.check_tokens(t, vocab, device)
     refuse_cp_plans(model.config, step_plan.plans)
-    mesh, stats = step_plan.mesh, step_plan.stats
+    mesh, stats = step_plan.mesh, options.stats
     dropout = getattr(model.config, "attention_dropout", None)
     if mesh is not None and any(p is not None and p.degree > 1 for p in step_plan.plans) and model.training and dropout:
         raise ValueError(f"attention_dropout={dropout} is not supported by the CP replay")
+    if mesh is None or mesh.cp_rank == 0:  # the plan's demotions; every rank of a CP group decides alike: one counts
+        stats.trie_demoted += step_plan.trie_demoted
+        stats.rope_splits += step_plan.rope_splits
     calls = ModelCalls(
         model,
-        temperature=step_plan.temperature,
+        temperature=options.temperature,
         stats=stats,
-        entropy_fn=step_plan.entropy_fn,
+        entropy_fn=options.entropy_fn,
         micro_batch_loss=loss,
-        offload=step_plan.offload,
+        offload=options.offload,
     )
     tries = TrieRun(calls, trees)
     cp_runs = {d: CPTreeRun(calls, mesh.group_of(d)) for d in mesh.subgroups} if mesh is not None else {}
@@ -85,22 +95,19 @@ def replay(model, step_plan: StepPlan, loss: MicroBatchLossFn | None = None) -> 
     with torch.set_grad_enabled(calls.train), _fp32_grad_sums(model if calls.train else None):
         for slot in step_plan.slots:
             # a slot's trees share one rope length (a trie never mixes them, ``replay.trie``); a dummy: none
-            with pinned(model, trees[slot.tree].rope_len if slot.tree is not None else None):
-                if slot.cp_trie is not None:  # a trie whose root runs context-parallel: each row on one member
-                    cp_tries[slot.degree](slot)
-                    stats.cp_roots += slot.cp_trie.member == 0
-                    mine = slot.node.trees() if slot.cp_trie.member == 0 else []
-                elif slot.trie:  # a trie of this rank's trees (or a dummy slot)
-                    tries(slot)
-                    mine = slot.node.trees() if slot.node is not None else []
-                elif slot.tree is None:  # a dummy CP slot: prefill, calls, prompt backward
-                    calls.finish_slot(calls.dummy_prompt(), 0, slot.calls, stats.start_timer(device))
-                    mine = []
-                else:
-                    tree = trees[slot.tree]
-                    scores[slot.tree] = cp_runs[slot.degree](slot.tree, tree, step_plan.plans[slot.tree], slot)
-                    mine = [slot.tree] if mesh.subgroup_rank(slot.degree) == 0 else []
-                    reported.update(mine)
+            with pinned(model, trees[slot.trees[0]].rope_len if slot.trees else None):
+                match slot:
+                    case TrieSlot() | DummySlot():  # a trie of this rank's trees, or padding
+                        tries(slot)
+                        mine = slot.trees
+                    case CPTrieSlot():  # a trie whose root runs context-parallel: each row on one member
+                        cp_tries[slot.degree](slot)
+                        stats.cp_roots += slot.share.member == 0
+                        mine = slot.trees if slot.share.member == 0 else []
+                    case CPTreeSlot():
+                        scores[slot.tree] = cp_runs[slot.degree](trees[slot.tree], step_plan.plans[slot.tree], slot)
+                        mine = slot.trees if mesh.subgroup_rank(slot.degree) == 0 else []
+                        reported.update(mine)
             for t in mine:  # counted on one rank per tree
                 stats.logical_tokens += sum(trees[t].prompt_len + r for r in trees[t].response_lens)
                 stats.trees += 1
@@ -112,7 +119,7 @@ def replay(model, step_plan: StepPlan, loss: MicroBatchLossFn | None = None) -> 
     if mesh is None:
         return in_caller_trees(scores, step_plan.origin)
     owned = {(t, i) for t in reported for i in range(len(trees[t].responses))} | set(tries.scores)
-    shared = _share(step_plan, scores, owned, device, width=None if step_plan.entropy_fn is None else 2)
+    shared = _share(step_plan, scores, owned, device, stats, width=None if options.entropy_fn is None else 2)
     return in_caller_trees(shared, step_plan.origin)
 
 
@@ -156,7 +163,9 @@ def _sum_of_response_losses(loss_fn: LossFn, t: int, rows: list[int], scores: li
     return functools.reduce(operator.add, terms)
 
 
-def _share(step_plan: StepPlan, scores, owned_rows: set, device, *, width: int | None) -> list[list[torch.Tensor]]:
+def _share(
+    step_plan: StepPlan, scores, owned_rows: set, device, stats, *, width: int | None
+) -> list[list[torch.Tensor]]:
     """Every response's scores on every rank of the CP group (``exchange_scores``): ``owned_rows`` holds the
     (tree, response) rows whose scores this rank owns (each row's are owned by one rank: a CP tree's by the
     first member of its subgroup, a trie's row by the rank that ran it)."""
@@ -168,7 +177,7 @@ def _share(step_plan: StepPlan, scores, owned_rows: set, device, *, width: int |
         owned,
         tuple(range(mesh.cp_size)),
         mesh.cp_group,
-        Meter(step_plan.stats, SCORE_EXCHANGE),
+        Meter(stats, SCORE_EXCHANGE),
         width=width,
         device=device,
     )

@@ -67,30 +67,80 @@ class Shape:
 
 
 @dataclass
-class Slot:
-    """One tree's or trie's place in the lock-step sequence: ``tree`` (an index; a trie: its first tree;
-    None for a dummy slot), ``degree`` (its phase), its work (one device: ``node``, the trie's root, its leaf
-    micro-batches ``micro_batches``, lists of indices into ``node.leaves``, and the lock-step ``shape`` it
-    runs in; CP: ``cp``, this rank's CP schedule of the tree; a trie with a context-parallel root: ``node``,
-    ``cp_trie``, this member's share of its children, and ``shape``) and ``calls`` >= that work's call count
-    at the root (the rest are dummy calls). ``trie``: the slot runs as a trie (one device, or with a
-    context-parallel root), dummy slots of those phases included."""
+class TrieSlot:
+    """A trie on one device (phase 1; a group is a depth-1 trie): its root ``node`` (its inner nodes'
+    ``micro_batches`` set) in the lock-step ``shape`` every rank's fits in. Run by ``tree_run.TrieRun``."""
 
-    tree: int | None
-    degree: int
-    calls: int
-    micro_batches: list[list[int]]
-    cp: CPTreeSchedule | None = None
-    node: TrieNode | None = None
-    shape: Shape = field(default_factory=Shape)
-    trie: bool = False
-    cp_trie: CPTrieShare | None = None
+    node: TrieNode
+    shape: Shape
+    degree: int = 1
+
+    @property
+    def trees(self) -> list[int]:
+        return self.node.trees()
 
     @property
     def own_calls(self) -> int:
-        if self.cp is not None:
-            return len(self.cp.steps)
-        return len(self.cp_trie.batches) if self.cp_trie is not None else len(self.micro_batches)
+        return len(self.node.micro_batches)
+
+
+@dataclass
+class CPTreeSlot:
+    """One tree context-parallel over a subgroup of ``degree`` ranks: this member's CP ``schedule`` of it, padded to
+    the ``calls`` every member agreed (its steps, then dummy calls). Run by ``cp_tree.CPTreeRun``."""
+
+    tree: int
+    degree: int
+    schedule: CPTreeSchedule
+    calls: int = 0
+
+    @property
+    def trees(self) -> list[int]:
+        return [self.tree]
+
+    @property
+    def own_calls(self) -> int:
+        return len(self.schedule.steps)
+
+
+@dataclass
+class CPTrieSlot:
+    """A trie whose root runs context-parallel over a subgroup of ``degree`` ranks (``replay.cp_trie``): its root
+    ``node``, this member's ``share`` of the root's children, in the ``shape`` every member's fits in. Run by
+    ``cp_trie.CPTrieRun``."""
+
+    node: TrieNode
+    degree: int
+    share: CPTrieShare
+    shape: Shape
+
+    @property
+    def trees(self) -> list[int]:
+        return self.node.trees()
+
+    @property
+    def own_calls(self) -> int:
+        return len(self.share.batches)
+
+
+@dataclass
+class DummySlot:
+    """Padding where a rank has fewer slots in a phase than another: a one-token prefill, the ``shape``'s dummy
+    calls and dummy children, one delayed backward (no trees). Run by ``tree_run.TrieRun``."""
+
+    degree: int
+    shape: Shape = field(default_factory=Shape)
+
+    @property
+    def trees(self) -> list[int]:
+        return []
+
+    @property
+    def own_calls(self) -> int:
+        return 0
+
+
+Slot = TrieSlot | CPTreeSlot | CPTrieSlot | DummySlot  # one tree's or trie's place in the lock-step sequence
 
 
 def lockstep_slots(
@@ -117,7 +167,7 @@ def lockstep_slots(
     trees = trie.trees
     in_cp_trie = {t for root, _ in cp_roots for t in root.trees()}
     degrees = [plan.degree if plan is not None else 1 for plan in plans]
-    phases: list[tuple[int, bool, list[Slot]]] = []  # (degree, trie slots, slots)
+    phases: list[tuple[int, bool, Sequence[Slot]]] = []  # (degree, shaped slots (tries), slots)
     for d in sorted(mesh.degrees if mesh is not None else (1,), reverse=True):
         if d == 1:
             mine = [
@@ -125,39 +175,30 @@ def lockstep_slots(
                 for t in range(len(trees))
                 if degrees[t] == 1 and t not in in_cp_trie and (mesh is None or subgroups[t] == mesh.cp_rank)
             ]
-            slots = [_trie_slot(root, budget_tokens) for root in trie.of(mine)]
-            slots.sort(key=lambda s: (-s.shape.total_calls, s.tree))
-            phases.append((1, True, slots))
+            tries = [_trie_slot(root, budget_tokens) for root in trie.of(mine)]
+            tries.sort(key=lambda s: (-s.shape.total_calls, s.trees[0]))
+            phases.append((1, True, tries))
             continue
         here = mesh.subgroup_index(d)
         mine = [t for t in range(len(trees)) if degrees[t] == d and subgroups[t] == here and t not in in_cp_trie]
-        slots = [
-            Slot(
-                t,
-                d,
-                0,
-                [],
-                cp_tree_schedule(plans[t], trees[t].prompt_len, list(trees[t].response_lens), mesh.subgroup_rank(d)),
-            )
-            for t in mine
+
+        def schedule(t, rank):
+            return cp_tree_schedule(plans[t], trees[t].prompt_len, list(trees[t].response_lens), rank)
+
+        key = {t: max(len(schedule(t, r).steps) for r in range(d)) for t in mine}
+        cp_trees = [
+            CPTreeSlot(t, d, schedule(t, mesh.subgroup_rank(d))) for t in sorted(mine, key=lambda t: (-key[t], t))
         ]
-        key = {
-            t: max(
-                len(cp_tree_schedule(plans[t], trees[t].prompt_len, list(trees[t].response_lens), r).steps)
-                for r in range(d)
-            )
-            for t in mine
-        }
-        slots.sort(key=lambda s: (-key[s.tree], s.tree))
-        phases.append((d, False, slots))
+        phases.append((d, False, cp_trees))
         roots = [root for root, rd in cp_roots if rd == d and subgroups[root.trees()[0]] == here]
-        slots = [_cp_trie_slot(root, d, mesh.subgroup_rank(d), budget_tokens) for root in roots]
-        slots.sort(key=lambda s: (-s.shape.total_calls, s.tree))
-        phases.append((d, True, slots))
+        cp_tries = [_cp_trie_slot(root, d, mesh.subgroup_rank(d), budget_tokens) for root in roots]
+        cp_tries.sort(key=lambda s: (-s.shape.total_calls, s.trees[0]))
+        phases.append((d, True, cp_tries))
     if group is None:
         for _, _, slots in phases:
             for s in slots:
-                s.calls = s.own_calls
+                if isinstance(s, CPTreeSlot):
+                    s.calls = s.own_calls
         return [s for _, _, slots in phases for s in slots]
     agreed = torch.tensor([len(slots) for _, _, slots in phases], dtype=torch.int64, device=device)
     torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MAX, group=group)
@@ -168,32 +209,34 @@ def lockstep_slots(
         agreed[start : start + len(slots)] = torch.tensor([s.own_calls for s in slots], dtype=torch.int64)
         start += n
     torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MAX, group=group)
-    shape: list[int] = agreed.tolist()
-    shapes = iter(_agreed_shapes([(slots, n) for (_, tries, slots), n in zip(phases, counts) if tries], group))
+    calls: list[int] = agreed.tolist()
+    shaped_phases = [(slots, n) for (_, shaped, slots), n in zip(phases, counts) if shaped]
+    shapes = iter(_agreed_shapes(shaped_phases, group))  # type: ignore[arg-type]  # shaped: tries only
     out: list[Slot] = []
     start = 0
-    for (d, tries, slots), n in zip(phases, counts):
-        phase_shapes = next(shapes) if tries else []
+    for (d, shaped, slots), n in zip(phases, counts):
+        phase_shapes = next(shapes) if shaped else []
         for j in range(n):
-            slot = slots[j] if j < len(slots) else Slot(None, d, 0, [], trie=tries)
-            slot.calls = shape[start + j]
-            if tries:
+            slot = slots[j] if j < len(slots) else DummySlot(d)
+            if isinstance(slot, CPTreeSlot):
+                slot.calls = calls[start + j]
+            elif shaped:
                 slot.shape = phase_shapes[j]
+            else:  # a dummy CP tree: a one-token prefill, the agreed calls, a backward
+                slot.shape = Shape(calls=calls[start + j])
             out.append(slot)
         start += n
     return out
 
 
-def _trie_slot(root: TrieNode, budget_tokens: int) -> Slot:
+def _trie_slot(root: TrieNode, budget_tokens: int) -> TrieSlot:
     """The slot of a trie on one device; every inner node's leaves split into micro-batches
     (``split_micro_batches`` of their lengths)."""
     split_trie(root, budget_tokens)
-    return Slot(
-        root.trees()[0], 1, len(root.micro_batches), root.micro_batches, node=root, shape=Shape.of(root), trie=True
-    )
+    return TrieSlot(root, Shape.of(root))
 
 
-def _cp_trie_slot(root: TrieNode, degree: int, member: int, budget_tokens: int) -> Slot:
+def _cp_trie_slot(root: TrieNode, degree: int, member: int, budget_tokens: int) -> CPTrieSlot:
     """The slot of a trie whose root runs context-parallel over ``degree`` members, on ``member``: its share
     (``cp_trie_schedule``) in the shape every member's fits in."""
     split_trie(root, budget_tokens)
@@ -201,8 +244,7 @@ def _cp_trie_slot(root: TrieNode, degree: int, member: int, budget_tokens: int) 
     shape = Shape()
     for share in shares:
         shape = shape.union(Shape(False, len(share.batches), tuple(Shape.of(root.inner[j]) for j in share.inner)))
-    mine = shares[member]
-    return Slot(root.trees()[0], degree, len(mine.batches), [], node=root, shape=shape, trie=True, cp_trie=mine)
+    return CPTrieSlot(root, degree, shares[member], shape)
 
 
 def split_trie(root: TrieNode, budget_tokens: int) -> None:
@@ -216,7 +258,7 @@ def _nodes(root: TrieNode) -> list[TrieNode]:
     return [root] + [n for c in root.children for n in _nodes(c)]
 
 
-def _agreed_shapes(phases: list[tuple[list[Slot], int]], group) -> list[list[Shape]]:
+def _agreed_shapes(phases: list[tuple[Sequence[TrieSlot | CPTrieSlot], int]], group) -> list[list[Shape]]:
     """Per phase of trie slots (its slots, its agreed count), slot j's shape on every rank of ``group``: the
     union of the ranks' (one ``all_gather_object`` for all phases)."""
     gathered: list[list[list[Shape]] | None] = [None] * torch.distributed.get_world_size(group)

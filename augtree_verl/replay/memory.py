@@ -54,7 +54,7 @@ import torch
 
 from augtree_verl.groups import Tree
 from augtree_verl.model_shape import ModelShape
-from augtree_verl.replay.lockstep import Slot
+from augtree_verl.replay.lockstep import CPTrieSlot, Slot, TrieSlot
 from augtree_verl.replay.offload import MIN_OFFLOAD_BYTES
 from augtree_verl.replay.trie import TrieNode
 
@@ -101,7 +101,8 @@ class ReplayMemory:
 
     ``kv``, ``kv_sum``, ``layer`` (forward only: the forward working set), ``saved``, ``head``: bytes per token
     (``head``: per scored token);
-    ``hidden``: bytes of one hidden state [H]; ``dtype_bytes``: e; ``train``; ``budget_bytes``."""
+    ``hidden``: bytes of one hidden state [H]; ``dtype_bytes``: e; ``train``; ``budget_bytes``; ``offload``: the
+    replay offloads prompt activations (``replay.offload``)."""
 
     kv: int
     kv_sum: int
@@ -113,12 +114,16 @@ class ReplayMemory:
     vocab: int
     train: bool
     budget_bytes: int
+    offload: bool = False
 
     @classmethod
-    def of(cls, config, *, dtype: torch.dtype, checkpointing: bool, train: bool, budget_bytes: int) -> ReplayMemory:
+    def of(
+        cls, config, *, dtype: torch.dtype, checkpointing: bool, train: bool, budget_bytes: int, offload: bool = False
+    ) -> ReplayMemory:
         """The sizes of a model (``config``: its Hugging Face config; ``dtype``: the dtype its layers compute
         in, e.g. FSDP2's ``param_dtype``; ``checkpointing``: activation checkpointing on) replayed in training
-        (``train``) or forward only, checked against ``budget_bytes``."""
+        (``train``) or forward only, checked against ``budget_bytes``; ``offload``: the training replay offloads
+        prompt activations (``replay.offload``)."""
         shape = ModelShape.of(config)
         layers, hidden, heads, head_dim = shape.num_layers, shape.hidden_size, shape.num_heads, shape.head_dim
         e = torch.empty((), dtype=dtype).element_size()
@@ -138,6 +143,7 @@ class ReplayMemory:
             vocab=shape.vocab_size,
             train=train,
             budget_bytes=budget_bytes,
+            offload=offload and train,
         )
 
     def resident(self, node: TrieNode, *, offload: bool, degree: int = 1) -> int:
@@ -201,7 +207,7 @@ def device_budget_bytes(budget_gib: float | None, device: torch.device) -> int |
 
 
 def check_memory(
-    memory: ReplayMemory, slots: Sequence[Slot], trees: Sequence[Tree], *, offload: bool, group=None, device=None
+    memory: ReplayMemory, slots: Sequence[Slot], trees: Sequence[Tree], *, group=None, device=None
 ) -> None:
     """Raise ``ReplayMemoryError`` where this rank's one-device slots (``lockstep_slots``') need more than
     ``memory.budget_bytes`` at their peak, naming the worst trie's trees, the node, its length, the estimate,
@@ -210,9 +216,9 @@ def check_memory(
     budget names the rank that is over."""
     worst = max(
         (
-            (*memory.peak(s.node, offload=offload, degree=s.cp_trie.degree if s.cp_trie else 1), s.node)
+            (*memory.peak(s.node, offload=memory.offload, degree=s.degree), s.node)
             for s in slots
-            if s.node is not None
+            if isinstance(s, (TrieSlot, CPTrieSlot))
         ),
         key=lambda found: found[0],
         default=None,

@@ -11,15 +11,18 @@ the trainer's plan field) takes the trees of the step and fixes
   subgroup, its K/V serving every subtree, ``replay.cp_trie``), chosen by ``shared_root_plans``;
 - the subgroups: per tree, the subgroup of the CP group it runs on (``subgroups[t]``, of its plan's
   degree, or its trie's root's; a CP rank for degree 1), chosen by ``assign_subgroups`` unless given;
-- the lock-step shape: this rank's slots (``replay.lockstep``), agreed over ``lockstep_group``;
-- how to run: temperature, entropy, offload, and the ``ReplayStats`` the run adds to.
+- the lock-step shape: this rank's slots (``replay.lockstep``: one type per kind of slot), agreed over
+  ``lockstep_group``;
+- the demotions, by cause (``fallbacks``, ``cp_demoted``, ``trie_demoted``, ``rope_splits``).
 
-``replay(model, step_plan, loss)`` then runs it. Every rank of a CP group builds the same plan from the same
-trees (the policy reads only the trees and plans, which every member shares).
+It holds the decision only (frozen): how to run it (temperature, entropy, offload, where to count) is the
+``replay.options.ReplayOptions`` that ``replay(model, step_plan, loss, options)`` takes. Every rank of a CP group
+builds the same plan from the same trees (the policy reads only the trees and plans, which every member shares).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -35,14 +38,11 @@ from augtree_verl.replay.linear_state import demote_cp_plans
 from augtree_verl.replay.lockstep import Slot, lockstep_slots, split_trie
 from augtree_verl.replay.memory import ReplayMemory, check_memory
 from augtree_verl.replay.microbatch import DEFAULT_MICRO_BATCH_TOKENS
-from augtree_verl.replay.offload import Offload
 from augtree_verl.replay.rope import Origin, RopeRegimes, split_regimes
-from augtree_verl.replay.scoring import EntropyFn
-from augtree_verl.replay.stats import ReplayStats
 from augtree_verl.replay.trie import MIN_SHARED_TOKENS, StepTrie, TrieNode
 
 
-@dataclass
+@dataclass(frozen=True)
 class StepPlan:
     """One step's replay, decided (see the module docstring); build it with ``build`` or ``from_batch``.
 
@@ -62,12 +62,10 @@ class StepPlan:
     mesh: CPMesh | None = None
     cp_roots: list[tuple[TrieNode, int]] = field(default_factory=list)
     subgroups: list[int] | None = None
-    temperature: float = 1.0
-    entropy_fn: EntropyFn | None = None
-    offload: Offload | None = None
-    stats: ReplayStats = field(default_factory=ReplayStats)
     fallbacks: int = 0
     cp_demoted: int = 0
+    trie_demoted: int = 0
+    rope_splits: int = 0
     rope: RopeRegimes | None = None
     origin: Origin | None = None
 
@@ -82,10 +80,6 @@ class StepPlan:
         rebalance: bool = False,
         micro_batch_tokens: int = DEFAULT_MICRO_BATCH_TOKENS,
         min_shared_tokens: int = MIN_SHARED_TOKENS,
-        temperature: float = 1.0,
-        entropy_fn: EntropyFn | None = None,
-        offload: Offload | None = None,
-        stats: ReplayStats | None = None,
         lockstep_group=None,
         device: torch.device | None = None,
         trie: StepTrie | None = None,
@@ -102,18 +96,14 @@ class StepPlan:
         ``assign_subgroups``; ``rebalance`` lets it run trees on one rank each where that finishes the CP
         group sooner, which needs the planner's estimates). ``micro_batch_tokens``: the token budget of a
         one-device response micro-batch. ``min_shared_tokens``: the token passes a trie node below a prompt must
-        save to get its own call (``replay.trie``). ``temperature`` > 0 divides the logits; ``entropy_fn`` (tempered
-        float32 logits [N, V] -> entropy [N]) adds entropies to the scores. ``offload``
-        (``replay.offload.Offload``; training only): each prompt's saved activations wait in host memory
-        between its prefill and its delayed backward. ``stats``: where the run counts (default: a new
-        ``ReplayStats``). ``lockstep_group``: a process group whose ranks all replay together on one
-        FSDP2-sharded model; every rank then issues the same sequence of model calls and backwards (agreed
-        here with two int64 all-reduces on ``device``, default the trees' device). ``trie``: the
+        save to get its own call (``replay.trie``). ``lockstep_group``: a process group whose ranks all replay
+        together on one FSDP2-sharded model; every rank then issues the same sequence of model calls and
+        backwards (agreed here with two int64 all-reduces on ``device``, default the trees' device). ``trie``: the
         ``StepTrie`` of ``trees`` with ``min_shared_tokens`` where the caller found it already (``from_batch``);
         default: found here. A tree whose trie is more than its own group runs in its trie, whatever its
         plan: where one of the trie's trees has a plan of degree d > 1, with its root context-parallel over
         d ranks, or on one device where the root cannot (``shared_root_plans``, counted in
-        ``stats.trie_demoted``). ``cp_alone``: instead, a plan of degree > 1 runs its tree alone, sharing nothing
+        ``trie_demoted``). ``cp_alone``: instead, a plan of degree > 1 runs its tree alone, sharing nothing
         beyond it (``augtree bench``'s MegaN and MegaR baselines). ``trie_cost``: the planner's cost model
         (``TrieCost``); with it and a mesh, a trie whose trees have no CP plan but which would be cut into chunks
         over several ranks (a batch-wide system prompt) runs with its root context-parallel where that is
@@ -122,14 +112,12 @@ class StepPlan:
         ``rope``: the model's ``rope.RopeRegimes`` (``RopeRegimes.of(model.config)``; ``replay`` refuses a plan
         built with others): each tree runs in the regime of its rows' stock-engine calls (``Tree.call_lens``), a
         tree whose rows fall in several split into one tree per regime (``rope.split_regimes``, counted in
-        ``stats.rope_splits``); the plan's ``trees`` are then the split ones, and ``replay`` reports by the given.
+        ``rope_splits``); the plan's ``trees`` are then the split ones, and ``replay`` reports by the given.
         """
         trees = list(trees)
         for t, tree in enumerate(trees):
             tree.check_tokens(t, device=device)
             device = tree.prompt.device  # every tree on one device (``device``, or the first tree's)
-        if temperature <= 0:
-            raise ValueError(f"temperature must be > 0, got {temperature}")
         if micro_batch_tokens < 1:
             raise ValueError(f"micro_batch_tokens must be >= 1, got {micro_batch_tokens}")
         if min_shared_tokens < 0:
@@ -165,10 +153,6 @@ class StepPlan:
             raise ValueError("subgroups place trees in a CP group: pass a mesh or a plan of degree > 1")
         if device is None:
             device = torch.device("cpu")
-        stats = stats if stats is not None else ReplayStats()
-        if mesh is None or mesh.cp_rank == 0:  # every rank of the CP group decides alike: one counts
-            stats.trie_demoted += shared
-            stats.rope_splits += rope_splits
         slots = lockstep_slots(
             trie,
             plans,
@@ -180,7 +164,7 @@ class StepPlan:
             device=device,
         )
         if memory is not None:
-            check_memory(memory, slots, trees, offload=offload is not None, group=lockstep_group, device=device)
+            check_memory(memory, slots, trees, group=lockstep_group, device=device)
         return cls(
             trees=trees,
             plans=plans,
@@ -188,10 +172,8 @@ class StepPlan:
             mesh=mesh,
             cp_roots=cp_roots,
             subgroups=subgroups,
-            temperature=temperature,
-            entropy_fn=entropy_fn,
-            offload=offload,
-            stats=stats,
+            trie_demoted=shared,
+            rope_splits=rope_splits,
             rope=rope,
             origin=origin,
         )
@@ -225,8 +207,7 @@ class StepPlan:
             rope=RopeRegimes.of(model_config),
             **options,
         )
-        step_plan.fallbacks, step_plan.cp_demoted = fallbacks, cp_demoted
-        return step_plan
+        return dataclasses.replace(step_plan, fallbacks=fallbacks, cp_demoted=cp_demoted)
 
 
 class TrieCost(Protocol):

@@ -29,7 +29,7 @@ import torch
 from augtree_verl.groups import Tree
 from augtree_verl.replay.attention import PrefillContext, ResponseContext
 from augtree_verl.replay.calls import PAD_ID, ModelCalls
-from augtree_verl.replay.lockstep import Shape, Slot
+from augtree_verl.replay.lockstep import DummySlot, Shape, TrieSlot
 from augtree_verl.replay.prompt_kv import PromptKV
 from augtree_verl.replay.trie import Row, TrieNode, row_scores
 
@@ -59,9 +59,9 @@ class TrieRun:
         self.calls, self.trees = calls, trees
         self.scores: dict[Row, torch.Tensor] = {}
 
-    def __call__(self, slot: Slot) -> None:
-        """Run ``slot`` (a trie root, or None for a dummy slot) in its lock-step shape."""
-        self.node(slot.node, slot.shape, [])
+    def __call__(self, slot: TrieSlot | DummySlot) -> None:
+        """Run ``slot`` (a trie, or a dummy) in its lock-step shape."""
+        self.node(slot.node if isinstance(slot, TrieSlot) else None, slot.shape, [])
 
     def node(self, node: TrieNode | None, shape: Shape, path: Path) -> None:
         calls, stats = self.calls, self.calls.stats

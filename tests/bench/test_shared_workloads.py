@@ -166,11 +166,16 @@ def test_depth1_is_checked_against_the_flattened_gradients(monkeypatch):
     assert aug.ideal_trie > aug.ideal_depth1 == pytest.approx(aug.ideal_speedup)
     assert format_shared([megan, aug, depth1]).startswith("agent: ideal FLOP ratio over flattened: trie")
 
-    build = runner.StepPlan.build
+    build, run, depth1 = runner.StepPlan.build, runner.replay, []
 
-    def tempered(trees, **options):  # a wrong depth-1 replay: its log-probs at temperature 2
-        deep = options["min_shared_tokens"] == DEPTH1_SHARED_TOKENS
-        return build(trees, **options, temperature=2.0 if deep else 1.0)
+    def tracked(trees, **options):
+        depth1.append(options["min_shared_tokens"] == DEPTH1_SHARED_TOKENS)
+        return build(trees, **options)
 
-    monkeypatch.setattr(runner.StepPlan, "build", tempered)
+    def tempered(model, step_plan, loss=None, options=None):  # a wrong depth-1 replay: its log-probs at temperature 2
+        options = options if options is not None else runner.ReplayOptions()
+        return run(model, step_plan, loss, dataclasses.replace(options, temperature=2.0 if depth1[-1] else 1.0))
+
+    monkeypatch.setattr(runner.StepPlan, "build", tracked)
+    monkeypatch.setattr(runner, "replay", tempered)
     assert [r.wrong for r in _run(methods)] == [False, False, True]

@@ -14,11 +14,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from augtree_verl import Plan, ReplayStats, StepPlan, per_response, replay
+from augtree_verl import Plan, ReplayOptions, ReplayStats, StepPlan, per_response, replay
 from augtree_verl.cp.cost import AttentionShape
 from augtree_verl.cp.mesh import CPMesh
 from augtree_verl.replay.baseline import flattened_replay
 from augtree_verl.replay.cp_trie import trie_root_bytes
+from augtree_verl.replay.lockstep import CPTrieSlot
 from augtree_verl.replay.offload import Offload
 from augtree_verl.replay.stats import TRIE_ROOT
 from tests.cp.distributed import run_distributed
@@ -37,22 +38,24 @@ def _cp_plan(trees, degree: int, planned: int = 0) -> list[Plan | None]:
     return plans
 
 
-def _step_plan(trees, plans, **options) -> StepPlan:
-    step_plan = StepPlan.build(trees, plans=plans, min_shared_tokens=MIN_SHARED, **options)
-    assert step_plan.stats.trie_demoted == 0 and len(step_plan.cp_roots) == 1, step_plan.cp_roots
+def _step_plan(trees, plans, **build) -> StepPlan:
+    step_plan = StepPlan.build(trees, plans=plans, min_shared_tokens=MIN_SHARED, **build)
+    assert step_plan.trie_demoted == 0 and len(step_plan.cp_roots) == 1, step_plan.cp_roots
     return step_plan
 
 
-def _check(model, trees, plans, *, seed=0, forward_runs=1, events=None, **options) -> tuple[ReplayStats, dict]:
+def _check(
+    model, trees, plans, *, seed=0, forward_runs=1, events=None, offload=None, **build
+) -> tuple[ReplayStats, dict]:
     """One forward-only and one training call vs the baseline (with ``events``, ``_record``'s list: each in
     lock-step on every rank); returns the training call's stats and the gradients summed over the ranks."""
     loss_fn = grpo_like_loss(trees, seed)
     model.zero_grad(set_to_none=True)
-    forward = replay(model, _step_plan(trees, plans, **options))
+    forward = replay(model, _step_plan(trees, plans, **build), None, ReplayOptions(offload=offload))
     if events is not None:
         _same_on_every_rank(events, "forward only")
-    step_plan = _step_plan(trees, plans, **options)
-    got = replay(model, step_plan, per_response(loss_fn))
+    step_plan, stats = _step_plan(trees, plans, **build), ReplayStats()
+    got = replay(model, step_plan, per_response(loss_fn), ReplayOptions(offload=offload, stats=stats))
     if events is not None:
         _same_on_every_rank(events, "training")
     summed = summed_grads(model)
@@ -62,8 +65,8 @@ def _check(model, trees, plans, *, seed=0, forward_runs=1, events=None, **option
     assert_logps_match(forward, want)
     assert_grads_match(summed, grads(model))
     # this rank's bytes: the formula's as a member of the root's subgroup, else none; the root counted once
-    stats, (root, degree) = step_plan.stats, step_plan.cp_roots[0]
-    member = next((s.cp_trie.member for s in step_plan.slots if s.cp_trie is not None), None)
+    root, degree = step_plan.cp_roots[0]
+    member = next((s.share.member for s in step_plan.slots if isinstance(s, CPTrieSlot)), None)
     expected = (
         trie_root_bytes(
             root.length,
@@ -91,7 +94,7 @@ def _world2(rank, world):
     root = _step_plan(trees, plans).cp_roots[0][0]
     assert root.length == SHORT["system"]
     alone = ReplayStats()
-    replay(model, StepPlan.build(trees, min_shared_tokens=MIN_SHARED, stats=alone))
+    replay(model, StepPlan.build(trees, min_shared_tokens=MIN_SHARED), None, ReplayOptions(stats=alone))
     summed = torch.tensor([stats.nodes, stats.executed_tokens])
     dist.all_reduce(summed)
     assert summed[0] == alone.nodes, (summed, alone.nodes)

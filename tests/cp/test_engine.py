@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from augtree_verl import Plan, ReplayStats, StepPlan, per_response, replay
+from augtree_verl import Plan, ReplayOptions, ReplayStats, StepPlan, per_response, replay
 from augtree_verl.cp.cost import AttentionShape, analytic_bytes
 from augtree_verl.cp.layout import ZigzagLayout
 from augtree_verl.planner import plan_tree
@@ -57,8 +57,9 @@ def check_call(model, trees, plans, *, temperature=1.0, train=True, seed=0, forw
     loss_fn = grpo_like_loss(trees, seed) if train else None
     model.zero_grad(set_to_none=True)
     stats = ReplayStats()
-    step_plan = StepPlan.build(trees, plans=plans, temperature=temperature, stats=stats)
-    got = replay(model, step_plan, per_response(loss_fn) if train else None)
+    step_plan = StepPlan.build(trees, plans=plans)
+    options = ReplayOptions(temperature=temperature, stats=stats)
+    got = replay(model, step_plan, per_response(loss_fn) if train else None, options)
     summed = summed_grads(model) if train else {}
     model.zero_grad(set_to_none=True)
     want = flattened_replay(model, trees, loss_fn, temperature=temperature)
@@ -220,14 +221,9 @@ def _micro_batch_loss_with_entropy(rank, world, offload_on=False):
         offload = Offload(min_bytes=0) if offload_on else None
         got = replay(
             model,
-            StepPlan.build(
-                trees,
-                plans=plans if step != 1 else [ring_plan(world)] * 2,
-                temperature=0.8,
-                entropy_fn=entropy,
-                offload=offload,
-            ),
+            StepPlan.build(trees, plans=plans if step != 1 else [ring_plan(world)] * 2),
             micro_batch_loss,
+            ReplayOptions(temperature=0.8, entropy_fn=entropy, offload=offload),
         )
         assert all(
             s.shape == (n, 2) and not s.requires_grad

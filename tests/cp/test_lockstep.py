@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from augtree_verl import Plan, StepPlan, per_response, replay
+from augtree_verl import Plan, ReplayOptions, StepPlan, per_response, replay
 from augtree_verl.cp.mesh import CPMesh
 from tests.cp.distributed import run_distributed
 from tests.cp.test_engine import (
@@ -84,19 +84,13 @@ def _skewed(rank, world):
         def loss_fn(t, i, scores):
             return pg(t, i, scores[:, 0]) + 0.1 * scores[:, 1].sum()
 
-        step_plan = dict(
-            plans=PLANS,
-            mesh=mesh,
-            subgroups=SUBGROUPS,
-            entropy_fn=entropy,
-            lockstep_group=dist.group.WORLD,
-            temperature=0.9,
-        )
-        got = replay(model, StepPlan.build(trees, **step_plan))
+        step_plan = dict(plans=PLANS, mesh=mesh, subgroups=SUBGROUPS, lockstep_group=dist.group.WORLD)
+        options = ReplayOptions(entropy_fn=entropy, temperature=0.9)
+        got = replay(model, StepPlan.build(trees, **step_plan), None, options)
         _same_on_every_rank(events, f"step {step} forward only")
         forward = got
         model.zero_grad(set_to_none=True)
-        got = replay(model, StepPlan.build(trees, **step_plan), per_response(loss_fn))
+        got = replay(model, StepPlan.build(trees, **step_plan), per_response(loss_fn), options)
         _same_on_every_rank(events, f"step {step} training")
         summed = summed_grads(model)
         assert_scores_match_flattened(model, trees, loss_fn, 0.9, got, summed)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from augtree_verl import Plan, StepPlan, Tree, per_response, replay
+from augtree_verl import Plan, ReplayOptions, StepPlan, Tree, per_response, replay
 from tests.parity import VOCAB, random_trees, tiny_model
 
 ok = torch.tensor([1, 2, 3])
@@ -39,7 +39,7 @@ def test_bad_tree_is_named(model, tree, message, train):
 def test_bad_temperature_and_budget(model):
     trees = random_trees([4], [[2]])
     with pytest.raises(ValueError, match="temperature"):
-        replay(model, StepPlan.build(trees, temperature=0.0))
+        replay(model, StepPlan.build(trees), options=ReplayOptions(temperature=0.0))
     with pytest.raises(ValueError, match="micro_batch_tokens"):
         replay(model, StepPlan.build(trees, micro_batch_tokens=0))
 

@@ -39,11 +39,11 @@ def test_bf16_replay_is_as_accurate_as_the_flattened_bf16_baseline():
     stats = {}
 
     def ours(model, trees, loss_fn):
-        from augtree_verl.replay import ReplayStats
+        from augtree_verl.replay import ReplayOptions, ReplayStats
 
         stats["replay"] = ReplayStats()
-        step_plan = StepPlan.build(trees, micro_batch_tokens=RESPONSE, stats=stats["replay"])
-        return replay(model, step_plan, per_response(loss_fn))
+        step_plan = StepPlan.build(trees, micro_batch_tokens=RESPONSE)
+        return replay(model, step_plan, per_response(loss_fn), ReplayOptions(stats=stats["replay"]))
 
     want_logp, want_grads = _run(flattened_replay, reference, tree, advantages)
     base_logp, base_grads = _run(flattened_replay, bf16, tree, advantages)

@@ -3,9 +3,18 @@
 import pytest
 import torch
 
-from augtree_verl import ReplayStats, StepPlan, per_response, replay
+from augtree_verl import ReplayOptions, ReplayStats, StepPlan, per_response, replay
 from augtree_verl.replay.baseline import flattened_replay
-from tests.parity import MODELS, assert_grads_match, assert_logps_match, grads, random_trees, rel_err, tiny_model
+from tests.parity import (
+    MODELS,
+    assert_grads_match,
+    assert_logps_match,
+    grads,
+    plan_and_options,
+    random_trees,
+    rel_err,
+    tiny_model,
+)
 
 
 def grpo_like_loss(advantages):
@@ -14,12 +23,12 @@ def grpo_like_loss(advantages):
 
 
 def run_both(model, trees, loss_fn, **kw):
-    temperature = kw.pop("temperature", 1.0)
+    build, options = plan_and_options(kw)
     model.zero_grad(set_to_none=True)
-    got = replay(model, StepPlan.build(trees, temperature=temperature, **kw), per_response(loss_fn))
+    got = replay(model, StepPlan.build(trees, **build), per_response(loss_fn), options)
     got_grads = grads(model)
     model.zero_grad(set_to_none=True)
-    want = flattened_replay(model, trees, loss_fn, temperature=temperature)
+    want = flattened_replay(model, trees, loss_fn, temperature=options.temperature)
     return got, got_grads, want, grads(model)
 
 
@@ -107,7 +116,7 @@ def test_several_optimizer_steps_stay_in_parity():
 def test_forward_only_builds_no_graph_and_matches():
     model = tiny_model("qwen3-gqa", seed=8)
     trees = random_trees([25], [[5, 1, 9]], seed=8)
-    got = replay(model, StepPlan.build(trees, temperature=1.3))
+    got = replay(model, StepPlan.build(trees), options=ReplayOptions(temperature=1.3))
     want = flattened_replay(model, trees, temperature=1.3)
     assert_logps_match(got, want)
     assert all(not lp.requires_grad for row in got for lp in row)
@@ -118,7 +127,12 @@ def test_stats_count_prompt_once():
     model = tiny_model("qwen2-gqa")
     trees = random_trees([50], [[4, 4, 4, 4]])
     stats = ReplayStats()
-    replay(model, StepPlan.build(trees, micro_batch_tokens=100, stats=stats), per_response(lambda t, i, lp: lp.sum()))
+    replay(
+        model,
+        StepPlan.build(trees, micro_batch_tokens=100),
+        per_response(lambda t, i, lp: lp.sum()),
+        ReplayOptions(stats=stats),
+    )
     assert stats.logical_tokens == 4 * (50 + 4)
     assert stats.executed_tokens == 50 + 4 * 3  # prompt once; each response feeds R - 1 tokens
     assert stats.trees == 1 and stats.micro_batches == 1

@@ -4,7 +4,7 @@ per response micro-batch, against the flattened baseline (log-probs, entropies, 
 import pytest
 import torch
 
-from augtree_verl import StepPlan, replay
+from augtree_verl import ReplayOptions, StepPlan, replay
 from augtree_verl.replay.baseline import flattened_replay
 from tests.parity import RTOL, assert_grads_match, assert_logps_match, grads, random_trees, rel_err, tiny_model
 
@@ -32,8 +32,8 @@ def test_entropy_scores_and_micro_batch_loss_match_flattened(checkpointing):
         return sum(loss(t, i, s[:, 0], s[:, 1]) for i, s in zip(rows, scores))
 
     model.zero_grad(set_to_none=True)
-    step_plan = StepPlan.build(trees, temperature=0.8, micro_batch_tokens=10, entropy_fn=entropy)
-    got = replay(model, step_plan, micro_batch_loss)
+    step_plan = StepPlan.build(trees, micro_batch_tokens=10)
+    got = replay(model, step_plan, micro_batch_loss, ReplayOptions(temperature=0.8, entropy_fn=entropy))
     got_grads = grads(model)
     assert all(
         s.shape == (n, 2) and not s.requires_grad

@@ -16,7 +16,7 @@ from augtree_verl.replay.linear_state import demote_cp_plans
 from augtree_verl.replay.model_check import PROBE_TOLERANCE, probe_exactness
 from augtree_verl.replay.prompt_kv import PromptKV
 from tests.families import VOCAB, family_model
-from tests.parity import assert_grads_match, assert_logps_match
+from tests.parity import assert_grads_match, assert_logps_match, plan_and_options
 from tests.replay.test_engine_parity import grpo_like_loss, run_both
 
 # A prompt longer than the delta rule's 64-token chunk; responses of 1 and 2 tokens (none and one fed).
@@ -26,7 +26,8 @@ LOSS = grpo_like_loss([[1.0, -0.5, 2.0, 0.3], [0.7, -1.1]])
 
 def _replay(model, trees, loss=None, **kw):
     """The module's direct ``replay`` calls (``run_both`` makes the others)."""
-    return replay(model, StepPlan.build(trees, **kw), per_response(loss) if loss is not None else None)
+    build, options = plan_and_options(kw)
+    return replay(model, StepPlan.build(trees, **build), per_response(loss) if loss is not None else None, options)
 
 
 def _trees(seed: int = 0) -> list[Tree]:

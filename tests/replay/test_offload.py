@@ -5,7 +5,15 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from augtree_verl.replay import Offload, ReplayStats, StepPlan, held_prompt_tensors, per_response, replay
+from augtree_verl.replay import (
+    Offload,
+    ReplayOptions,
+    ReplayStats,
+    StepPlan,
+    held_prompt_tensors,
+    per_response,
+    replay,
+)
 from augtree_verl.replay.baseline import flattened_replay
 from tests.parity import VOCAB, assert_grads_match, assert_logps_match, grads, random_trees, rel_err, tiny_model
 from tests.replay.test_engine_parity import grpo_like_loss, run_both
@@ -106,8 +114,8 @@ def test_checkpointing_moves_exactly_the_boundaries_and_the_norm_inputs():
     moved = sum(n for n in saved.values() if n >= boundary)
     assert moved >= model.config.num_hidden_layers * boundary and params
     stats = ReplayStats()
-    step_plan = StepPlan.build(trees, offload=Offload(stats, min_bytes=boundary), stats=stats)
-    replay(model, step_plan, per_response(lambda t, i, lp: lp.sum()))
+    options = ReplayOptions(offload=Offload(stats, min_bytes=boundary), stats=stats)
+    replay(model, StepPlan.build(trees), per_response(lambda t, i, lp: lp.sum()), options)
     assert stats.offloaded_bytes == moved  # one tree: each storage once, nothing smaller, no parameter
 
 
@@ -125,7 +133,7 @@ def test_prompt_kv_stay_on_the_device_without_checkpointing():
         kept.append(sum(s.nbytes() for s in offload.device_storages()))
         return logp.sum()
 
-    replay(model, StepPlan.build(trees, offload=offload, stats=stats), per_response(loss_fn))
+    replay(model, StepPlan.build(trees), per_response(loss_fn), ReplayOptions(offload=offload, stats=stats))
     kv = 2 * model.config.num_hidden_layers * model.config.num_key_value_heads * 48 * 16 * 4  # k, v per layer
     assert kept[0] >= kv  # K/V (and small saved tensors) left in place
     assert stats.offloaded_bytes <= sum(saved.values()) - kv
@@ -145,7 +153,7 @@ def test_restored_storages_stay_one_layer_ahead():
             most.append(sum(s.nbytes() >= boundary for s in offload.device_storages()))
 
     handles = [layer.register_forward_pre_hook(sample) for layer in model.model.layers]
-    replay(model, StepPlan.build(trees, offload=offload), per_response(lambda t, i, lp: lp.sum()))
+    replay(model, StepPlan.build(trees), per_response(lambda t, i, lp: lp.sum()), ReplayOptions(offload=offload))
     for h in handles:
         h.remove()
     assert most and max(most) <= 2 < model.config.num_hidden_layers, most
@@ -160,7 +168,8 @@ def test_no_prefetch_restores_on_demand():
     (_, prefetched_grads, _, _), prefetched, _ = offloaded_run(model, trees, loss_fn)
     stats = ReplayStats()
     model.zero_grad(set_to_none=True)
-    replay(model, StepPlan.build(trees, offload=Offload(stats, min_bytes=0, ahead_bytes=0)), per_response(loss_fn))
+    options = ReplayOptions(offload=Offload(stats, min_bytes=0, ahead_bytes=0))
+    replay(model, StepPlan.build(trees), per_response(loss_fn), options)
     assert stats.prefetched_bytes == 0 < prefetched.prefetched_bytes
     assert (stats.offloaded_bytes, stats.offload_copies) == (prefetched.offloaded_bytes, prefetched.offload_copies)
     for name, g in grads(model).items():
@@ -226,7 +235,8 @@ def test_forward_only_ignores_offload():
     model = tiny_model("qwen2-gqa", seed=8)
     trees = random_trees([25], [[5, 1, 9]], seed=8)
     offload = Offload(min_bytes=0)
-    assert_logps_match(replay(model, StepPlan.build(trees, offload=offload)), flattened_replay(model, trees))
+    got = replay(model, StepPlan.build(trees), None, ReplayOptions(offload=offload))
+    assert_logps_match(got, flattened_replay(model, trees))
     assert offload.stats.offload_copies == 0
 
 
@@ -249,7 +259,7 @@ def test_meter_counts_device_bytes_and_host_bytes_apart():
             return logp.sum()
 
         with UnshardedGroups(model) as meter:
-            replay(model, StepPlan.build(trees, offload=offload), per_response(loss_fn))
+            replay(model, StepPlan.build(trees), per_response(loss_fn), ReplayOptions(offload=offload))
         seen[on] = (meter.peak_bytes, meter.peak_host_bytes)
         assert meter.peak_bytes >= max(held) >= kv  # K/V leaves, last hidden, grad sums are counted
     boundaries = 6 * p * model.config.hidden_size * 4

@@ -69,7 +69,7 @@ def test_longrope_replays_with_the_stock_engines_frequencies(call_lens):
     model = family_model("phi3-longrope")
     trees = _trees(call_lens)
     step = StepPlan.build(trees, micro_batch_tokens=24, rope=RopeRegimes.of(model.config))
-    assert step.stats.rope_splits == 2  # trees 0 and 1 (tree 2's rows are in one regime)
+    assert step.rope_splits == 2  # trees 0 and 1 (tree 2's rows are in one regime)
     assert sorted({t.rope_len for t in step.trees}) == [1, THRESHOLD + 1]
     got = replay(model, step, per_response(_loss))
     got_grads = grads(model)

@@ -22,7 +22,7 @@ from tests.parity import random_trees
 def test_without_a_cp_group_every_tree_is_a_slot_here_most_micro_batches_first():
     trees = random_trees([4, 4, 4], [[2], [3, 3, 3], [2, 2]])
     plan = StepPlan.build(trees, micro_batch_tokens=3)  # rows x longest row <= 3: [3] [3] [3], [2] [2], [2]
-    assert [(s.tree, s.degree, s.calls, s.micro_batches) for s in plan.slots] == [
+    assert [(s.trees[0], s.degree, s.shape.calls, s.node.micro_batches) for s in plan.slots] == [
         (1, 1, 3, [[0], [1], [2]]),
         (2, 1, 2, [[0], [1]]),
         (0, 1, 1, [[0]]),
@@ -40,7 +40,7 @@ def test_from_batch_decodes_the_trainers_plans_and_counts_what_cannot_apply_here
     # no CP group: the degree-2 plan cannot apply
     step_plan = StepPlan.from_batch(trees, entries, mesh=None, model_config=transformers.Qwen2Config())
     assert (step_plan.plans, step_plan.fallbacks) == ([Plan(est_time_s=1.5), planned["b|3"]], 1)
-    assert [(s.tree, s.micro_batches) for s in step_plan.slots] == [(0, [[1, 0]]), (1, [[0]])]
+    assert [(s.trees[0], s.node.micro_batches) for s in step_plan.slots] == [(0, [[1, 0]]), (1, [[0]])]
     assert StepPlan.from_batch(trees, None, mesh=None, model_config=transformers.Qwen2Config()).plans == [None, None]
 
 
@@ -149,7 +149,7 @@ def test_a_step_reads_its_token_ids_to_the_host_once(monkeypatch):
         trees, entries, mesh=CPMesh.layout((1, 2), 0), model_config=transformers.Qwen2Config()
     )
     assert len(copies) == 1
-    assert step_plan.stats.trie_demoted == 0 and step_plan.subgroups == [0, 0, 0, 0]
+    assert step_plan.trie_demoted == 0 and step_plan.subgroups == [0, 0, 0, 0]
     assert [(root.trees(), d) for root, d in step_plan.cp_roots] == [([0, 1, 2, 3], 2)]
     StepPlan.build(trees)
     assert len(copies) == 2
@@ -202,7 +202,7 @@ def test_a_heavy_trie_without_cp_plans_gets_a_context_parallel_root_where_the_co
     trees = _behind_system_prompt(4096, 8)
     step_plan = StepPlan.build(trees, mesh=mesh, trie_cost=cost)
     assert [(root.trees(), d) for root, d in step_plan.cp_roots] == [(list(range(8)), 2)]
-    assert step_plan.subgroups == [0] * 8 and step_plan.stats.trie_demoted == 0
+    assert step_plan.subgroups == [0] * 8 and step_plan.trie_demoted == 0
     assert StepPlan.build(trees, mesh=mesh).cp_roots == []  # no cost model: the chunks, as before
     light = _behind_system_prompt(4096, 2) + random_trees([20000, 20000], [[900] * 8, [900] * 8], seed=1)
     assert StepPlan.build(light, mesh=mesh, trie_cost=cost).cp_roots == []
@@ -230,7 +230,7 @@ def test_the_cost_model_searches_the_roots_degree_beyond_the_planned_one():
 
     def roots(cp):
         step_plan = StepPlan.build(trees, plans=plans, mesh=mesh, trie_cost=_CostByDegree(10.0, 1.0, cp))
-        return [d for _, d in step_plan.cp_roots], step_plan.stats.trie_demoted
+        return [d for _, d in step_plan.cp_roots], step_plan.trie_demoted
 
     assert roots({2: 5.0, 4: 2.0}) == ([4], 0)
     assert roots({2: 5.0, 4: 3.2}) == ([2], 0)

@@ -12,14 +12,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from augtree_verl import Plan, ReplayStats, StepPlan, Tree, per_response, replay
+from augtree_verl import Plan, ReplayOptions, ReplayStats, StepPlan, Tree, per_response, replay
 from augtree_verl.replay import Offload
 from augtree_verl.replay.baseline import flattened_replay
 from augtree_verl.replay.cp_trie_schedule import cp_trie_refusal
 from augtree_verl.replay.step_plan import shared_root_plans
 from augtree_verl.replay.trie import MIN_SHARED_TOKENS, StepTrie, TrieNode, build_trie
 from tests.families import family_model
-from tests.parity import assert_grads_match, assert_logps_match, grads, random_trees, tiny_model
+from tests.parity import assert_grads_match, assert_logps_match, grads, plan_and_options, random_trees, tiny_model
 
 VOCAB = 128  # the smaller of tests.parity's and tests.families' vocabularies
 SYSTEM, SHARED = 130, 140  # a system prompt and a shared response stretch, each worth a node (>= MIN_SHARED_TOKENS)
@@ -170,7 +170,8 @@ STEPS = 2
 def run_both(model, trees, loss_fn, **kw):
     """(replay's scores, its gradients, the flattened baseline's, its gradients) on the same weights."""
     model.zero_grad(set_to_none=True)
-    got = replay(model, StepPlan.build(trees, min_shared_tokens=MIN_SHARED, **kw), per_response(loss_fn))
+    build, options = plan_and_options(kw)
+    got = replay(model, StepPlan.build(trees, min_shared_tokens=MIN_SHARED, **build), per_response(loss_fn), options)
     got_grads = grads(model)
     model.zero_grad(set_to_none=True)
     want = flattened_replay(model, trees, loss_fn)
@@ -222,10 +223,11 @@ def test_entropies_and_forward_only():
     entropy = lambda logits: torch.logsumexp(logits, -1) - (logits.softmax(-1) * logits).sum(-1)
     pg = _loss(trees, 7)
     loss_fn = lambda t, i, s: pg(t, i, s[:, 0]) + 0.1 * s[:, 1].sum()
-    options = dict(entropy_fn=entropy, temperature=0.8, min_shared_tokens=MIN_SHARED)
-    got = replay(model, StepPlan.build(trees, micro_batch_tokens=24, **options), per_response(loss_fn))
+    options = ReplayOptions(entropy_fn=entropy, temperature=0.8)
+    build = StepPlan.build(trees, micro_batch_tokens=24, min_shared_tokens=MIN_SHARED)
+    got = replay(model, build, per_response(loss_fn), options)
     got_grads = grads(model)
-    forward = replay(model, StepPlan.build(trees, **options))
+    forward = replay(model, StepPlan.build(trees, min_shared_tokens=MIN_SHARED), None, options)
     model.zero_grad(set_to_none=True)
     entropies = {}
     want = flattened_replay(
