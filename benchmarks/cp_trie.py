@@ -34,7 +34,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from augtree_verl import Plan, ReplayStats, StepPlan, Tree, per_response, replay
+from augtree_verl import Plan, ReplayOptions, ReplayStats, StepPlan, Tree, per_response, replay
 from augtree_verl.cp.mesh import CPMesh
 from augtree_verl.planner import ClusterProfile
 from augtree_verl.planner.calibrate import calibrate
@@ -93,10 +93,8 @@ def _rank_main(rank: int, port: int, args, queue) -> None:
             stats = ReplayStats()
             dist.barrier()
             start = time.perf_counter()
-            step_plan = StepPlan.build(
-                trees, plans=plans_for(arrangement, trees), mesh=CPMesh.whole_world(), stats=stats
-            )
-            replay(model, step_plan, loss)
+            step_plan = StepPlan.build(trees, plans=plans_for(arrangement, trees), mesh=CPMesh.whole_world())
+            replay(model, step_plan, loss, ReplayOptions(stats=stats))
             elapsed = torch.tensor(time.perf_counter() - start)
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
             times.append(elapsed.item())
