@@ -118,7 +118,7 @@ def _rank_main(rank: int, port: int, args, queue) -> None:
 def predictions(trees: list[Tree], profile: ClusterProfile) -> tuple[dict[str, float], str]:
     """The planner's predicted step time per arrangement with ``profile``, and the one it picks."""
     predicted = {a: step_seconds(trees, plans_for(a, trees), WORLD, profile, choose_roots=False) for a in ARRANGEMENTS}
-    picked = StepPlan.build(trees, mesh=CPMesh.layout((1, WORLD), 0), trie_cost=cost_model(profile))
+    picked = StepPlan.build(trees, mesh=CPMesh.for_planning((1, WORLD), 0), trie_cost=cost_model(profile))
     return predicted, "CP root" if picked.cp_roots else "chunks"
 
 

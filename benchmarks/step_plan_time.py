@@ -69,7 +69,7 @@ def main() -> None:
     for system in (False, True):
         trees, entries = batch(args.groups, args.responses, system)
         tokens = sum(t.prompt_len * len(t.response_lens) + sum(t.response_lens) for t in trees)  # the rows'
-        for name, mesh in (("none", None), ("cp2", CPMesh.layout((1, 2), 0))):
+        for name, mesh in (("none", None), ("cp2", CPMesh.for_planning((1, 2), 0))):
             times, cpu = [], []
             for _ in range(args.repeats):
                 start, cpu_start = time.perf_counter(), time.process_time()

@@ -80,7 +80,7 @@ class Method:
         step_plan = StepPlan.build(
             trees,
             plans=plans,
-            mesh=CPMesh.layout((1, world), 0),
+            mesh=CPMesh.for_planning((1, world), 0),
             min_shared_tokens=self.min_shared_tokens,
             cp_alone=self.fixed is not None,
             trie_cost=self.trie_cost(profile, world),

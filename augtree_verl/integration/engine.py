@@ -158,7 +158,7 @@ class AugTreeEngine(FSDPEngineWithLMHead):
 
     def _init_device_mesh(self):
         super()._init_device_mesh()
-        self.cp_mesh = CPMesh(self.engine_config.cp_degrees)
+        self.cp_mesh = CPMesh.build(self.engine_config.cp_degrees)
 
     # verl dispatches data by these: every rank of a CP group is the same data-parallel rank.
     def get_data_parallel_rank(self):

@@ -313,14 +313,14 @@ def step_seconds(
 ) -> float:
     """Predicted seconds of one step replaying ``trees`` (``groups.Tree.of_tokens``) with ``plans`` (one ``Plan``
     or None per tree; None for all: one device) on a CP group of ``cp_size`` ranks, placed as the step plan
-    places them (``StepPlan.build`` at each rank of ``CPMesh.layout``): a rank's tries on one device at
+    places them (``StepPlan.build`` at each rank of ``CPMesh.for_planning``): a rank's tries on one device at
     ``CostModel.trie``, its tries with a context-parallel root at ``CostModel.cp_trie``, its CP trees at their
     plans' estimates; the slowest rank's sum. Each tree's plan was made alone, so only this sees the sharing
     between trees. ``choose_roots``: the step plan chooses each trie's arrangement with this cost model, as the
     engine does (False: the plans alone decide, as without a cost model)."""
     cost = cost_model(profile)
     plans = list(plans) if plans is not None else [None] * len(trees)
-    ranks = [None] if cp_size == 1 else [CPMesh.layout((1, cp_size), r) for r in range(cp_size)]
+    ranks = [None] if cp_size == 1 else [CPMesh.for_planning((1, cp_size), r) for r in range(cp_size)]
     trie = StepTrie(trees, min_shared_tokens=min_shared_tokens)
     return max(
         sum(

@@ -121,7 +121,7 @@ def test_shared_plans_run_with_a_context_parallel_root_as_in_the_engine():
     plans = Method("AugTree").plans(trees, 2)
     assert [p.degree for p in plans] == [2, 2]
     profile = ClusterProfile.default()
-    [(root, degree)] = StepPlan.build(trees, plans=plans, mesh=CPMesh.layout((1, 2), 0)).cp_roots
+    [(root, degree)] = StepPlan.build(trees, plans=plans, mesh=CPMesh.for_planning((1, 2), 0)).cp_roots
     assert degree == 2 and root.trees() == [0, 1]
     predicted = Method("AugTree").predicted_s(trees, plans, profile, 2)
     assert predicted == pytest.approx(cost_model(profile).cp_trie(root, 2), rel=1e-12)
@@ -145,7 +145,7 @@ def test_the_prediction_sees_the_shared_system_prompt_once():
     assert shared == pytest.approx(cost.trie(root), rel=1e-12)
     assert shared < 0.6 * sum(p.est_time_s for p in alone)
     two = Method("AugTree").predicted_s(trees, alone, profile, 2)
-    [(root, degree)] = StepPlan.build(trees, plans=alone, mesh=CPMesh.layout((1, 2), 0), trie_cost=cost).cp_roots
+    [(root, degree)] = StepPlan.build(trees, plans=alone, mesh=CPMesh.for_planning((1, 2), 0), trie_cost=cost).cp_roots
     assert degree == 2 and two == pytest.approx(cost.cp_trie(root, 2), rel=1e-12)
     assert two < max(p.est_time_s for p in alone)  # sooner than a group per rank
 

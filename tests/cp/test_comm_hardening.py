@@ -63,7 +63,7 @@ def _mesh_warm_up(rank, world):
         return real(tensor, *args, group=group, **kwargs)
 
     dist.all_reduce = spy
-    mesh = CPMesh([1, 2, 4])
+    mesh = CPMesh.build([1, 2, 4])
     assert warmed == [mesh.dp_group, mesh.subgroups[2], mesh.subgroups[4]], warmed
     assert all(dist.get_world_size(g) == n for g, n in zip(warmed, (1, 2, 4)))
 

@@ -117,7 +117,7 @@ def _world2(rank, world):
 def _world4_lockstep(rank, world):
     """CP group of 4 with subgroups of 2: a trie with a context-parallel root on one subgroup, a CP tree and
     groups elsewhere, all ranks one FSDP-like lock-step group: the same call sequence on every rank."""
-    mesh = CPMesh([1, 2, 4])
+    mesh = CPMesh.build([1, 2, 4])
     model = tiny_model("qwen2-gqa", seed=5)
     events = _record(model)
     shared = sharing_batch(**SHORT)

@@ -73,7 +73,7 @@ def _same_on_every_rank(events: list[str], what: str) -> None:
 
 
 def _skewed(rank, world):
-    mesh = CPMesh([1, 2, 4])
+    mesh = CPMesh.build([1, 2, 4])
     model = tiny_model("qwen2-gqa", seed=2)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     events = _record(model)
@@ -107,7 +107,7 @@ def test_skewed_cp_work_issues_the_same_calls_on_every_rank_and_matches_flattene
 
 
 def _bad_mesh_degree(rank, world):
-    mesh = CPMesh([1, 2])
+    mesh = CPMesh.build([1, 2])
     model = tiny_model("qwen2-gqa")
     trees = random_trees([5], [[3, 2]], seed=1)
     with pytest.raises(ValueError, match="tree 0: plan degree 4 differs from the CP group size 2"):

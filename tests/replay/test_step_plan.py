@@ -146,7 +146,7 @@ def test_a_step_reads_its_token_ids_to_the_host_once(monkeypatch):
     plan = Plan(degree=2, est_time_s=0.6, est_single_s=1.0)
     entries = plan_entries(trees, {t.tree_id: plan for t in trees}, 8)
     step_plan = StepPlan.from_batch(
-        trees, entries, mesh=CPMesh.layout((1, 2), 0), model_config=transformers.Qwen2Config()
+        trees, entries, mesh=CPMesh.for_planning((1, 2), 0), model_config=transformers.Qwen2Config()
     )
     assert len(copies) == 1
     assert step_plan.trie_demoted == 0 and step_plan.subgroups == [0, 0, 0, 0]
@@ -198,7 +198,7 @@ def test_a_heavy_trie_without_cp_plans_gets_a_context_parallel_root_where_the_co
     context-parallel root sooner, so the trie runs with one. The same trie among heavier unrelated groups fits
     in one rank's share (it is not cut): no CP root. A cost that predicts the CP slot slower than the chunks'
     (root prefill + the rest over d) keeps the chunks."""
-    mesh, cost = CPMesh.layout((1, 2), 0), cost_model(ClusterProfile.default())
+    mesh, cost = CPMesh.for_planning((1, 2), 0), cost_model(ClusterProfile.default())
     trees = _behind_system_prompt(4096, 8)
     step_plan = StepPlan.build(trees, mesh=mesh, trie_cost=cost)
     assert [(root.trees(), d) for root, d in step_plan.cp_roots] == [(list(range(8)), 2)]
@@ -224,7 +224,7 @@ def test_the_cost_model_searches_the_roots_degree_beyond_the_planned_one():
     1 + 9 / 4 = 3.25 s over 4. The root goes to the degree predicted the most below its chunks: 4 where its CP
     slot takes 2 s there (0.62 of its chunks against 5 / 5.5 = 0.91 at 2), the planned 2 where it takes 3.2 s at 4
     (0.98); where no degree is below its chunks the trie runs in chunks, its CP plans demoted and counted."""
-    mesh = CPMesh.layout((1, 2, 4), 0)
+    mesh = CPMesh.for_planning((1, 2, 4), 0)
     trees = _behind_system_prompt(4096, 8)
     plans = [Plan(degree=2, est_time_s=1.0, est_single_s=1.5)] * 8
 
