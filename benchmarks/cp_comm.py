@@ -8,7 +8,7 @@ spawned gloo processes, one GRPO group per run, for RingCP and TreeMoveKV / Move
 realistic attention heads (8 query / 2 K/V heads of 64, GQA 4:1 like Llama-3-8B) and a small MLP, so that
 full-length groups (P=16384) run on 2 shared CPU cores: the numbers are per layer. For each run it prints the
 bytes every rank sent (summed over ranks and the busiest rank, forward / backward, float32 K/V; the
-log-prob exchange is listed apart), checks them against the analytic count (``augtree_verl.cp.cost``), and
+log-prob exchange is listed apart), checks them against the analytic count (``augtree_verl.cp.bytes``), and
 the wall time of the call (slowest rank). It then prints the analytic bytes for a Qwen2.5-7B-shaped model
 (28 layers, 28 query / 4 K/V heads of 128, bf16) under the same plans. Times on this shared CPU machine are
 indicative only; bytes are exact.
@@ -29,7 +29,7 @@ import torch.multiprocessing as mp
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from augtree_verl import Plan, ReplayOptions, ReplayStats, StepPlan, Tree, per_response, replay
-from augtree_verl.cp.cost import AttentionShape, analytic_bytes
+from augtree_verl.cp.bytes import AttentionShape, analytic_bytes
 from augtree_verl.replay.cp_tree import SCORE_EXCHANGE
 
 CONFIG = dict(

@@ -77,12 +77,12 @@ class CPLayout:
 @dataclass
 class CPMesh:
     """A ``CPLayout`` and its process groups: ``dp_group`` (the ranks of the same CP rank across data-parallel
-    ranks), ``subgroups[d]`` (this rank's subgroup of d consecutive ranks, for each degree d > 1). ``build`` makes
+    ranks), ``groups[d]`` (this rank's subgroup of d consecutive ranks, for each degree d > 1). ``build`` makes
     them (collective); ``for_planning`` has none (None each: what a step plan reads to plan off a cluster)."""
 
     layout: CPLayout
     dp_group: object = None
-    subgroups: dict[int, object] = field(default_factory=dict)
+    groups: dict[int, object] = field(default_factory=dict)
 
     @classmethod
     def build(cls, degrees: Sequence[int]) -> CPMesh:
@@ -97,18 +97,18 @@ class CPMesh:
                 [[c + k * size for k in range(layout.dp_size)] for c in range(size)]
             )
             warm_up(dp_group)
-        subgroups = {}
+        groups = {}
         for d in layout.degrees:
             if d > 1:
-                subgroups[d], _ = dist.new_subgroups_by_enumeration(
+                groups[d], _ = dist.new_subgroups_by_enumeration(
                     [[first + j for j in range(d)] for first in range(0, world, d)]
                 )
-                warm_up(subgroups[d])
-        return cls(layout, dp_group, subgroups)
+                warm_up(groups[d])
+        return cls(layout, dp_group, groups)
 
     @classmethod
     def whole_world(cls) -> CPMesh:
-        """The world as one CP group (no new process group: ``subgroups[world]`` is the world's group);
+        """The world as one CP group (no new process group: ``groups[world]`` is the world's group);
         what ``replay`` uses for context-parallel plans when it is given no mesh."""
         world = dist.get_world_size()
         layout = CPLayout.of((1, world), world, dist.get_rank())
@@ -150,9 +150,9 @@ class CPMesh:
 
     def group_of(self, degree: int):
         """This rank's subgroup of ``degree`` ranks (None for degree 1)."""
-        return self.subgroups.get(degree) if degree > 1 else None
+        return self.groups.get(degree) if degree > 1 else None
 
     @property
     def cp_group(self):
         """The whole CP group of this rank (None without context parallelism)."""
-        return self.subgroups.get(self.cp_size)
+        return self.groups.get(self.cp_size)

@@ -41,7 +41,7 @@ class CPPrefill:
 class CPStep:
     """One replay step on this rank: one decoder call, one LM-head call and (training) one backward.
 
-    ``kind``: "ring" | "lane" (tree_move_kv) | "move_q".
+    ``kind``: the primitive: "ring" | "tree_move_kv" | "move_q".
     ``responses``: the responses scored in this step (every lane's, for move_q), in exchange order.
     ``fed``: the response whose tokens this rank's ring feeds (None: my lane idles this step).
     ``members``: my ring (subgroup ranks, ring order); ``layout``: the fed sequence over it (None: nothing
@@ -97,7 +97,7 @@ def cp_tree_schedule(plan: Plan, prompt_len: int, response_lens: list[int], rank
         mine = sorted((r, i) for i, (r, lane) in enumerate(plan.placement) if lane == my_lane)
         steps = tuple(
             CPStep(
-                "lane",
+                "tree_move_kv",
                 (i,),
                 i,
                 members,

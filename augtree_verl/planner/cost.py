@@ -30,7 +30,7 @@ One device (any plan of degree 1) runs the responses as padded micro-batches of 
 
 Communication per rank (bytes / bandwidth + a fixed cost per sequential step: ``ring_hop_s`` for the K/V ring,
 ``all_to_all_s`` for MoveQ; no overlap credited),
-mirroring what the CP engine sends (cp/ring.py, cp/move_q.py, and ``cp.cost.analytic_bytes``):
+mirroring what the CP engine sends (cp/ring.py, cp/move_q.py, and ``cp.bytes.analytic_bytes``):
     K/V ring over k > 1 ranks, keys of N tokens, kv = L H_kv (D_k + D_v):
         bytes = (f + 1) (k-1)/k N kv e  +  N kv a
         (each forward relays the other members' K/V blocks; backward relays them again, and every block's

@@ -5,10 +5,10 @@ Build a ``StepPlan`` of the step's trees (``groups.Tree.of_tokens``), then ``rep
 """
 
 from augtree_verl.groups import Tree
-from augtree_verl.replay.engine import per_response, replay
 from augtree_verl.replay.offload import Offload
 from augtree_verl.replay.options import ReplayOptions
 from augtree_verl.replay.prompt_kv import held_prompt_tensors
+from augtree_verl.replay.run import per_response, replay
 from augtree_verl.replay.stats import ReplayStats
 from augtree_verl.replay.step_plan import StepPlan
 

@@ -157,7 +157,7 @@ class CPTreeRun:
                 [(step.fed, pos[scored] - (p - 1), hidden[scored], seq[pos[scored] + 1])] if scored.numel() else []
             )
         ctx: LaneReplayContext | MoveQReplayContext
-        if step.kind == "lane":
+        if step.kind == "tree_move_kv":
             ctx = LaneReplayContext(ring, step.layout, step.prefix, prompt.kv, meter)
         else:
             ctx = MoveQReplayContext(

@@ -28,8 +28,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from augtree_verl.cp.bytes import AttentionShape
 from augtree_verl.cp.comm import Meter, Ring, nbytes
-from augtree_verl.cp.cost import AttentionShape
 from augtree_verl.cp.layout import ZigzagLayout
 from augtree_verl.cp.ring import RingSpec, ring_bytes
 from augtree_verl.cp.schedule import CPPrefill

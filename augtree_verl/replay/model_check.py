@@ -43,10 +43,10 @@ from augtree_verl.model_shape import ModelShape
 from augtree_verl.replay.adapters import adapter_problems, causal_lm
 from augtree_verl.replay.attention import PrefillContext, original_attention, use_augtree_attention
 from augtree_verl.replay.baseline import flattened_replay
-from augtree_verl.replay.engine import per_response, replay
 from augtree_verl.replay.linear_state import STATE_MODULES, linear_attention_modules
 from augtree_verl.replay.memory import STOCK_ENGINE, ReplayMemory
 from augtree_verl.replay.rope import RopeRegimes, rope_parameters, stateful_ropes
+from augtree_verl.replay.run import per_response, replay
 from augtree_verl.replay.step_plan import StepPlan
 
 # ``config.layer_types`` entries and what the replay would need to implement for them.

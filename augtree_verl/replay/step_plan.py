@@ -424,14 +424,14 @@ def _check_subgroups(
     runs there with the one-device plan, carrying the planner's one-rank estimate)."""
     degrees = [plan.degree if plan is not None else 1 for plan in plans]
     for root, d in cp_roots:
-        if d not in mesh.subgroups:
+        if d not in mesh.groups:
             raise ValueError(
                 f"the trie of trees {root.trees()}: root degree {d} is not a CP degree here ({list(mesh.degrees)})"
             )
         for t in root.trees():
             degrees[t] = d
     for t, d in enumerate(degrees):
-        if d > 1 and d not in mesh.subgroups:
+        if d > 1 and d not in mesh.groups:
             raise ValueError(
                 f"tree {t}: plan degree {d} differs from the CP group size {mesh.cp_size} "
                 f"(CP degrees here: {list(mesh.degrees)})"

@@ -64,7 +64,7 @@ def _mesh_warm_up(rank, world):
 
     dist.all_reduce = spy
     mesh = CPMesh.build([1, 2, 4])
-    assert warmed == [mesh.dp_group, mesh.subgroups[2], mesh.subgroups[4]], warmed
+    assert warmed == [mesh.dp_group, mesh.groups[2], mesh.groups[4]], warmed
     assert all(dist.get_world_size(g) == n for g, n in zip(warmed, (1, 2, 4)))
 
 

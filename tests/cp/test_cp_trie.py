@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from augtree_verl import Plan, ReplayOptions, ReplayStats, StepPlan, per_response, replay
-from augtree_verl.cp.cost import AttentionShape
+from augtree_verl.cp.bytes import AttentionShape
 from augtree_verl.cp.mesh import CPMesh
 from augtree_verl.replay.baseline import flattened_replay
 from augtree_verl.replay.cp_trie import trie_root_bytes

@@ -2,7 +2,7 @@
 
 Contract checked on every rank: returned log-probs equal the baseline's; the SUM over ranks of every
 parameter's .grad equals the baseline's .grad (float32, 1e-5 relative); bytes each rank sent per
-primitive equal the analytic count (``cp.cost``, summed over the same ``cp.schedule`` steps the run
+primitive equal the analytic count (``cp.bytes``, summed over the same ``cp.schedule`` steps the run
 executes); the prompt runs once per lane / group."""
 
 import pytest
@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from augtree_verl import Plan, ReplayOptions, ReplayStats, StepPlan, per_response, replay
-from augtree_verl.cp.cost import AttentionShape, analytic_bytes
+from augtree_verl.cp.bytes import AttentionShape, analytic_bytes
 from augtree_verl.cp.layout import ZigzagLayout
 from augtree_verl.planner import plan_tree
 from augtree_verl.replay import held_prompt_tensors

@@ -68,7 +68,7 @@ def test_imports_point_down():
 
 def test_the_scan_sees_an_upward_import(tmp_path):
     module = tmp_path / "m.py"
-    module.write_text("def f():\n    from augtree_verl.replay.engine import replay\n")
+    module.write_text("def f():\n    from augtree_verl.replay.run import replay\n")
     assert _our_imports(module) == {"replay"}
 
 

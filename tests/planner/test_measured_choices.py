@@ -7,7 +7,7 @@ import pytest
 from transformers import DeepseekV3Config, Qwen2Config
 
 from augtree_verl import Plan
-from augtree_verl.cp.cost import AttentionShape, analytic_bytes
+from augtree_verl.cp.bytes import AttentionShape, analytic_bytes
 from augtree_verl.planner import ClusterProfile, plan_tree
 from augtree_verl.planner.cost import cost_model
 

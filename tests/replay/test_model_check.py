@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from augtree_verl.replay import calls as calls_module
-from augtree_verl.replay import engine as replay_engine
+from augtree_verl.replay import run as replay_run
 from augtree_verl.replay.memory import ReplayMemory
 from augtree_verl.replay.model_check import (
     PROBE_PROMPT,
@@ -140,7 +140,7 @@ def test_probe_crosses_a_declared_threshold(monkeypatch):
     model = family_model("phi3-longrope")
     result = probe_exactness(model, model, train=True)
     assert (10, (2, 4)) in result.trees
-    monkeypatch.setattr(replay_engine, "pinned", lambda model, length: contextlib.nullcontext())
+    monkeypatch.setattr(replay_run, "pinned", lambda model, length: contextlib.nullcontext())
     with pytest.raises(ValueError, match=r"exactness probe: model 'phi3'.*log-prob error"):
         probe_exactness(model, model, train=True)
 

@@ -86,9 +86,9 @@ def replay(
         micro_batch_loss=loss,
         offload=options.offload,
     )
-    tries = TrieRun(calls, trees)
-    cp_runs = {d: CPTreeRun(calls, mesh.group_of(d)) for d in mesh.subgroups} if mesh is not None else {}
-    cp_tries = {d: CPTrieRun(tries, ring) for d, ring in cp_runs.items()}
+    trie_run = TrieRun(calls, trees)
+    cp_runs = {d: CPTreeRun(calls, mesh.group_of(d)) for d in mesh.groups} if mesh is not None else {}
+    cp_trie_runs = {d: CPTrieRun(trie_run, ring) for d, ring in cp_runs.items()}
     scores: list[list[torch.Tensor] | None] = [None] * len(trees)
     reported: set[int] = set()  # CP trees whose scores this rank reports: one rank (a subgroup's first) per tree
     use_augtree_attention(model)
@@ -98,10 +98,10 @@ def replay(
             with pinned(model, trees[slot.trees[0]].rope_len if slot.trees else None):
                 match slot:
                     case TrieSlot() | DummySlot():  # a trie of this rank's trees, or padding
-                        tries(slot)
+                        trie_run(slot)
                         mine = slot.trees
                     case CPTrieSlot():  # a trie whose root runs context-parallel: each row on one member
-                        cp_tries[slot.degree](slot)
+                        cp_trie_runs[slot.degree](slot)
                         stats.cp_roots += slot.share.member == 0
                         mine = slot.trees if slot.share.member == 0 else []
                     case CPTreeSlot():
@@ -112,13 +112,13 @@ def replay(
                 stats.logical_tokens += sum(trees[t].prompt_len + r for r in trees[t].response_lens)
                 stats.trees += 1
                 stats.plans[step_plan.plans[t].primitive if step_plan.plans[t] else "single"] += 1
-    for (t, i), value in tries.scores.items():
+    for (t, i), value in trie_run.scores.items():
         if scores[t] is None:
             scores[t] = [None] * len(trees[t].responses)
         scores[t][i] = value
     if mesh is None:
         return in_caller_trees(scores, step_plan.origin)
-    owned = {(t, i) for t in reported for i in range(len(trees[t].responses))} | set(tries.scores)
+    owned = {(t, i) for t in reported for i in range(len(trees[t].responses))} | set(trie_run.scores)
     shared = _share(step_plan, scores, owned, device, stats, width=None if options.entropy_fn is None else 2)
     return in_caller_trees(shared, step_plan.origin)
 
