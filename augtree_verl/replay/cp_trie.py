@@ -36,7 +36,6 @@ from augtree_verl.cp.layout import ZigzagLayout
 from augtree_verl.cp.ring import RingSpec, ring_bytes
 from augtree_verl.cp.schedule import CPPrefill
 from augtree_verl.replay.cp_tree import CPTreeRun
-from augtree_verl.replay.linear_state import linear_layers
 from augtree_verl.replay.lockstep import Slot
 from augtree_verl.replay.prompt_kv import PromptKV, grad_sum, set_grad_sum, summing_leaf
 from augtree_verl.replay.stats import TRIE_ROOT
@@ -160,7 +159,6 @@ class CPTrieRun:
 
     def __init__(self, tries: TrieRun, ring: CPTreeRun):
         self.tries, self.ring, self.group = tries, ring, ring.group
-        self.linear = linear_layers(tries.calls.base)
 
     def __call__(self, slot: Slot) -> None:
         calls, root, share = self.tries.calls, slot.node, slot.cp_trie
@@ -174,7 +172,7 @@ class CPTrieRun:
             train=calls.train,
             offload=calls.offload,
         )
-        gathered = _GatheredRoot(shard, layout, self.group, meter, self.linear)
+        gathered = _GatheredRoot(shard, layout, self.group, meter, calls.linear_layers)
         stats.stop_timer("prefill_s", start)
         stats.nodes += share.member == 0  # one prefill of the root, over the members
         path: Path = [(root, gathered)]
