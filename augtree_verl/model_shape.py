@@ -30,6 +30,14 @@ EXPERT_MLP = ("moe_intermediate_size", "expert_ffn_hidden_size")
 EXPERTS_PER_TOKEN = ("num_experts_per_tok", "moe_topk")
 SHARED_EXPERTS = ("n_shared_experts", "num_shared_experts")
 SHARED_EXPERT_MLP = ("shared_expert_intermediate_size",)
+# Gated DeltaNet's sizes (Qwen3.5, Qwen3-Next), read only where ``layer_types`` lists a linear-attention layer.
+LINEAR_SIZES = (
+    "linear_num_key_heads",
+    "linear_num_value_heads",
+    "linear_key_head_dim",
+    "linear_value_head_dim",
+    "linear_conv_kernel_dim",
+)
 MLP_FALLBACK_FACTOR = 4  # GPT-2's and OPT's convention, where a config names no MLP width
 
 
@@ -52,7 +60,9 @@ class ModelShape:
     """Per layer: ``num_heads`` query heads of width ``head_dim`` (D_k, also the keys'), ``num_kv_heads`` key/value
     heads (values of width ``value_head_dim``, D_v), an MLP of ``mlp_size`` (the width a token's MLP pass costs:
     dense, or the routed plus shared experts of an MoE layer); ``linear_layers``: layers of linear attention
-    (``config.layer_types``), which hold a recurrent state instead of K/V."""
+    (``config.layer_types``), which hold a recurrent state instead of K/V, with ``linear_key_heads`` H_k key and
+    ``linear_heads`` H_v value heads of widths ``linear_key_dim`` D_k and ``linear_value_dim`` D_v and a causal
+    conv of ``linear_conv_kernel`` K (all 0 without linear layers)."""
 
     model_type: str
     num_layers: int
@@ -64,6 +74,11 @@ class ModelShape:
     mlp_size: int
     vocab_size: int
     linear_layers: tuple[int, ...] = ()
+    linear_key_heads: int = 0
+    linear_heads: int = 0
+    linear_key_dim: int = 0
+    linear_value_dim: int = 0
+    linear_conv_kernel: int = 0
 
     @classmethod
     def of(cls, config) -> ModelShape:
@@ -81,6 +96,15 @@ class ModelShape:
         layers, hidden, heads = sizes["layers"], sizes["hidden size"], sizes["heads"]
         head_dim = _first(config, QK_HEAD_DIM) or _qk_parts(config) or _first(config, HEAD_DIM) or hidden // heads
         layer_types = getattr(config, "layer_types", None) or ()
+        linear_layers = tuple(i for i, kind in enumerate(layer_types) if kind == "linear_attention")
+        linear = {}
+        if linear_layers:
+            linear = {name: _first(config, (name,)) for name in LINEAR_SIZES}
+            missing = [name for name, value in linear.items() if value is None]
+            if missing:
+                raise ValueError(
+                    f"config of model {model_type!r} has linear-attention layers but no {', '.join(missing)}"
+                )
         return cls(
             model_type=model_type,
             num_layers=layers,
@@ -91,13 +115,23 @@ class ModelShape:
             value_head_dim=_first(config, V_HEAD_DIM) or head_dim,
             mlp_size=_mlp_size(config, hidden),
             vocab_size=sizes["vocab"],
-            linear_layers=tuple(i for i, kind in enumerate(layer_types) if kind == "linear_attention"),
+            linear_layers=linear_layers,
+            linear_key_heads=linear.get("linear_num_key_heads") or 0,
+            linear_heads=linear.get("linear_num_value_heads") or 0,
+            linear_key_dim=linear.get("linear_key_head_dim") or 0,
+            linear_value_dim=linear.get("linear_value_head_dim") or 0,
+            linear_conv_kernel=linear.get("linear_conv_kernel_dim") or 0,
         )
 
     @property
     def kv_width(self) -> int:
         """Elements of one token's K and V in one attention layer: H_kv (D_k + D_v)."""
         return self.num_kv_heads * (self.head_dim + self.value_head_dim)
+
+    @property
+    def linear_conv_dim(self) -> int:
+        """Pre-conv channels of a linear-attention layer: 2 H_k D_k + H_v D_v."""
+        return 2 * self.linear_key_heads * self.linear_key_dim + self.linear_heads * self.linear_value_dim
 
     @property
     def attention_layers(self) -> int:

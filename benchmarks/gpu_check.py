@@ -39,6 +39,10 @@ Checks (sizes on a GPU; ``--cpu-smoke`` shrinks every one):
     ``replay.linear_state``) in bf16 vs the float32 flattened baseline, as in 3; the line names the delta-rule
     kernel the layer runs (flash-linear-attention's ``chunk_gated_delta_rule`` when installed, else the torch
     fallback).
+10. that hybrid through the CP tree run on a one-rank NCCL group, as in 4: the linear layer's state scan
+    (``cp.state_scan``: its rows, chunk summaries, the conv from a given window, the delta-rule kernel from a
+    given initial state, forward and backward) with one member; one line, the worst of ring, tree_move_kv and
+    move_q.
 Expected on one H200: about 2 minutes, peak about 45 GiB (the float32 reference of the 4k x 16k block).
 """
 
@@ -634,6 +638,17 @@ def check_hybrid(report, sizes, device):
         errors(run_step(low, grouped_replay, trees, adv), reference),
         baseline,
     )
+    init_one_rank_group(device)
+    try:
+        worst = {"logp": 0.0, "grad": 0.0}
+        for primitive in ("ring", "tree_move_kv", "move_q"):
+            plans = [one_rank_plan(primitive, len(t.responses)) for t in trees]
+            planned = lambda m, ts, loss_fn, plans=plans: cp_tree_replay(m, ts, loss_fn, plans)
+            got = errors(run_step(low, planned, trees, adv), reference)
+            worst = {k: max(worst[k], got[k]) for k in worst}
+        judge(report, "hybrid cp tree run world 1 (state scan) bf16 vs fp32, worst of 3 primitives", worst, baseline)
+    finally:
+        dist.destroy_process_group()
 
 
 def main(argv=None) -> int:

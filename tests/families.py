@@ -253,12 +253,13 @@ REFUSED = {
 }
 
 
-def family_model(name: str, seed: int = 0, dtype: torch.dtype = torch.float32):
-    """Family ``name``'s tiny model (``PARITY`` or ``REFUSED``), random weights from ``seed``, train mode."""
+def family_model(name: str, seed: int = 0, dtype: torch.dtype = torch.float32, **sizes):
+    """Family ``name``'s tiny model (``PARITY`` or ``REFUSED``), random weights from ``seed``, train mode;
+    ``sizes`` override config values."""
     config_cls, model_cls, kwargs = (PARITY.get(name) or REFUSED[name])[:3]
     torch.manual_seed(seed)
     config = config_cls(
-        **{k: v for k, v in {**_SHAPE, "attn_implementation": "sdpa", **kwargs}.items() if v is not ABSENT}
+        **{k: v for k, v in {**_SHAPE, "attn_implementation": "sdpa", **kwargs, **sizes}.items() if v is not ABSENT}
     )
     model = model_cls(config)
     with torch.no_grad():

@@ -9,6 +9,10 @@ q/k/v, so its gradients are exactly zero) and its K/V never leave the rank. Cont
 call, so an activation-checkpoint recompute re-runs the same attention (and the same communication) on every rank.
 They are plain classes, not dataclasses: FSDP2's cast_forward_inputs copies dataclasses found in forward kwargs,
 which would lose the prefill capture (as in ``replay.attention``).
+
+A Gated DeltaNet layer asks ``ctx.linear_state(layer, rows)`` instead (``replay.linear_state``): every context
+answers with the state scan over its ring and layout (``cp.state_scan``), from zero (a prefill, RingCP's
+[prompt || response]) or from the prompt's final state this rank holds (a response over a lane).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from augtree_verl.cp.comm import Meter, Ring
 from augtree_verl.cp.layout import ZigzagLayout
 from augtree_verl.cp.move_q import MoveQSpec, move_q_attention
 from augtree_verl.cp.ring import RingSpec, ring_attention
+from augtree_verl.cp.state_scan import StateScan
 
 
 def _real(x: torch.Tensor, n: int) -> torch.Tensor:
@@ -49,6 +54,10 @@ class RingContext:
         spec = RingSpec(self.ring, self.layout, None, scaling)
         return _padded(ring_attention(q, k, v, spec, self.meter), rows)
 
+    def linear_state(self, layer: int, rows: int) -> StateScan:
+        """A Gated DeltaNet layer: the state scan over the ring from zero state; its final state captured."""
+        return StateScan(layer, self.ring, self.layout, self.meter, sink=self.capture)
+
 
 class LaneReplayContext:
     """TreeMoveKV replay step: the lane ring over the response (``layout``) carrying the lane's prompt
@@ -69,6 +78,11 @@ class LaneReplayContext:
         spec = RingSpec(self.ring, self.layout, self.prompt, scaling)
         prefix = self.prompt_kv[layer] if self.prompt is not None else None
         return _padded(ring_attention(q, k, v, spec, self.meter, prefix_kv=prefix), rows)
+
+    def linear_state(self, layer: int, rows: int) -> StateScan:
+        """A Gated DeltaNet layer: the state scan over the lane from the prompt's final state on this rank."""
+        start = self.prompt_kv[layer] if self.prompt is not None else None
+        return StateScan(layer, self.ring, self.layout, self.meter, start=start)
 
 
 class MoveQReplayContext:
@@ -102,3 +116,8 @@ class MoveQReplayContext:
             scaling,
         )
         return _padded(move_q_attention(q, k, v, self.prompt_kv[layer], spec, self.meter), rows)
+
+    def linear_state(self, layer: int, rows: int) -> StateScan:
+        """A Gated DeltaNet layer: the state scan over the lane from the prompt's final state on this rank (every
+        prefill member holds it)."""
+        return StateScan(layer, self.ring, self.layout, self.meter, start=self.prompt_kv[layer])

@@ -29,8 +29,9 @@ One device (any plan of degree 1) runs the responses as padded micro-batches of 
 (rows x longest row, ``replay.microbatch``): each row computes as many tokens as the longest.
 
 Communication per rank (bytes / bandwidth + a fixed cost per sequential step: ``ring_hop_s`` for the K/V ring,
-``all_to_all_s`` for MoveQ; no overlap credited),
-mirroring what the CP engine sends (cp/ring.py, cp/move_q.py, and ``cp.bytes.analytic_bytes``):
+``all_to_all_s`` for MoveQ, ``launch_latency_s`` for the state scan's all-gathers; no overlap credited),
+mirroring what the CP engine sends (cp/ring.py, cp/move_q.py, cp/state_scan.py, and ``cp.bytes.analytic_bytes``).
+L counts the attention layers (a hybrid's L_lin Gated DeltaNet layers move no K/V and run no MoveQ):
     K/V ring over k > 1 ranks, keys of N tokens, kv = L H_kv (D_k + D_v):
         bytes = (f + 1) (k-1)/k N kv e  +  N kv a
         (each forward relays the other members' K/V blocks; backward relays them again, and every block's
@@ -42,6 +43,11 @@ mirroring what the CP engine sends (cp/ring.py, cp/move_q.py, and ``cp.bytes.ana
         backward: (dout, merged out, lse) travel (2 e D_v + 4), dq returns (e D_k): C_MoveQ ~ L_R H_q + T_red.
         steps = rounds L (3 f + 3) ceil(log2 d): three all-to-alls per layer forward, three backward; and
         each round one score exchange among all d.
+    State scan of a hybrid, per sequence sharded over k > 1 ranks (a prefill, RingCP's [P || R_i], a response
+    over a lane), two chunks per rank of at least K - 1 tokens, s = 4 H_v D_k (D_k + D_v) a chunk's summary,
+    w = (K - 1)(2 H_k D_k + H_v D_v) its conv tail:
+        bytes = 2 (k-1) L_lin (f (e w + s) + (a w + s)), independent of the sequence's length
+        steps = 2 L_lin (f + 1): two all-gathers per layer and pass, two returns backward
 
 Memory per rank: saved activations (with checkpointing only the layer input, L H e per token, plus one
 layer's full activations while it is recomputed), prompt K/V leaves and their gradients (2 kv per prompt
@@ -57,6 +63,7 @@ from functools import lru_cache
 import numpy as np
 
 from augtree_verl.cp.mesh import CPMesh
+from augtree_verl.ops.gated_delta import STATE_DTYPE
 from augtree_verl.plan import Plan
 from augtree_verl.planner.profile import ClusterProfile
 from augtree_verl.replay.cp_trie_schedule import cp_trie_shares
@@ -80,25 +87,40 @@ class CostModel:
         self.profile = p
         L, H, I, V = p.num_layers, p.hidden_size, p.intermediate_size, p.vocab_size
         Hq, Dk, Dv, beta = p.num_heads, p.head_dim, p.value_head_dim, p.dtype_bytes
-        kv_width = p.shape.kv_width  # H_kv (D_k + D_v): one token's K and V in one layer
+        shape = p.shape
+        kv_width = shape.kv_width  # H_kv (D_k + D_v): one token's K and V in one layer
         forward_passes = 2 if p.activation_checkpointing else 1
         self.forward_passes = forward_passes
         self.train_factor = p.train_factor
         self.lin_flops, self.head_flops, self.attn_flops = p.linear_flops, p.head_flops, p.attention_pair_flops
-        self.kv_bytes = L * kv_width * beta
+        La = self.attention_layers = shape.attention_layers  # the layers that keep and move K/V
+        self.kv_bytes = La * kv_width * beta
         # Ring bytes per key token: relays (times (k-1)/k) and float32 (or wider) dK/dV accumulators.
         self.ring_relay_bytes = (forward_passes + 1) * self.kv_bytes
-        self.ring_accumulator_bytes = L * kv_width * max(4, beta)
-        self.query_state_bytes = L * Hq * ((Dk + Dv) * beta + LSE_BYTES)  # q out, (O, lse) back
-        self.moveq_bytes = L * Hq * (forward_passes * ((Dk + Dv) * beta + LSE_BYTES) + (Dk + 2 * Dv) * beta + LSE_BYTES)
-        self.moveq_steps_per_round = L * MOVEQ_COLLECTIVES * (forward_passes + 1)
+        self.ring_accumulator_bytes = La * kv_width * max(4, beta)
+        self.query_state_bytes = La * Hq * ((Dk + Dv) * beta + LSE_BYTES)  # q out, (O, lse) back
+        self.moveq_bytes = (
+            La * Hq * (forward_passes * ((Dk + Dv) * beta + LSE_BYTES) + (Dk + 2 * Dv) * beta + LSE_BYTES)
+        )
+        self.moveq_steps_per_round = La * MOVEQ_COLLECTIVES * (forward_passes + 1)
+        # The state scan, per other rank of the ring: two chunks' conv tails and summaries each pass, back again.
+        summary = (
+            STATE_DTYPE.itemsize
+            * shape.linear_heads
+            * shape.linear_key_dim
+            * (shape.linear_key_dim + shape.linear_value_dim)
+        )
+        tail = (shape.linear_conv_kernel - 1) * shape.linear_conv_dim
+        lin = len(shape.linear_layers)
+        self.scan_bytes_per_peer = 2 * lin * (forward_passes * (beta * tail + summary) + max(4, beta) * tail + summary)
+        self.scan_steps = 2 * lin * (forward_passes + 1)
         # Elements a decoder layer saves per token for backward: 4 H (norm inputs/outputs, residual),
         # H_q D_k + H_kv (D_k + D_v) (Q, K, V), 2 H_q D_v (attention out, O-proj input), 3 I (gate, up, act*up).
         layer_bytes = (4 * H + Hq * Dk + kv_width + 2 * Hq * Dv + 3 * I) * beta
         self.saved_bytes_per_token = L * H * beta if p.activation_checkpointing else L * layer_bytes
         self.working_bytes_per_token = layer_bytes if p.activation_checkpointing else 0
         self.logit_bytes_per_token = LOGIT_BYTES_PER_ENTRY * V
-        self.exchange_layers_kept = 1 if p.activation_checkpointing else L
+        self.exchange_layers_kept = 1 if p.activation_checkpointing else La
 
     # ---- building blocks (``ranks`` may be an int or an int array broadcasting against the tokens) ----
     def _bandwidth(self, ranks, collective: bool):
@@ -131,12 +153,25 @@ class CostModel:
 
     def ring_comm(self, kv_tokens, ranks):
         """Seconds a rank spends rotating ``kv_tokens`` tokens' K/V around a ring of ``ranks`` (fwd+bwd),
-        K/V relays and dK/dV accumulators as the engine sends them; 0 for one rank."""
+        K/V relays and dK/dV accumulators as the engine sends them, with a hybrid's state scan of the sequence
+        (``scan_comm``); 0 for one rank."""
         p = self.profile
         nbytes = kv_tokens * ((ranks - 1) / ranks * self.ring_relay_bytes + self.ring_accumulator_bytes)
-        steps = p.num_layers * (self.forward_passes * (ranks - 1) + ranks)
+        steps = self.attention_layers * (self.forward_passes * (ranks - 1) + ranks)
         seconds = nbytes / self._bandwidth(ranks, False) + steps * p.ring_hop_s
-        return np.where(ranks > 1, seconds, 0.0)
+        return np.where(ranks > 1, seconds, 0.0) + self.scan_comm(ranks)
+
+    def scan_bytes(self, ranks):
+        """Bytes a rank sends in a hybrid's state scan of one sequence over ``ranks`` (fwd+bwd, all its linear
+        layers; 0 without them or on one rank)."""
+        return (ranks - 1) * self.scan_bytes_per_peer
+
+    def scan_comm(self, ranks):
+        """Seconds of ``scan_bytes`` and the scan's all-gathers (a latency each); 0 on one rank."""
+        seconds = (
+            self.scan_bytes(ranks) / self._bandwidth(ranks, False) + self.scan_steps * self.profile.launch_latency_s
+        )
+        return np.where((ranks > 1) & (self.scan_steps > 0), seconds, 0.0)
 
     def prefill(self, P: int, ranks):
         """(compute s, comm s) of the prompt's forward + delayed backward sharded over a ring of ``ranks``,
@@ -195,7 +230,7 @@ class CostModel:
         p, leaves = self.profile, root.leaves
         compute, comm = self.prefill(root.length, degree)
         moved = root.length * (degree - 1) / degree * (self.kv_bytes + self.ring_accumulator_bytes)
-        comm = comm + moved / self._bandwidth(degree, True) + 2 * p.num_layers * p.launch_latency_s
+        comm = comm + moved / self._bandwidth(degree, True) + 2 * self.attention_layers * p.launch_latency_s
 
         def share(s) -> float:
             batches = [[leaves[k].length for k in root.micro_batches[b]] for b in s.batches]
@@ -247,7 +282,7 @@ class CostModel:
 
     # ---- per-primitive memory (bytes per rank) ---------------------------------------------------
     def _ring_buffer(self, kv_tokens_per_rank: float) -> float:
-        return RING_BUFFERS * kv_tokens_per_rank * self.kv_bytes / self.profile.num_layers
+        return RING_BUFFERS * kv_tokens_per_rank * self.kv_bytes / self.attention_layers
 
     def ring_memory(self, P: int, R_max: float, R_sum: float, d: int) -> float:
         seq = (P + R_max) / d
@@ -272,7 +307,7 @@ class CostModel:
         prompt = P / d
         response = R_max / m
         resident = prompt * (self.saved_bytes_per_token + 2 * self.kv_bytes)
-        exchange = round_max_queries * self.query_state_bytes / self.profile.num_layers * self.exchange_layers_kept
+        exchange = round_max_queries * self.query_state_bytes / self.attention_layers * self.exchange_layers_kept
         peak = max(
             prompt * self.working_bytes_per_token,
             response * (self.saved_bytes_per_token + self.working_bytes_per_token + self.logit_bytes_per_token)

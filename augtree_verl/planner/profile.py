@@ -42,6 +42,15 @@ _POSITIVE_INTS = (
     "vocab_size",
     "dtype_bytes",
 )
+# A hybrid's linear-attention sizes (``ModelShape``'s), 0 for a model without linear-attention layers.
+LINEAR_FIELDS = (
+    "linear_layers",
+    "linear_key_heads",
+    "linear_heads",
+    "linear_key_dim",
+    "linear_value_dim",
+    "linear_conv_kernel",
+)
 # What a profile says about the model and how it trains (the rest is hardware and policy): a saved profile
 # applies to a run only when these match (``planner.startup``).
 MODEL_FIELDS = (
@@ -55,6 +64,7 @@ MODEL_FIELDS = (
     "vocab_size",
     "dtype_bytes",
     "activation_checkpointing",
+    *LINEAR_FIELDS,
 )
 
 
@@ -86,6 +96,14 @@ class ClusterProfile:
     vocab_size: int
     dtype_bytes: int = 2  # bf16 activations and communication
     activation_checkpointing: bool = True
+    # A hybrid's Gated DeltaNet layers (``ModelShape``'s linear sizes; 0 without them): how many, H_k key and H_v
+    # value heads of widths D_k and D_v, conv kernel K. The state scan's bytes (planner/cost.py) read them.
+    linear_layers: int = 0
+    linear_key_heads: int = 0
+    linear_heads: int = 0
+    linear_key_dim: int = 0
+    linear_value_dim: int = 0
+    linear_conv_kernel: int = 0
     # Policy: a plan on d ranks is admissible only if it keeps this fraction of ideal scaling relative to
     # the best plan on the smallest degree that fits in memory (see planner/search.py). 0 = pure fastest.
     min_parallel_efficiency: float = 0.8
@@ -99,6 +117,15 @@ class ClusterProfile:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"ClusterProfile.{name} must be a positive int, got {value!r}")
+        for name in LINEAR_FIELDS:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"ClusterProfile.{name} must be an int >= 0, got {value!r}")
+        if self.linear_layers >= self.num_layers:
+            raise ValueError(
+                f"ClusterProfile.linear_layers={self.linear_layers} must leave an attention layer of "
+                f"num_layers={self.num_layers}"
+            )
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"ClusterProfile.num_kv_heads={self.num_kv_heads} must divide num_heads={self.num_heads}")
         if not isinstance(self.activation_checkpointing, bool):
@@ -171,6 +198,12 @@ class ClusterProfile:
             value_head_dim=self.value_head_dim,
             mlp_size=self.intermediate_size,
             vocab_size=self.vocab_size,
+            linear_layers=tuple(range(self.linear_layers)),  # which layers does not matter to a cost
+            linear_key_heads=self.linear_key_heads,
+            linear_heads=self.linear_heads,
+            linear_key_dim=self.linear_key_dim,
+            linear_value_dim=self.linear_value_dim,
+            linear_conv_kernel=self.linear_conv_kernel,
         )
 
     @property
@@ -206,6 +239,12 @@ class ClusterProfile:
             hidden_size=shape.hidden_size,
             intermediate_size=shape.mlp_size,
             vocab_size=shape.vocab_size,
+            linear_layers=len(shape.linear_layers),
+            linear_key_heads=shape.linear_key_heads,
+            linear_heads=shape.linear_heads,
+            linear_key_dim=shape.linear_key_dim,
+            linear_value_dim=shape.linear_value_dim,
+            linear_conv_kernel=shape.linear_conv_kernel,
         )
 
     def to_dict(self) -> dict:

@@ -13,7 +13,7 @@ import torch
 
 from augtree_verl.replay.adapters import causal_lm
 from augtree_verl.replay.attention import PrefillContext
-from augtree_verl.replay.linear_state import MIN_CALL_TOKENS, has_linear_attention
+from augtree_verl.replay.linear_state import MIN_CALL_TOKENS, has_linear_attention, linear_layers
 from augtree_verl.replay.logits import family_logits
 from augtree_verl.replay.prompt_kv import PromptKV
 from augtree_verl.replay.scoring import EntropyFn, token_scores
@@ -42,6 +42,7 @@ class ModelCalls:
         self.device = model.get_input_embeddings().weight.device
         # tokens a response call feeds per row at least (a linear-attention layer's one-token step writes in place)
         self.min_tokens = MIN_CALL_TOKENS if has_linear_attention(model.config) else 1
+        self.linear_layers = linear_layers(model)  # Gated DeltaNet layers: a state, not K/V, per prompt
 
     def decoder(self, ids: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
         """ids, positions [B, S] -> final hidden states [B, S, H] (attention through ``ctx``). No mask: the

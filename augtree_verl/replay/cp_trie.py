@@ -6,15 +6,17 @@ On every member of the subgroup, in the same lock-step slot (phase d's trie slot
 
   A. the root's tokens run through the ring prefill (RingCP's, ``cp.context.RingContext``): each member
      holds its zigzag shard's K/V as a ``PromptKV``;
-  B. the shards are all-gathered (one padded ``all_gather`` per layer and K/V), so every member holds the
-     root's whole K/V as summing leaves, as one device would, and the root's last hidden state (a zero-filled
-     float32 all-reduce from its owner);
+  B. the shards are all-gathered (one padded ``all_gather`` per attention layer and K/V), so every member holds
+     the root's whole K/V as summing leaves, as one device would, and the root's last hidden state (a
+     zero-filled float32 all-reduce from its owner); a hybrid's Gated DeltaNet layers need no gather: the
+     prefill's state scan (``cp.state_scan``) left the root's final (conv window, state) on every member;
   C. the member replays its share of the root's children (``cp_trie_schedule``: the root's leaf micro-batches
      and inner subtrees, dealt longest first) on one device against those leaves (``TrieRun``), padded to the
      slot's shape, the union of every member's (``slot.shape``);
   D. the leaves' float32 gradient sums are reduce-scattered back to the shards' owners (one
-     ``all_to_all_single`` per layer and K/V, summed in member order; the last state's by an all-reduce),
-     and the ring prefill's delayed backward runs on every member.
+     ``all_to_all_single`` per attention layer and K/V, summed in member order; the last state's by an
+     all-reduce; a linear layer's state keeps each member's partial sum, which the scan's backward sums at the
+     owners), and the ring prefill's delayed backward runs on every member.
 
 Exact: every row runs on one member, and the root's gradients are the sums of every member's adjoints.
 Bytes each member sends: ``trie_root_bytes``.
@@ -51,10 +53,11 @@ def trie_root_bytes(
     forward_runs: int = 1,
 ) -> dict[str, int]:
     """Bytes ``member`` sends for a root of ``length`` tokens over ``degree`` members ({"fwd", "bwd"}): the ring
-    prefill's (``cp.ring.ring_bytes``; ``forward_runs`` 2 where activation checkpointing re-runs it), the
-    padded all-gather of each layer's K/V (shards of at most n_max tokens: (d - 1) n_max H_kv (D_k + D_v)
-    elements at the K/V dtype), its float32 return (the same count, 4 bytes each), and the last hidden state's two
-    float32 [hidden] all-reduces ((d - 1) hidden 4 bytes each, counted as one ring pass)."""
+    prefill's (``cp.ring.ring_bytes`` per attention layer, ``cp.state_scan.scan_bytes`` per linear-attention
+    layer; ``forward_runs`` 2 where activation checkpointing re-runs it), the padded all-gather of each
+    attention layer's K/V (shards of at most n_max tokens: (d - 1) n_max H_kv (D_k + D_v) elements at the K/V
+    dtype), its float32 return (the same count, 4 bytes each), and the last hidden state's two float32 [hidden]
+    all-reduces ((d - 1) hidden 4 bytes each, counted as one ring pass)."""
     layout = ZigzagLayout(length, degree)
     ring = ring_bytes(
         RingSpec(Ring(None, tuple(range(degree)), member), layout, None, 1.0),
@@ -65,31 +68,42 @@ def trie_root_bytes(
     )
     gathered = (degree - 1) * max(layout.sizes()) * shape.kv_heads * (shape.head_dim + shape.value_dim)
     last = (degree - 1) * hidden * 4
+    scan = shape.scan_bytes(layout, member)
     return {
-        "fwd": shape.layers * (forward_runs * ring["fwd"] + gathered * shape.element_size) + last,
-        "bwd": shape.layers * (ring["bwd"] + gathered * 4) + last if train else 0,
+        "fwd": shape.layers * (forward_runs * ring["fwd"] + gathered * shape.element_size)
+        + forward_runs * scan["fwd"]
+        + last,
+        "bwd": shape.layers * (ring["bwd"] + gathered * 4) + scan["bwd"] + last if train else 0,
     }
 
 
 class _GatheredRoot:
     """The root's whole K/V on this member of ``group`` (the subgroup, its ranks the ``layout``'s parts), as a
     trie path entry (``kv``, ``last``, ``scores``): one-device tensors k [1, H_kv, P, D_k], v [1, H_kv, P, D_v]
-    and [H] built from the members' shards of ``shard`` (training: float32-summing leaves)."""
+    and [H] built from the members' shards of ``shard`` (training: float32-summing leaves); the layers in
+    ``linear`` (Gated DeltaNet) keep the shard's own (conv, recurrent) leaves, the root's whole final state."""
 
-    def __init__(self, shard: PromptKV, layout: ZigzagLayout, group, meter: Meter):
-        self.shard, self.layout, self.group, self.meter = shard, layout, group, meter
+    def __init__(self, shard: PromptKV, layout: ZigzagLayout, group, meter: Meter, linear: frozenset[int]):
+        self.shard, self.layout, self.group, self.meter, self.linear = shard, layout, group, meter, linear
         self.degree, self.n_max = layout.parts, max(layout.sizes())
         self.positions = [layout.positions(m, device=shard.hidden.device) for m in range(layout.parts)]
-        kv = [(self._gather(k), self._gather(v)) for k, v in shard.kv]
+        self.kv = [self._whole(layer, k, v) for layer, (k, v) in enumerate(shard.kv)]
         # the last hidden state, from its owner: a zero-filled float32 sum (exact: one member holds it)
         last = shard.hidden.new_zeros(shard.hidden.shape[-1], dtype=torch.float32)
         if shard.last is not None:
             last += shard.last.detach()
         self._all_reduce(last, "fwd")
         last = last.to(shard.hidden.dtype)
-        self.kv = [(summing_leaf(k), summing_leaf(v)) for k, v in kv] if shard.train else kv
         self.last = summing_leaf(last) if shard.train else last
         self.scores = None
+
+    def _whole(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's path entry: an attention layer's gathered K/V (training: summing leaves), a linear
+        layer's shard leaves as they are."""
+        if layer in self.linear:
+            return k, v
+        k, v = self._gather(k), self._gather(v)
+        return (summing_leaf(k), summing_leaf(v)) if self.shard.train else (k, v)
 
     def _all_reduce(self, x: torch.Tensor, direction: str) -> None:
         self.meter.add(direction, nbytes(x) * (self.degree - 1))
@@ -112,7 +126,9 @@ class _GatheredRoot:
     def return_gradients(self) -> None:
         """Every member's float32 sums of the whole K/V's and the last state's gradients, summed into the
         shard's leaves of their owners (one ``all_to_all_single`` per layer and K/V, one all-reduce)."""
-        for whole, own in zip(self.kv, self.shard.kv):
+        for layer, (whole, own) in enumerate(zip(self.kv, self.shard.kv)):
+            if layer in self.linear:  # the shard's own leaves: their sums are in place
+                continue
             for leaf, shard in zip(whole, own):
                 set_grad_sum(shard, self._scatter(grad_sum(leaf), shard))
         last = grad_sum(self.last)
@@ -156,7 +172,7 @@ class CPTrieRun:
             train=calls.train,
             offload=calls.offload,
         )
-        gathered = _GatheredRoot(shard, layout, self.group, meter)
+        gathered = _GatheredRoot(shard, layout, self.group, meter, calls.linear_layers)
         stats.stop_timer("prefill_s", start)
         stats.nodes += share.member == 0  # one prefill of the root, over the members
         path: Path = [(root, gathered)]

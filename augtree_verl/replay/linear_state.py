@@ -28,21 +28,35 @@ cache when a replay context rides in the kwargs (``augtree_ctx``); it reads only
 layer recomputed later dispatches as its forward did. A trie node's prefill starts its linear layers from
 its parent's final state the same way (a ``StateStart`` of the parent's leaves) and records its own final
 state, which its children start from; a node below a root feeds at least ``MIN_CALL_TOKENS`` tokens too.
+
+Context-parallel calls (a CP prefill, RingCP's [prompt || response], a response over a lane) hand the layer a
+``cp.state_scan.StateScan`` instead: the route then also gives it the layer's input (this rank's zigzag chunks
+as rows), the conv's input (each row's true window, from the chunks before it on any rank) and the chunk
+kernel's call (each row's true incoming state, from the scan of every chunk's affine summary), and takes the
+layer's output back to the shard. The layer's own code runs in between, its kernels included. Models with
+linear-attention layers outside ``SCANNED_MODEL_TYPES`` (refused at engine build anyway, ``model_check``) run
+their CP plans on one device (``demote_cp_plans``, counted), and a direct ``replay`` refuses them.
 """
 
 from __future__ import annotations
 
 import weakref
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 
+from augtree_verl.cp.state_scan import LinearShape, StateScan
+from augtree_verl.ops.gated_delta import MIN_ROW_TOKENS
 from augtree_verl.plan import Plan
 
 # The linear-attention modules whose forward reads and writes their state through the cache protocol above
 # (transformers 5.10). Other hybrids (OLMo-hybrid, MiniMax) keep theirs otherwise: refused by name.
 STATE_MODULES = frozenset({"Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet", "Qwen3NextGatedDeltaNet"})
-MIN_CALL_TOKENS = 2  # tokens a replay call feeds per row at least (see the module docstring)
+# The (text) model types whose linear-attention layers are ``STATE_MODULES``: their CP plans run through the
+# state scan (``cp.state_scan``); any other model with linear-attention layers runs its CP plans on one device.
+SCANNED_MODEL_TYPES = frozenset({"qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"})
+MIN_CALL_TOKENS = MIN_ROW_TOKENS  # tokens a replay call feeds per row at least (see the module docstring)
 
 _ROUTED: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
 
@@ -54,12 +68,17 @@ def has_linear_attention(config) -> bool:
 
 
 def _cp_limit(config) -> str | None:
-    """Why ``config``'s model runs no plan of degree > 1 (None: it may)."""
+    """Why ``config``'s model runs no plan of degree > 1 (None: it may): linear-attention layers outside the
+    Gated DeltaNet families the state scan covers (``SCANNED_MODEL_TYPES``)."""
     if not has_linear_attention(config):
         return None
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    model_type = getattr(text, "model_type", None)
+    if model_type in SCANNED_MODEL_TYPES:
+        return None
     return (
-        f"model {getattr(config, 'model_type', None)!r} has linear-attention layers (Gated DeltaNet), whose "
-        "state a context-parallel replay would pass along the ranks: not implemented"
+        f"model {model_type!r} has linear-attention layers outside the Gated DeltaNet families whose state the "
+        f"context-parallel scan passes along the ranks ({', '.join(sorted(SCANNED_MODEL_TYPES))})"
     )
 
 
@@ -88,21 +107,81 @@ def linear_attention_modules(model) -> list[torch.nn.Module]:
     return [m for m in model.modules() if type(m).__name__ in STATE_MODULES]
 
 
+def linear_layers(model) -> frozenset[int]:
+    """The layer indices of ``model``'s ``STATE_MODULES`` modules."""
+    return frozenset(cast(int, m.layer_idx) for m in linear_attention_modules(model))
+
+
 def route_linear_attention(model) -> None:
     """Route every ``STATE_MODULES`` module of ``model`` through the replay's state (idempotent, left in place;
     calls without a replay context run the layer unchanged)."""
     for module in linear_attention_modules(model):
         if module not in _ROUTED:
-            module.register_forward_pre_hook(_with_state, with_kwargs=True)
+            _Route(module)
             _ROUTED.add(module)
 
 
-def _with_state(module, args, kwargs):
-    ctx = kwargs.get("augtree_ctx")
-    if ctx is None:
-        return None
-    hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-    return args, {**kwargs, "cache_params": ctx.linear_state(module.layer_idx, hidden.shape[0]), "attention_mask": None}
+class _Route:
+    """One Gated DeltaNet module's route. A forward pre-hook hands the layer the call's state
+    (``ctx.linear_state``): a ``StateCapture`` / ``StateStart`` as the cache, or, on a context-parallel call, a
+    ``cp.state_scan.StateScan``, which also takes the layer's input (its chunks as rows), its conv input (the rows'
+    true windows), its chunk kernel (the rows' true incoming states) and its output (back to the shard) while
+    that call runs: the layer's ``chunk_gated_delta_rule`` and its conv (``causal_conv1d_fn`` where the layer
+    has one, CUDA's causal-conv1d, else a pre-hook on ``conv1d``) are wrapped once, and pass through unchanged
+    outside a scan."""
+
+    def __init__(self, module):
+        self.scan: StateScan | None = None
+        self.rule = module.chunk_gated_delta_rule
+        module.chunk_gated_delta_rule = self._chunk_rule
+        self.conv_fn = module.causal_conv1d_fn
+        if self.conv_fn is not None:
+            module.causal_conv1d_fn = self._causal_conv
+        else:
+            module.conv1d.register_forward_pre_hook(self._conv_input)
+        module.register_forward_pre_hook(self._enter, with_kwargs=True)
+        module.register_forward_hook(self._leave, with_kwargs=True)
+
+    def _enter(self, module, args, kwargs):
+        self.scan = None
+        ctx = kwargs.get("augtree_ctx")
+        if ctx is None:
+            return None
+        hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+        state = ctx.linear_state(module.layer_idx, hidden.shape[0])
+        if isinstance(state, StateScan):
+            self.scan = state
+            rows = state.rows(hidden, _shape(module))
+            if "hidden_states" in kwargs:
+                kwargs = {**kwargs, "hidden_states": rows}
+            else:
+                args = (rows, *args[1:])
+        return args, {**kwargs, "cache_params": state, "attention_mask": None}
+
+    def _leave(self, module, args, kwargs, output):
+        scan, self.scan = self.scan, None
+        return scan.join(output) if scan is not None else None
+
+    def _conv_input(self, conv, args):
+        return (self.scan.conv_input(args[0]), *args[1:]) if self.scan is not None else None
+
+    def _causal_conv(self, x, **kwargs):
+        return self.conv_fn(x=self.scan.conv_input(x) if self.scan is not None else x, **kwargs)
+
+    def _chunk_rule(self, *args, **kwargs):
+        if self.scan is None:
+            return self.rule(*args, **kwargs)
+        return self.scan.chunk_rule(self.rule, *args, **kwargs)
+
+
+def _shape(module) -> LinearShape:
+    return LinearShape(
+        heads=module.num_v_heads,
+        key_dim=module.head_k_dim,
+        value_dim=module.head_v_dim,
+        conv_dim=module.conv_dim,
+        kernel=module.conv_kernel_size,
+    )
 
 
 class StateCapture:

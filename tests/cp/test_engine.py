@@ -50,15 +50,15 @@ def summed_grads(model) -> dict[str, torch.Tensor]:
     return summed
 
 
-def check_call(model, trees, plans, *, temperature=1.0, train=True, seed=0, forward_runs=1):
+def check_call(model, trees, plans, *, temperature=1.0, train=True, seed=0, forward_runs=1, offload=None):
     """One CP call vs the baseline on the same weights; returns (stats, grads summed over ranks).
     ``forward_runs``: 2 with activation checkpointing (each layer's forward, and its communication, re-runs
-    once in the backward)."""
+    once in the backward); ``offload``: an ``Offload`` for the prompts' activations (training)."""
     loss_fn = grpo_like_loss(trees, seed) if train else None
     model.zero_grad(set_to_none=True)
     stats = ReplayStats()
     step_plan = StepPlan.build(trees, plans=plans)
-    options = ReplayOptions(temperature=temperature, stats=stats)
+    options = ReplayOptions(temperature=temperature, stats=stats, offload=offload)
     got = replay(model, step_plan, per_response(loss_fn) if train else None, options)
     summed = summed_grads(model) if train else {}
     model.zero_grad(set_to_none=True)

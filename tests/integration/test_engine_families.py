@@ -1,7 +1,8 @@
 """The family matrix against verl's stock engine: each ``tests.families.PARITY`` family picked here trains two
 optimizer steps on 2 gloo ranks with the augtree engine and with verl's stock fsdp2 engine, and must give the same
 log-probs, entropies, losses, gradient norms and weights (the families whose logits the family's own forward
-transforms, MoEs, and multi-head latent attention, whose value width differs from the query/key width); a refused
+transforms, MoEs, multi-head latent attention, whose value width differs from the query/key width, and a hybrid's
+context-parallel plans); a refused
 family is refused when the engine is built, and so is a replay that skipped a family's logit transform (the start-up
 exactness probe)."""
 
@@ -54,12 +55,13 @@ def test_hybrid_micro_batch_settings_match_stock_engine(one_rank, tmp_path, sett
 
 
 @pytest.mark.timeout(420)
-def test_hybrid_cp_plans_run_on_one_rank(tmp_path):
-    """World 2, one CP group of both ranks, plans of degree 2 (MoveQ, TreeMoveKV, ring): a hybrid's run on one
-    rank each, counted, and the step still matches the stock engine (``test_engine_cp``'s rank)."""
+def test_hybrid_cp_plans_run_context_parallel(tmp_path):
+    """World 2, one CP group of both ranks, plans of degree 2 (MoveQ, TreeMoveKV, ring): a hybrid's run context-
+    parallel on both ranks (its Gated DeltaNet state through the scan, ``cp.state_scan``; nothing demoted, bytes
+    moved), and the step still matches the stock engine (``test_engine_cp``'s rank)."""
     H.spawn(
         cp_rank_main,
-        (WORLD, H.free_port(), _save("qwen3.5", tmp_path / "qwen3.5"), [1, 2], PLANS_DEGREE_2, 1, "token-mean", 0.0, 0),
+        (WORLD, H.free_port(), _save("qwen3.5", tmp_path / "qwen3.5"), [1, 2], PLANS_DEGREE_2, 2, "token-mean", 0.0, 0),
         nprocs=WORLD,
         timeout_s=360,
     )

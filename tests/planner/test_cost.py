@@ -7,12 +7,16 @@ import numpy as np
 import pytest
 import torch
 
+from augtree_verl.cp.cost import AttentionShape
+from augtree_verl.cp.layout import ZigzagLayout
+from augtree_verl.cp.state_scan import scan_bytes as scan_bytes_of
 from augtree_verl.groups import Tree
 from augtree_verl.planner import ClusterProfile, plan_tree
 from augtree_verl.planner.cost import CostModel, cost_model
 from augtree_verl.planner.search import _Search, check_tree_lengths
 from augtree_verl.replay.microbatch import DEFAULT_MICRO_BATCH_TOKENS
 from augtree_verl.replay.trie import build_trie
+from tests.families import family_model
 
 # Round numbers, so that every term of a time can be told apart.
 UNIT = dataclasses.replace(
@@ -146,3 +150,22 @@ def test_a_shared_system_prompt_is_one_prefill_each_prompt_attends_to_it():
     )
     want = cost.prefill(600, 1)[0] + 2 * own + cost.one_device(700, [50, 70]) + cost.one_device(700, [60, 80])
     assert root.length == 600 and cost.trie(root) == pytest.approx(want, rel=REL)
+
+
+def test_a_hybrids_sharded_sequence_moves_the_state_scans_bytes():
+    """A hybrid (Qwen3.5: one Gated DeltaNet layer, one attention layer): the K/V ring counts the attention layer
+    only, and each sequence sharded over k ranks adds the state scan's bytes, ``cp.state_scan.scan_bytes`` per
+    linear layer (forward per pass, then backward) for chunks of at least K - 1 tokens, and its all-gathers."""
+    config = family_model("qwen3.5").config
+    hybrid = dataclasses.replace(UNIT.with_model(config), activation_checkpointing=True)
+    attention_only = dataclasses.replace(hybrid, num_layers=1, linear_layers=0)
+    shape = AttentionShape.of(config, hybrid.dtype_bytes)
+    cost, kv = CostModel(hybrid), CostModel(attention_only)
+    for k in (2, 4):
+        per_layer = [
+            scan_bytes_of(ZigzagLayout(1000, k), member, shape.linear, hybrid.dtype_bytes) for member in range(k)
+        ]
+        assert {2 * b["fwd"] + b["bwd"] for b in per_layer} == {cost.scan_bytes(k) / shape.linear_layers}
+        seconds = cost.scan_bytes(k) / hybrid.p2p_bytes_per_s + 2 * 3 * hybrid.launch_latency_s
+        assert cost.ring_comm(500, k) == pytest.approx(kv.ring_comm(500, k) + seconds, rel=REL)
+    assert cost.ring_comm(500, 1) == 0 and kv.scan_bytes(4) == 0

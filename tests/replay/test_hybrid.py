@@ -1,7 +1,8 @@
 """Hybrid Gated DeltaNet models (Qwen3.5, Qwen3.5-MoE, Qwen3-Next) in the replay (``replay.linear_state``),
 float32 CPU: the prompt's per-layer state (K/V, or conv window and recurrent state) against the flattened
 baseline over optimizer steps, with checkpointing on and off and one- and multi-row micro-batches; the state
-leaves and their gradients; MoE router logits; context-parallel plans refused by name or demoted."""
+leaves and their gradients; MoE router logits; context-parallel plans of hybrids the state scan does not cover
+refused by name or demoted."""
 
 from __future__ import annotations
 
@@ -112,16 +113,21 @@ def test_moe_with_router_logits_on(name):
 
 
 def test_context_parallel_plan_refused_by_name():
-    model = family_model("qwen3-next")
+    """A hybrid whose linear-attention layers the state scan does not cover (``cp.state_scan``: the Gated
+    DeltaNet families only)."""
+    model = family_model("olmo-hybrid")
     trees = _trees()
     step_plan = StepPlan(trees=trees, plans=[None, Plan(degree=2)], slots=[])  # as a caller with a CP group has it
-    with pytest.raises(ValueError, match=r"tree 1: a plan of degree 2, but model 'qwen3_next' has linear-attention"):
+    with pytest.raises(ValueError, match=r"tree 1: a plan of degree 2, but model 'olmo_hybrid' has linear-attention"):
         replay(model, step_plan, per_response(LOSS))
 
 
 def test_context_parallel_plans_demoted_and_counted():
+    """Demoted where the scan does not cover the linear layers; the Gated DeltaNet families keep their CP plans
+    (``tests/cp/test_hybrid_cp.py`` runs them)."""
     cp = Plan(degree=4, est_time_s=1.0, est_single_s=3.0)
     plans = [cp, Plan(est_time_s=2.0), None]
-    demoted, count = demote_cp_plans(family_model("qwen3.5").config, plans)
+    demoted, count = demote_cp_plans(family_model("olmo-hybrid").config, plans)
     assert count == 1 and demoted == [Plan(est_time_s=3.0), plans[1], None]
-    assert demote_cp_plans(family_model("qwen3").config, plans) == (plans, 0)
+    for name in ("qwen3", "qwen3.5", "qwen3.5-moe", "qwen3-next"):
+        assert demote_cp_plans(family_model(name).config, plans) == (plans, 0), name
