@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from augtree_verl.cp.cost import AttentionShape
+from augtree_verl.cp.bytes import AttentionShape
 from augtree_verl.cp.layout import ZigzagLayout
 from augtree_verl.cp.state_scan import scan_bytes as scan_bytes_of
 from augtree_verl.groups import Tree
