@@ -425,7 +425,7 @@ def cp_tree_replay(model, trees, loss_fn, plans):
     from augtree_verl.replay.attention import use_augtree_attention
     from augtree_verl.replay.calls import ModelCalls
     from augtree_verl.replay.cp_tree import CPTreeRun
-    from augtree_verl.replay.lockstep import Slot
+    from augtree_verl.replay.lockstep import CPTreeSlot
 
     use_augtree_attention(model)
     calls = ModelCalls(
@@ -434,7 +434,7 @@ def cp_tree_replay(model, trees, loss_fn, plans):
     run, out = CPTreeRun(calls, dist.group.WORLD), []
     for t, (tree, plan) in enumerate(zip(trees, plans)):
         schedule = cp_tree_schedule(plan, tree.prompt_len, tree.response_lens, 0)
-        out.append(run(t, tree, plan, Slot(t, 1, len(schedule.steps), [], schedule)))
+        out.append(run(tree, plan, CPTreeSlot(t, 1, schedule, len(schedule.steps))))
     return out
 
 
