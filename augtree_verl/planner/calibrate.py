@@ -15,7 +15,8 @@ Compute is measured on the profile's model shapes (call ``with_model`` first), w
   microbenchmarks' single block of about a thousand tokens below: on a CPU those rated qwen2-small's causal
   attention at 37 GFLOP/s where its 2k-token replays reach 48, and the cost model over-predicted the long
   steps of ``augtree bench`` by 15-25% with them. Where noise makes a figure non-positive, the
-  microbenchmark's stands (and F follows from the rest); F_causal is capped at F_attention (a causal block's
+  microbenchmark's stands (F follows from the rest, or from the matmuls where the shorter response's
+  added time itself came out non-positive); F_causal is capped at F_attention (a causal block's
   visible pairs cost no less than a full block's).
 - attention_flops_per_s: without ``model`` (or as the fallback above), median forward + backward of one
   non-causal attention block with the model's query/KV heads and head dim, through the CP engine's kernels
@@ -288,8 +289,11 @@ def _replay_costs(model, profile, device: torch.device, lockstep_group, cp_world
         [counts for _, _, counts, _ in configs], [t - variable for t, (_, _, _, variable) in zip(seconds, configs)]
     )
     names = FIXED_COSTS if cp_world > 1 else FIXED_COSTS[:2]
+    throughputs = _replay_throughputs(profile, lengths, added)
+    if "flops_per_s" not in throughputs:
+        throughputs["flops_per_s"] = _matmul_flops(profile, device, _dtype(profile, device))
     return {
-        **_replay_throughputs(profile, lengths, added),
+        **throughputs,
         **{name: max(fitted[i], MIN_OVERHEAD_S) for i, name in enumerate(FIXED_COSTS) if name in names},
     }
 
@@ -311,12 +315,11 @@ def _replay_throughputs(profile, lengths: tuple[int, int], added: list[float]) -
     inverse = np.linalg.solve(work, np.array(added, dtype=np.float64))
     full = 1.0 / inverse[2] if inverse[2] > 0 else p.attention_flops_per_s
     causal = min(1.0 / inverse[1] if inverse[1] > 0 else p.causal_attention_flops_per_s, full)
-    dense_s = max(added[0] - work[0, 1] / causal - work[0, 2] / full, MIN_DENSE_SHARE * added[0])
-    return {
-        "flops_per_s": float(work[0, 0] / dense_s),
-        "causal_attention_flops_per_s": float(causal),
-        "attention_flops_per_s": float(full),
-    }
+    out = {"causal_attention_flops_per_s": float(causal), "attention_flops_per_s": float(full)}
+    if added[0] > 0:  # else the load outran the shorter response: the caller's matmul figure stands
+        dense_s = max(added[0] - work[0, 1] / causal - work[0, 2] / full, MIN_DENSE_SHARE * added[0])
+        out["flops_per_s"] = float(work[0, 0] / dense_s)
+    return out
 
 
 def _tiny_trees(profile, prompt: torch.Tensor, ids, cp_world: int) -> list[tuple]:

@@ -224,6 +224,18 @@ def test_a_noisy_solution_keeps_the_microbenchmarks_figures():
     assert fitted["causal_attention_flops_per_s"] == 1e10 and fitted["attention_flops_per_s"] == 2e10
 
 
+def test_a_non_positive_shorter_response_leaves_the_dense_figure_to_the_matmuls():
+    """CI once measured the 512-token response adding less than nothing under load: the dense figure came out
+    negative and the profile refused to build. Now it is left out, for ``_replay_costs`` to take the matmuls'."""
+    p = dataclasses.replace(
+        ClusterProfile.default().with_model(TINY_CFG), activation_checkpointing=False, **MICROBENCHMARKS
+    )
+    added = _measured(p, 4e10, 3e10, 5e10)
+    fitted = _replay_throughputs(p, (512, 2048), [-added[0], added[1], added[2]])
+    assert "flops_per_s" not in fitted
+    assert all(v > 0 for v in fitted.values())
+
+
 def _calibrate_worker(rank, world, port, results):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
