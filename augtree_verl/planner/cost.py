@@ -49,9 +49,11 @@ L counts the attention layers (a hybrid's L_lin Gated DeltaNet layers move no K/
         bytes = 2 (k-1) L_lin (f (e w + s) + (a w + s)), independent of the sequence's length
         steps = 2 L_lin (f + 1): two all-gathers per layer and pass, two returns backward
 
-Memory per rank: saved activations (with checkpointing only the layer input, L H e per token, plus one
-layer's full activations while it is recomputed), prompt K/V leaves and their gradients (2 kv per prompt
-token), fp32 logits and their gradient for scored tokens, ring/exchange buffers, float32 log-prob outputs.
+Memory per rank, in the step's memory guard's per-token bytes (``replay.memory.ReplayMemory``: saved
+activations, one layer's working set, prompt K/V leaves and their gradient sums, the LM head's logits per
+scored token): a plan of degree 1 at exactly the guard's peak of the tree alone (``one_device_memory``: no
+offload, ``DEFAULT_MICRO_BATCH_TOKENS``), so the planner never picks a one-device plan the guard would refuse
+for that tree; CP plans per rank with their shards, ring/exchange buffers and float32 log-prob outputs.
 """
 
 from __future__ import annotations
@@ -68,13 +70,13 @@ from augtree_verl.plan import Plan
 from augtree_verl.planner.profile import ClusterProfile
 from augtree_verl.replay.cp_trie_schedule import cp_trie_shares
 from augtree_verl.replay.lockstep import CPTreeSlot, CPTrieSlot, DummySlot, Slot, TrieSlot
+from augtree_verl.replay.memory import ReplayMemory
 from augtree_verl.replay.microbatch import DEFAULT_MICRO_BATCH_TOKENS, split_micro_batches
 from augtree_verl.replay.step_plan import StepPlan
 from augtree_verl.replay.trie import MIN_SHARED_TOKENS, StepTrie
 
 LSE_BYTES = 4  # float32 log-sum-exp per query and head in MoveQ's partial states
 MOVEQ_COLLECTIVES = 3  # all-to-alls per layer and direction: queries, outputs, lse (fwd); dout+out, lse, dq
-LOGIT_BYTES_PER_ENTRY = 8  # fp32 logits and their gradient, per vocab entry per scored token
 RING_BUFFERS = 4  # send + receive buffers for K/V, and again for dK/dV, one layer at a time
 OUTPUT_BYTES_PER_TOKEN = 4  # float32 log-probs of every response, held on every rank
 
@@ -85,7 +87,6 @@ class CostModel:
     def __init__(self, profile: ClusterProfile):
         p = profile
         self.profile = p
-        L, H, I, V = p.num_layers, p.hidden_size, p.intermediate_size, p.vocab_size
         Hq, Dk, Dv, beta = p.num_heads, p.head_dim, p.value_head_dim, p.dtype_bytes
         shape = p.shape
         kv_width = shape.kv_width  # H_kv (D_k + D_v): one token's K and V in one layer
@@ -114,12 +115,14 @@ class CostModel:
         lin = len(shape.linear_layers)
         self.scan_bytes_per_peer = 2 * lin * (forward_passes * (beta * tail + summary) + max(4, beta) * tail + summary)
         self.scan_steps = 2 * lin * (forward_passes + 1)
-        # Elements a decoder layer saves per token for backward: 4 H (norm inputs/outputs, residual),
-        # H_q D_k + H_kv (D_k + D_v) (Q, K, V), 2 H_q D_v (attention out, O-proj input), 3 I (gate, up, act*up).
-        layer_bytes = (4 * H + Hq * Dk + kv_width + 2 * Hq * Dv + 3 * I) * beta
-        self.saved_bytes_per_token = L * H * beta if p.activation_checkpointing else L * layer_bytes
-        self.working_bytes_per_token = layer_bytes if p.activation_checkpointing else 0
-        self.logit_bytes_per_token = LOGIT_BYTES_PER_ENTRY * V
+        # Per-token bytes of activations, K/V and logits: the step's memory guard's (``replay.memory``), one model.
+        self.memory = ReplayMemory.of_shape(
+            shape, dtype_bytes=beta, checkpointing=p.activation_checkpointing, train=True
+        )
+        self.saved_bytes_per_token = self.memory.saved
+        self.working_bytes_per_token = self.memory.layer
+        self.prompt_kv_bytes_per_token = self.memory.kv + self.memory.kv_sum  # K/V leaves and their gradient sums
+        self.logit_bytes_per_token = self.memory.head
         self.exchange_layers_kept = 1 if p.activation_checkpointing else La
 
     # ---- building blocks (``ranks`` may be an int or an int array broadcasting against the tokens) ----
@@ -281,6 +284,11 @@ class CostModel:
         return compute, per_rank + steps
 
     # ---- per-primitive memory (bytes per rank) ---------------------------------------------------
+    def one_device_memory(self, P: int, R) -> float:
+        """Peak bytes of a tree replayed on one device (any plan of degree 1): the memory guard's peak of it
+        (``ReplayMemory.tree_peak``, responses micro-batched as ``one_device`` times them; no offload)."""
+        return float(self.memory.tree_peak(P, [int(r) for r in R], DEFAULT_MICRO_BATCH_TOKENS, offload=False))
+
     def _ring_buffer(self, kv_tokens_per_rank: float) -> float:
         return RING_BUFFERS * kv_tokens_per_rank * self.kv_bytes / self.attention_layers
 
@@ -296,7 +304,7 @@ class CostModel:
     def tree_memory(self, P: int, R_max: float, R_sum: float, m: int) -> float:
         prompt = P / m
         response = R_max / m
-        resident = prompt * (self.saved_bytes_per_token + 2 * self.kv_bytes)
+        resident = prompt * (self.saved_bytes_per_token + self.prompt_kv_bytes_per_token)
         peak = max(
             prompt * self.working_bytes_per_token,
             response * (self.saved_bytes_per_token + self.working_bytes_per_token + self.logit_bytes_per_token),
@@ -306,7 +314,7 @@ class CostModel:
     def moveq_memory(self, P: int, R_max: float, R_sum: float, round_max_queries: float, d: int, m: int) -> float:
         prompt = P / d
         response = R_max / m
-        resident = prompt * (self.saved_bytes_per_token + 2 * self.kv_bytes)
+        resident = prompt * (self.saved_bytes_per_token + self.prompt_kv_bytes_per_token)
         exchange = round_max_queries * self.query_state_bytes / self.attention_layers * self.exchange_layers_kept
         peak = max(
             prompt * self.working_bytes_per_token,

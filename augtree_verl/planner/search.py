@@ -185,6 +185,7 @@ class _Search:
         self.R_max, self.R_sum = float(R.max()), float(R.sum())
         self.by_length = np.argsort(-R, kind="stable")  # longest first
         self.one_device_s = cost.one_device(P, R)  # any plan of degree 1 runs this
+        self.one_device_memory = cost.one_device_memory(P, R)
         self._labels: dict[tuple[int, int], np.ndarray] = {}
 
     # ---- enumeration -----------------------------------------------------------------------------
@@ -250,7 +251,7 @@ class _Search:
         compute, comm = self.ring[self.row[d]]
         # no shared prefill: the slot's dummy one costs its fixed part
         parts = self._one_device_parts() if d == 1 else (self.cost.profile.slot_overhead_s, compute, comm)
-        memory = self.cost.ring_memory(self.P, self.R_max, self.R_sum, d)
+        memory = self.one_device_memory if d == 1 else self.cost.ring_memory(self.P, self.R_max, self.R_sum, d)
         return _Candidate(d, "ring", 1, memory, sum(parts), parts)
 
     def _tree_move_kv(self, d: int, s: int) -> _Candidate:
@@ -260,7 +261,7 @@ class _Search:
         # Some lane holds the largest response; if G > s some lane holds two of the s+1 largest.
         lane_bound = max(desc[0], self.tree_sum[row] / s, desc[s - 1] + desc[s] if self.G > s else 0.0)
         bound = sum(self.pre[row]) + lane_bound + self._lane_share(s)
-        memory = self.cost.tree_memory(self.P, self.R_max, self.R_sum, m)
+        memory = self.one_device_memory if d == 1 else self.cost.tree_memory(self.P, self.R_max, self.R_sum, m)
         cand = _Candidate(d, "tree_move_kv", s, memory, bound)
         if d == 1:
             cand.parts = self._one_device_parts()
@@ -286,7 +287,11 @@ class _Search:
             else (pre_compute, lane_compute + owner_compute, pre_comm + lane_comm + owner_comm)
         )
         round_max_queries = float(self.R[self.by_length[:s]].sum())
-        memory = self.cost.moveq_memory(self.P, self.R_max, self.R_sum, round_max_queries, d, m)
+        memory = (
+            self.one_device_memory
+            if d == 1
+            else self.cost.moveq_memory(self.P, self.R_max, self.R_sum, round_max_queries, d, m)
+        )
         return _Candidate(d, "move_q", s, memory, sum(parts), parts)
 
     # ---- exact time and choice -------------------------------------------------------------------

@@ -55,6 +55,7 @@ import torch
 from augtree_verl.groups import Tree
 from augtree_verl.model_shape import ModelShape
 from augtree_verl.replay.lockstep import CPTrieSlot, Slot, TrieSlot
+from augtree_verl.replay.microbatch import split_micro_batches
 from augtree_verl.replay.offload import MIN_OFFLOAD_BYTES
 from augtree_verl.replay.trie import TrieNode
 
@@ -124,9 +125,30 @@ class ReplayMemory:
         in, e.g. FSDP2's ``param_dtype``; ``checkpointing``: activation checkpointing on) replayed in training
         (``train``) or forward only, checked against ``budget_bytes``; ``offload``: the training replay offloads
         prompt activations (``replay.offload``)."""
-        shape = ModelShape.of(config)
+        return cls.of_shape(
+            ModelShape.of(config),
+            dtype_bytes=torch.empty((), dtype=dtype).element_size(),
+            checkpointing=checkpointing,
+            train=train,
+            budget_bytes=budget_bytes,
+            offload=offload,
+        )
+
+    @classmethod
+    def of_shape(
+        cls,
+        shape: ModelShape,
+        *,
+        dtype_bytes: int,
+        checkpointing: bool,
+        train: bool,
+        budget_bytes: int = 0,
+        offload: bool = False,
+    ) -> ReplayMemory:
+        """``of`` from a ``ModelShape`` and e (``dtype_bytes``): the planner's cost model reads its per-token
+        bytes from here, so the planner's memory filter and this guard are one model."""
         layers, hidden, heads, head_dim = shape.num_layers, shape.hidden_size, shape.num_heads, shape.head_dim
-        e = torch.empty((), dtype=dtype).element_size()
+        e = dtype_bytes
         kv_width = layers * shape.kv_width
         mlp = shape.mlp_size
         layer = e * (LAYER_HIDDEN * hidden + LAYER_HEADS * heads * head_dim + shape.kv_width + LAYER_MLP * mlp)
@@ -150,13 +172,16 @@ class ReplayMemory:
         """Bytes ``node``'s state holds from its prefill to its delayed backward (the module docstring's
         resident); ``degree`` d > 1: a root run context-parallel over d members (this member's shard of n / d
         tokens, and the whole gathered K/V)."""
-        n, s = node.length, _scored(node)
+        return self.resident_bytes(node.length, _scored(node), offload=offload, degree=degree)
+
+    def resident_bytes(self, n: int, scored: int, *, offload: bool, degree: int = 1) -> int:
+        """``resident`` of a node of ``n`` tokens, ``scored`` of them scored."""
         shard = -(-n // degree)
         gathered = n * (self.kv + self.kv_sum if self.train else self.kv) if degree > 1 else 0
         if not self.train:
             return gathered + shard * self.kv + self.hidden
-        total = gathered + shard * (self.kv + self.kv_sum) + (shard if s else 1) * self.hidden
-        total += s * self.vocab * FLOAT32_BYTES
+        total = gathered + shard * (self.kv + self.kv_sum) + (shard if scored else 1) * self.hidden
+        total += scored * self.vocab * FLOAT32_BYTES
         # offload moves each saved boundary ([n, H]) worth a copy to the host
         if not (offload and shard * self.hidden >= MIN_OFFLOAD_BYTES):
             total += shard * self.saved
@@ -166,13 +191,26 @@ class ReplayMemory:
         """Bytes of the largest single call while ``node`` is the deepest on the path: its prefill (``degree``
         d > 1: a context-parallel root's, n / d tokens) or one of its leaves' micro-batches (padded rows),
         working set and LM-head logits."""
-        biggest = -(-node.length // degree) * self.layer + _scored(node) * self.head
+        leaves = [leaf.length for leaf in node.leaves]
+        return self.call_bytes(node.length, _scored(node), [[leaves[k] for k in b] for b in node.micro_batches], degree)
+
+    def call_bytes(self, n: int, scored: int, micro_batches: Sequence[Sequence[int]], degree: int = 1) -> int:
+        """``call`` of a node of ``n`` tokens, ``scored`` of them scored, its leaves' ``micro_batches`` given by
+        their rows' lengths."""
+        biggest = -(-n // degree) * self.layer + scored * self.head
         per_token = self.saved + self.layer if self.train else self.layer
-        for batch in node.micro_batches:
-            lengths = [node.leaves[k].length for k in batch]
+        for lengths in micro_batches:
             padded = len(lengths) * max(max(lengths) - 1, 1)
             biggest = max(biggest, padded * per_token + sum(lengths) * self.head)
         return biggest
+
+    def tree_peak(self, prompt: int, responses: Sequence[int], micro_batch_tokens: int, *, offload: bool) -> int:
+        """``peak`` of one tree alone on one device, from its lengths: a prompt of ``prompt`` tokens (none
+        scored: its last hidden state carries over to the leaves) and ``responses`` micro-batched as
+        ``lockstep.split_trie`` does at ``micro_batch_tokens`` (the planner's one-device memory,
+        ``planner.cost.CostModel.one_device_memory``)."""
+        batches = [[responses[i] for i in b] for b in split_micro_batches(list(responses), micro_batch_tokens)]
+        return self.resident_bytes(prompt, 0, offload=offload) + self.call_bytes(prompt, 0, batches)
 
     def peak(self, root: TrieNode, *, offload: bool, degree: int = 1) -> tuple[int, list[TrieNode]]:
         """(peak bytes, the root-to-node path where it is reached) of replaying the trie ``root`` depth first

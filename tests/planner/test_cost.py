@@ -14,6 +14,8 @@ from augtree_verl.groups import Tree
 from augtree_verl.planner import ClusterProfile, plan_tree
 from augtree_verl.planner.cost import CostModel, cost_model
 from augtree_verl.planner.search import _Search, check_tree_lengths
+from augtree_verl.replay.lockstep import split_trie
+from augtree_verl.replay.memory import ReplayMemory
 from augtree_verl.replay.microbatch import DEFAULT_MICRO_BATCH_TOKENS
 from augtree_verl.replay.trie import build_trie
 from tests.families import family_model
@@ -169,3 +171,29 @@ def test_a_hybrids_sharded_sequence_moves_the_state_scans_bytes():
         seconds = cost.scan_bytes(k) / hybrid.p2p_bytes_per_s + 2 * 3 * hybrid.launch_latency_s
         assert cost.ring_comm(500, k) == pytest.approx(kv.ring_comm(500, k) + seconds, rel=REL)
     assert cost.ring_comm(500, 1) == 0 and kv.scan_bytes(4) == 0
+
+
+@pytest.mark.parametrize("checkpointing", [True, False])
+@pytest.mark.parametrize("family", ["qwen2", "deepseek-v3", "qwen3.5"])
+def test_the_planners_memory_is_the_guards_on_the_same_tree(family, checkpointing):
+    """One model of memory: a plan of degree 1 needs what the step's memory guard (``replay.memory``) counts for
+    the tree's trie, byte for byte, so a budget just under it leaves the planner no one-device plan (the guard
+    would refuse the step) and one at it keeps that plan."""
+    config = family_model(family).config
+    profile = dataclasses.replace(
+        UNIT.with_model(config), activation_checkpointing=checkpointing, dtype_bytes=2, memory_per_rank_bytes=1e18
+    )
+    guard = ReplayMemory.of(config, dtype=torch.bfloat16, checkpointing=checkpointing, train=True, budget_bytes=1 << 62)
+    gen = torch.Generator().manual_seed(0)
+    for P, R in [(3000, [5000, 40, 1700, 4000, 3]), (1, [2, 1]), (20000, [7000, 20, 20, 20])]:
+        tree = Tree.of_tokens(torch.randint(0, 100, (P,), generator=gen), [torch.randint(0, 100, (r,)) for r in R])
+        (root,) = build_trie([tree])
+        split_trie(root, DEFAULT_MICRO_BATCH_TOKENS)
+        peak, _ = guard.peak(root, offload=False)
+        assert cost_model(profile).one_device_memory(P, R) == peak
+        over = dataclasses.replace(profile, memory_per_rank_bytes=float(peak))
+        assert plan_tree(P, R, degrees=(1,), profile=over).degree == 1
+        under = dataclasses.replace(profile, memory_per_rank_bytes=float(peak - 1))
+        with pytest.raises(ValueError, match="no plan fits in memory"):
+            plan_tree(P, R, degrees=(1,), profile=under)
+        assert plan_tree(P, R, degrees=(1, 2), profile=under).degree == 2

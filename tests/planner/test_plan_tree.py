@@ -105,7 +105,7 @@ def test_more_ranks_never_slower_when_efficiency_is_ignored():
 
 def test_plans_report_the_best_one_rank_time():
     """``est_single_s``: the tree's best one-rank plan time (what a CP group weighs CP against)."""
-    for prompt_len, response_lens in ((131072, [256] * 8), (4096, [64] * 8), (64, [32] * 8)):
+    for prompt_len, response_lens in ((65536, [256] * 8), (4096, [64] * 8), (64, [32] * 8)):
         plan = plan_tree(prompt_len, response_lens, degrees=CLUSTER)
         alone = plan_tree(
             prompt_len,
