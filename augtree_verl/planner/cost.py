@@ -229,7 +229,7 @@ class CostModel:
         (``replay.cp_trie``): the root's ring prefill (``prefill``), the all-gather of its K/V and the return of
         their float32 gradients (two collectives per layer among the ``degree`` ranks), then the slowest
         member's share of the root's children (``cp_trie_schedule``: its leaf micro-batches as ``one_device``,
-        its subtrees as ``trie``). The root's ``micro_batches`` must be set (the step plan's)."""
+        its subtrees as ``trie``), its leaves in the root's ``micro_batches``."""
         p, leaves = self.profile, root.leaves
         compute, comm = self.prefill(root.length, degree)
         moved = root.length * (degree - 1) / degree * (self.kv_bytes + self.ring_accumulator_bytes)

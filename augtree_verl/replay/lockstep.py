@@ -32,7 +32,6 @@ import torch
 
 from augtree_verl.cp.schedule import CPTreeSchedule, cp_tree_schedule
 from augtree_verl.replay.cp_trie_schedule import CPTrieShare, cp_trie_shares
-from augtree_verl.replay.microbatch import split_micro_batches
 from augtree_verl.replay.trie import StepTrie, TrieNode
 
 
@@ -146,7 +145,6 @@ Slot = TrieSlot | CPTreeSlot | CPTrieSlot | DummySlot  # one tree's or trie's pl
 def lockstep_slots(
     trie: StepTrie,
     plans: list,
-    budget_tokens: int,
     *,
     mesh=None,
     subgroups=None,
@@ -175,7 +173,7 @@ def lockstep_slots(
                 for t in range(len(trees))
                 if degrees[t] == 1 and t not in in_cp_trie and (mesh is None or subgroups[t] == mesh.cp_rank)
             ]
-            tries = [_trie_slot(root, budget_tokens) for root in trie.of(mine)]
+            tries = [TrieSlot(root, Shape.of(root)) for root in trie.of(mine)]
             tries.sort(key=lambda s: (-s.shape.total_calls, s.trees[0]))
             phases.append((1, True, tries))
             continue
@@ -191,7 +189,7 @@ def lockstep_slots(
         ]
         phases.append((d, False, cp_trees))
         roots = [root for root, rd in cp_roots if rd == d and subgroups[root.trees()[0]] == here]
-        cp_tries = [_cp_trie_slot(root, d, mesh.subgroup_rank(d), budget_tokens) for root in roots]
+        cp_tries = [_cp_trie_slot(root, d, mesh.subgroup_rank(d)) for root in roots]
         cp_tries.sort(key=lambda s: (-s.shape.total_calls, s.trees[0]))
         phases.append((d, True, cp_tries))
     if group is None:
@@ -229,33 +227,14 @@ def lockstep_slots(
     return out
 
 
-def _trie_slot(root: TrieNode, budget_tokens: int) -> TrieSlot:
-    """The slot of a trie on one device; every inner node's leaves split into micro-batches
-    (``split_micro_batches`` of their lengths)."""
-    split_trie(root, budget_tokens)
-    return TrieSlot(root, Shape.of(root))
-
-
-def _cp_trie_slot(root: TrieNode, degree: int, member: int, budget_tokens: int) -> CPTrieSlot:
+def _cp_trie_slot(root: TrieNode, degree: int, member: int) -> CPTrieSlot:
     """The slot of a trie whose root runs context-parallel over ``degree`` members, on ``member``: its share
     (``cp_trie_schedule``) in the shape every member's fits in."""
-    split_trie(root, budget_tokens)
     shares = cp_trie_shares(root, degree)
     shape = Shape()
     for share in shares:
         shape = shape.union(Shape(False, len(share.batches), tuple(Shape.of(root.inner[j]) for j in share.inner)))
     return CPTrieSlot(root, degree, shares[member], shape)
-
-
-def split_trie(root: TrieNode, budget_tokens: int) -> None:
-    """Set every inner node's ``micro_batches``: its leaves split by ``split_micro_batches`` of their lengths."""
-    for node in _nodes(root):
-        if node.children:
-            node.micro_batches = split_micro_batches([leaf.length for leaf in node.leaves], budget_tokens)
-
-
-def _nodes(root: TrieNode) -> list[TrieNode]:
-    return [root] + [n for c in root.children for n in _nodes(c)]
 
 
 def _agreed_shapes(phases: list[tuple[Sequence[TrieSlot | CPTrieSlot], int]], group) -> list[list[Shape]]:

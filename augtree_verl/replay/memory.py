@@ -207,7 +207,7 @@ class ReplayMemory:
     def tree_peak(self, prompt: int, responses: Sequence[int], micro_batch_tokens: int, *, offload: bool) -> int:
         """``peak`` of one tree alone on one device, from its lengths: a prompt of ``prompt`` tokens (none
         scored: its last hidden state carries over to the leaves) and ``responses`` micro-batched as
-        ``lockstep.split_trie`` does at ``micro_batch_tokens`` (the planner's one-device memory,
+        a trie's nodes are at ``micro_batch_tokens`` (``replay.trie.StepTrie``) (the planner's one-device memory,
         ``planner.cost.CostModel.one_device_memory``)."""
         batches = [[responses[i] for i in b] for b in split_micro_batches(list(responses), micro_batch_tokens)]
         return self.resident_bytes(prompt, 0, offload=offload) + self.call_bytes(prompt, 0, batches)

@@ -35,7 +35,7 @@ from augtree_verl.plan import Plan
 from augtree_verl.plan_field import tree_plans
 from augtree_verl.replay.cp_trie_schedule import cp_trie_refusal
 from augtree_verl.replay.linear_state import demote_cp_plans
-from augtree_verl.replay.lockstep import Slot, lockstep_slots, split_trie
+from augtree_verl.replay.lockstep import Slot, lockstep_slots
 from augtree_verl.replay.memory import ReplayMemory, check_memory
 from augtree_verl.replay.microbatch import DEFAULT_MICRO_BATCH_TOKENS
 from augtree_verl.replay.rope import Origin, RopeRegimes, split_regimes
@@ -125,13 +125,13 @@ class StepPlan:
         plans = _check_plans(plans, trees)
         trees, plans, origin, rope_splits = split_regimes(trees, plans, rope)
         if trie is None:
-            trie = StepTrie(trees, min_shared_tokens=min_shared_tokens)
+            trie = StepTrie(trees, min_shared_tokens=min_shared_tokens, micro_batch_tokens=micro_batch_tokens)
         elif len(trie.trees) != len(trees) or any(a is not b for a, b in zip(trie.trees, trees)):
             raise ValueError(f"the trie given was found for other trees ({len(trie.trees)}) than these ({len(trees)})")
-        elif trie.min_shared_tokens != min_shared_tokens:
+        elif (trie.min_shared_tokens, trie.micro_batch_tokens) != (min_shared_tokens, micro_batch_tokens):
             raise ValueError(
-                f"the trie given was found with min_shared_tokens={trie.min_shared_tokens}, "
-                f"the plan asks for {min_shared_tokens}"
+                f"the trie given was found with min_shared_tokens={trie.min_shared_tokens} and micro_batch_tokens="
+                f"{trie.micro_batch_tokens}, the plan asks for {min_shared_tokens} and {micro_batch_tokens}"
             )
         plans, cp_roots, shared = (
             shared_root_plans(
@@ -140,7 +140,6 @@ class StepPlan:
                 trie=trie,
                 cost=trie_cost,
                 degrees=mesh.degrees if mesh is not None else (1,),
-                micro_batch_tokens=micro_batch_tokens,
             )
             if not cp_alone
             else (plans, [], 0)
@@ -156,7 +155,6 @@ class StepPlan:
         slots = lockstep_slots(
             trie,
             plans,
-            micro_batch_tokens,
             mesh=mesh,
             subgroups=subgroups,
             cp_roots=cp_roots,
@@ -227,7 +225,6 @@ def shared_root_plans(
     trie: StepTrie | None = None,
     cost: TrieCost | None = None,
     degrees: Sequence[int] = (1,),
-    micro_batch_tokens: int = DEFAULT_MICRO_BATCH_TOKENS,
 ) -> tuple[list[Plan | None], list[tuple[TrieNode, int]], int]:
     """(plans, cp_roots, demoted) for the tries that are more than one tree's group (``replay.trie``: a tree
     whose prompt shares tokens with another tree's rows, or whose responses share a node). A context-parallel
@@ -245,8 +242,8 @@ def shared_root_plans(
     trie's trees and every degree d <= k of ``degrees`` (the CP degrees), where the trie's work fills k ranks
     (its share of the step's work times the CP group's size; ``pack_subgroups`` would cut it over k >= 2); the
     trie gets the candidate whose root is predicted the most below its chunks, none where no candidate is below
-    them (an unplanned trie lighter than two ranks' share has no candidate). The leaves are micro-batched at
-    ``micro_batch_tokens``, as the lock-step's."""
+    them (an unplanned trie lighter than two ranks' share has no candidate). The leaves are micro-batched as the
+    trie's nodes say (``StepTrie.micro_batch_tokens``), as the lock-step runs them."""
     out, cp_roots, demoted = list(plans), [], 0
     roots = (trie if trie is not None else StepTrie(trees)).roots
     work: list[int] | None = None  # each tree's, where a cost model needs it
@@ -266,7 +263,7 @@ def shared_root_plans(
             works = [work[t] for t in members]
             fills = sum(works) * max(degrees) / sum(work)  # the ranks the trie's work fills
             candidates = [d for d in degrees if 1 < d and (d == degree or d <= fills)]
-            chosen = _root_degree(root, cost, candidates, works, micro_batch_tokens)
+            chosen = _root_degree(root, cost, candidates, works)
         if chosen > 1:
             cp_roots.append((root, chosen))
             continue
@@ -276,12 +273,11 @@ def shared_root_plans(
     return out, cp_roots, demoted
 
 
-def _root_degree(root: TrieNode, cost: TrieCost, candidates: Sequence[int], works: list[int], budget: int) -> int:
+def _root_degree(root: TrieNode, cost: TrieCost, candidates: Sequence[int], works: list[int]) -> int:
     """The degree d of ``candidates`` at which ``root``'s trie (its trees' ``tree_workload``: ``works``) with a
     context-parallel root is predicted the most below its chunks over d ranks; 1 where none is."""
     if not candidates:
         return 1
-    split_trie(root, budget)  # the lock-step's micro-batches, which ``cp_trie`` reads
     whole, prefill = cost.trie(root), cost.node_prefill(root)
     best, chosen = 1.0, 1
     for d in candidates:

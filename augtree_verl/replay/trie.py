@@ -35,6 +35,7 @@ import torch
 
 from augtree_verl.groups import Tree
 from augtree_verl.replay.linear_state import MIN_CALL_TOKENS
+from augtree_verl.replay.microbatch import DEFAULT_MICRO_BATCH_TOKENS, split_micro_batches
 
 # A node of the trie costs one prefill call and one delayed backward more than its tokens' FLOPs: the
 # planner's ``slot_overhead_s`` (its default profile: 28 layers x 36 kernels x 10 us = 10 ms of launch time
@@ -53,7 +54,8 @@ class TrieNode:
     rows whose last token is the node's last; ``children``: in the order of their first row; ``prompt_ends``:
     the prompt length of every row through it (by row); ``score_from``: the first position the node scores
     (None: none; a leaf scores all its tokens, each row takes its own part); ``micro_batches``: its leaves'
-    micro-batches, indices into ``leaves`` (set by the lock-step plan).
+    micro-batches, indices into ``leaves`` (``split_micro_batches`` of their lengths at the trie's
+    ``micro_batch_tokens``, set when the trie is found and never changed).
     """
 
     start: int
@@ -100,11 +102,20 @@ class TrieNode:
 
 
 def build_trie(
-    trees: Sequence[Tree], *, min_node_tokens: int = MIN_CALL_TOKENS, min_shared_tokens: int = MIN_SHARED_TOKENS
+    trees: Sequence[Tree],
+    *,
+    min_node_tokens: int = MIN_CALL_TOKENS,
+    min_shared_tokens: int = MIN_SHARED_TOKENS,
+    micro_batch_tokens: int = DEFAULT_MICRO_BATCH_TOKENS,
 ) -> list[TrieNode]:
     """The tries of ``trees``' rows (``Tree.of_tokens``; see the module docstring): their roots, in the order
     of their first row (``StepTrie(...).roots``)."""
-    return StepTrie(trees, min_node_tokens=min_node_tokens, min_shared_tokens=min_shared_tokens).roots
+    return StepTrie(
+        trees,
+        min_node_tokens=min_node_tokens,
+        min_shared_tokens=min_shared_tokens,
+        micro_batch_tokens=micro_batch_tokens,
+    ).roots
 
 
 def host_token_ids(ids: torch.Tensor) -> np.ndarray:
@@ -120,7 +131,8 @@ class StepTrie:
 
     ``trees``: the step's ``Tree.of_tokens`` trees; ``roots``: the tries of all their rows (``build_trie``'s),
     rows named ``(tree index, response index)``; ``min_node_tokens``, ``min_shared_tokens``: the thresholds
-    (``build_trie``'s). Building reads every row's token ids to the host in one copy (``host_token_ids``) and
+    (``build_trie``'s); ``micro_batch_tokens``: the token budget of a micro-batch of one node's leaves (the
+    nodes' ``micro_batches``). Building reads every row's token ids to the host in one copy (``host_token_ids``) and
     keeps them, so that ``of`` finds the tries of a subset of the trees without another copy.
     """
 
@@ -130,10 +142,14 @@ class StepTrie:
         *,
         min_node_tokens: int = MIN_CALL_TOKENS,
         min_shared_tokens: int = MIN_SHARED_TOKENS,
+        micro_batch_tokens: int = DEFAULT_MICRO_BATCH_TOKENS,
     ):
         if min_node_tokens < 1:
             raise ValueError(f"min_node_tokens must be >= 1, got {min_node_tokens}")
+        if micro_batch_tokens < 1:
+            raise ValueError(f"micro_batch_tokens must be >= 1, got {micro_batch_tokens}")
         self.trees, self.min_node_tokens, self.min_shared_tokens = list(trees), min_node_tokens, min_shared_tokens
+        self.micro_batch_tokens = micro_batch_tokens
         self._rows = [(t, i) for t, tree in enumerate(self.trees) for i in range(len(tree.responses))]
         # per row: its [L] token ids on the trees' device (the nodes' ``sequence``), on the host, its prompt end
         self._sequences = {(t, i): torch.cat([self.trees[t].prompt, self.trees[t].responses[i]]) for t, i in self._rows}
@@ -186,7 +202,8 @@ class StepTrie:
         return node
 
     def _simplify(self, nodes: list[TrieNode], *, top: bool) -> list[TrieNode]:
-        """``nodes`` (siblings) with every inner node not worth a call dissolved, top down; scores set."""
+        """``nodes`` (siblings) with every inner node not worth a call dissolved, top down; scores and
+        micro-batches set."""
         out: list[TrieNode] = []
         for node in nodes:
             if node.children and not self._keep(node, top):
@@ -194,6 +211,8 @@ class StepTrie:
                 continue
             node.children = self._simplify(node.children, top=False)
             node.score_from = self._score_from(node)
+            if node.children:
+                node.micro_batches = split_micro_batches([leaf.length for leaf in node.leaves], self.micro_batch_tokens)
             out.append(node)
         return sorted(out, key=lambda n: min(n.rows))
 

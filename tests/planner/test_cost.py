@@ -14,7 +14,6 @@ from augtree_verl.groups import Tree
 from augtree_verl.planner import ClusterProfile, plan_tree
 from augtree_verl.planner.cost import CostModel, cost_model
 from augtree_verl.planner.search import _Search, check_tree_lengths
-from augtree_verl.replay.lockstep import split_trie
 from augtree_verl.replay.memory import ReplayMemory
 from augtree_verl.replay.microbatch import DEFAULT_MICRO_BATCH_TOKENS
 from augtree_verl.replay.trie import build_trie
@@ -187,8 +186,7 @@ def test_the_planners_memory_is_the_guards_on_the_same_tree(family, checkpointin
     gen = torch.Generator().manual_seed(0)
     for P, R in [(3000, [5000, 40, 1700, 4000, 3]), (1, [2, 1]), (20000, [7000, 20, 20, 20])]:
         tree = Tree.of_tokens(torch.randint(0, 100, (P,), generator=gen), [torch.randint(0, 100, (r,)) for r in R])
-        (root,) = build_trie([tree])
-        split_trie(root, DEFAULT_MICRO_BATCH_TOKENS)
+        (root,) = build_trie([tree], micro_batch_tokens=DEFAULT_MICRO_BATCH_TOKENS)
         peak, _ = guard.peak(root, offload=False)
         assert cost_model(profile).one_device_memory(P, R) == peak
         over = dataclasses.replace(profile, memory_per_rank_bytes=float(peak))

@@ -159,8 +159,11 @@ def test_a_trie_found_for_other_trees_or_another_threshold_is_refused():
     trees = random_trees([6, 5], [[2, 3], [4, 1]], seed=1)
     with pytest.raises(ValueError, match="other trees"):
         StepPlan.build(trees, trie=trie.StepTrie(trees[:1]))
-    with pytest.raises(ValueError, match=f"min_shared_tokens=0, the plan asks for {trie.MIN_SHARED_TOKENS}"):
+    with pytest.raises(ValueError, match=f"min_shared_tokens=0 and .* the plan asks for {trie.MIN_SHARED_TOKENS} and"):
         StepPlan.build(trees, trie=trie.StepTrie(trees, min_shared_tokens=0))
+    with pytest.raises(ValueError, match=f"micro_batch_tokens=7, the plan asks for {trie.MIN_SHARED_TOKENS} and 8"):
+        StepPlan.build(trees, micro_batch_tokens=8, trie=trie.StepTrie(trees, micro_batch_tokens=7))
+    StepPlan.build(trees, micro_batch_tokens=8, trie=trie.StepTrie(trees, micro_batch_tokens=8))
 
 
 def _behind_system_prompt(system: int, groups: int, seed: int = 0) -> list[Tree]:
