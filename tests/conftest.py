@@ -1,5 +1,6 @@
 import os
 import sys
+from pathlib import Path
 
 import pytest
 import torch.distributed as dist
@@ -35,6 +36,32 @@ def planner_profile_cache(tmp_path_factory):
         del os.environ[CACHE_ENV]
     else:
         os.environ[CACHE_ENV] = before
+
+
+E2E = Path(__file__).parent / "e2e"
+
+
+@pytest.hookimpl(trylast=True)  # after pytest-random-order's shuffle
+def pytest_collection_modifyitems(items):
+    """The end-to-end tests last (in their shuffled order): their runs start with the session, in the background
+    (``e2e_background``), while the other tests run."""
+    items[:] = [item for item in items if E2E not in item.path.parents] + [
+        item for item in items if E2E in item.path.parents
+    ]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def e2e_background(request, planner_profile_cache, tmp_path_factory):
+    """The end-to-end runs the selected tests read (``tests/e2e/background.py``), started now; ended with the
+    session."""
+    from tests.e2e.background import RUN_OF_FIXTURE, Background
+
+    background = Background(tmp_path_factory)
+    background.start(
+        {run for item in request.session.items for name, run in RUN_OF_FIXTURE.items() if name in item.fixturenames}
+    )
+    yield background
+    background.stop()
 
 
 @pytest.fixture(scope="module")

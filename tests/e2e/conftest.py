@@ -1,80 +1,68 @@
-"""The main_ppo runs the end-to-end tests share (one run each per session, whichever test asks first): each is
-a straight run with a checkpoint after every step, so it also serves as the oracle of a resumed run."""
+"""The main_ppo runs the end-to-end tests read, each run once per session in the background (``background``,
+started by ``tests/conftest.py``): the straight runs checkpoint after every step, so they also serve as the
+oracles of the resumed runs."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from augtree_verl.cpu_loop.task import TaskConfig, write_task
-from augtree_verl.trainer.augtree_async import COLOCATE_ASYNC_MODE, SEPARATE_ASYNC_MODE
-from tests.e2e.runs import LR, SAVE_EVERY_STEP, read_steps, run_env, run_script
+from tests.e2e.background import E2E_WIDTH, Background, Run
+from tests.e2e.runs import LR, SAVE_EVERY_STEP, read_steps
 
 
-@dataclass(frozen=True)
-class Run:
-    """A finished run: its folder (the working directory, with ``checkpoints/``), its overrides, its steps."""
-
-    dir: Path
-    overrides: tuple[str, ...]
-    steps: list[dict]
+@pytest.fixture(scope="session", autouse=True)  # before the session fixtures that wait for a run
+def _every_core_to_the_runs(e2e_background: Background) -> None:
+    """From here on the session's tests only wait for their runs: two launches at once."""
+    e2e_background.widen(E2E_WIDTH)
 
 
 @pytest.fixture(scope="session")
-def assets(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("cpu-loop")
-    write_task(out, TaskConfig(train_rows=8, test_rows=2))
-    return out
+def assets(e2e_background: Background) -> Path:
+    return e2e_background.assets
 
 
 @pytest.fixture(scope="session")
-def compared(assets, tmp_path_factory) -> Path:
+def compared(e2e_background: Background) -> Path:
     """OUT_DIR of ``examples/compare_engines.sh``: <engine>.jsonl, compare.png, wandb/, checkpoints/<engine>/,
     and log.txt (the script's output)."""
-    out = tmp_path_factory.mktemp("compare")
-    log = run_script(
-        "compare_engines.sh",
-        run_env(assets, out, OUT_DIR=str(out), WANDB_DIR=str(out), PROMPTS="short"),  # the test's own task
-        out,
-        f"actor_rollout_ref.actor.optim.lr={LR}",
-        *SAVE_EVERY_STEP,
-    )
-    (out / "log.txt").write_text(log)
-    return out
+    return e2e_background.result("compared")
 
 
 @pytest.fixture(scope="session")
-def sync_run(compared) -> Run:
+def sync_run(compared: Path) -> Run:
     """The augtree_sync run of the compare script (our engine; the recipes' default trainer mode)."""
     return Run(
         compared, (f"actor_rollout_ref.actor.optim.lr={LR}", *SAVE_EVERY_STEP), read_steps(compared / "augtree.jsonl")
     )
 
 
-def _mode_run(assets: Path, out: Path, mode: str, *extra: str) -> Run:
-    overrides = (f"trainer.v1.trainer_mode={mode}", f"actor_rollout_ref.actor.optim.lr={LR}", *SAVE_EVERY_STEP, *extra)
-    log = out / "metrics.jsonl"
-    run_script("run_cpu.sh", run_env(assets, out, VERL_FILE_LOGGER_PATH=str(log)), out, *overrides)
-    return Run(out, overrides, read_steps(log))
+@pytest.fixture(scope="session")
+def colocate_async_run(e2e_background: Background) -> Run:
+    return e2e_background.result("colocate_async")
 
 
 @pytest.fixture(scope="session")
-def colocate_async_run(assets, tmp_path_factory) -> Run:
-    return _mode_run(assets, tmp_path_factory.mktemp("colocate-async"), COLOCATE_ASYNC_MODE)
+def separate_async_run(e2e_background: Background) -> Run:
+    return e2e_background.result("separate_async")
 
 
 @pytest.fixture(scope="session")
-def separate_async_run(assets, tmp_path_factory) -> Run:
-    """Without verl's warm-up batch: each step's batch is sampled after the previous step's weights were pushed
-    to the rollout pool, so step 1 trains the dataloader's first batch (as the sync trainer does: comparable
-    with the stock engine) and step 2's rollout shows the pushed weights. (With a warm-up batch, step 1 takes
-    whichever of the two batches' groups verl's replay buffer lists first: uids sorted by step, ties in set
-    order.) colocate_async_run keeps the warm-up batch."""
-    return _mode_run(
-        assets,
-        tmp_path_factory.mktemp("separate-async"),
-        SEPARATE_ASYNC_MODE,
-        "trainer.v1.separate_async.num_warmup_batches=0",
-    )
+def resumed_colocate_async(e2e_background: Background) -> dict:
+    return e2e_background.result("resumed_colocate_async")
+
+
+@pytest.fixture(scope="session")
+def resumed_separate_async(e2e_background: Background) -> dict:
+    return e2e_background.result("resumed_separate_async")
+
+
+@pytest.fixture(scope="session")
+def agent_runs(e2e_background: Background) -> Path:
+    return e2e_background.result("agent")
+
+
+@pytest.fixture(scope="session")
+def dapo_steps(e2e_background: Background) -> list[dict]:
+    return e2e_background.result("dapo")

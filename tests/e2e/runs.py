@@ -1,11 +1,11 @@
-"""Running ``examples/*.sh`` (verl's main_ppo on CPU) from the end-to-end tests, and resuming their checkpoints."""
+"""The end-to-end runs' settings and files: the scripts' environment, verl's file logger, checkpoints cut for a resume
+(the runs themselves: ``background``)."""
 
 from __future__ import annotations
 
 import json
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -19,6 +19,10 @@ STAGES = ("gen", "old_log_prob", "ref", "adv", "update_actor", "update_weights",
 LR = 1e-3
 # Checkpoint after every step, under the engine's name (the compare script runs both engines in one folder).
 SAVE_EVERY_STEP = ("trainer.save_freq=1", "trainer.default_local_dir=checkpoints/${actor_rollout_ref.actor.strategy}")
+
+# ``examples/train_agent.sh``'s sizes for test_agent_loop: 2 prompts x 4 samples (one tree of 4 leaves per prompt,
+# 2 continuations after turns 1 and 2 of 3) of 32-token turns behind one 256-word system prompt.
+AGENT_SIZES = dict(BATCH=2, N=4, TURNS=3, TURN_TOKENS=32, SYSTEM_WORDS=256)
 
 
 def run_env(assets: Path, log_dir: Path, **overrides) -> dict:
@@ -35,20 +39,6 @@ def run_env(assets: Path, log_dir: Path, **overrides) -> dict:
     )
     env.update(overrides)
     return env
-
-
-def run_script(script: str, env: dict, cwd: Path, *overrides: str) -> str:
-    """The script's output (stdout and stderr) once it exited 0."""
-    run = subprocess.run(
-        ["bash", str(REPO / "examples" / script), *overrides],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=1100,
-    )
-    assert run.returncode == 0, (run.stdout + run.stderr)[-6000:]
-    return run.stdout + run.stderr
 
 
 def read_steps(log: Path) -> list[dict]:

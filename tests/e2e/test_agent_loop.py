@@ -12,43 +12,20 @@ import json
 import os
 import re
 from collections import defaultdict
-from pathlib import Path
 
 import pytest
 
-from tests.e2e.runs import read_steps, run_env, run_script
+from tests.e2e.runs import AGENT_SIZES, read_steps
 from tests.e2e.test_cpu_loop import ROLLOUT_PROB_ATOL, assert_same_step_one
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
-BATCH, N, TURNS, TURN_TOKENS, SYSTEM_WORDS = 2, 4, 3, 32, 256
+BATCH, N, TURNS, TURN_TOKENS = (AGENT_SIZES[key] for key in ("BATCH", "N", "TURNS", "TURN_TOKENS"))
 LEAVES = 4  # 2 branches after turn 1 and after turn 2
 # a turn's first call of a task word, the rest of the turn, and the tool's answer before the next turn
 TOOL_ANSWER = re.compile(
     r"\bcall (?P<word>[a-z]{2})(?: (?!assistant|user|tool)\S+)* tool (?P<answer>key|text) assistant"
 )
-
-
-@pytest.fixture(scope="module")
-def agent_runs(tmp_path_factory) -> Path:
-    """OUT_DIR of the script: <engine>.jsonl, agent_loops.yaml, rollouts/<engine>/1.jsonl."""
-    out = tmp_path_factory.mktemp("train-agent")
-    env = run_env(
-        out,
-        out,
-        OUT_DIR=str(out),
-        ASSETS_DIR_AGENT=str(out / "assets"),
-        ENGINES="fsdp2 augtree",
-        STEPS="1",
-        NPROC="1",
-        BATCH=str(BATCH),
-        N=str(N),
-        TURNS=str(TURNS),
-        TURN_TOKENS=str(TURN_TOKENS),
-        SYSTEM_WORDS=str(SYSTEM_WORDS),
-    )
-    run_script("train_agent.sh", env, out, "trainer.rollout_data_dir=rollouts/${actor_rollout_ref.actor.strategy}")
-    return out
 
 
 @pytest.fixture(scope="module")

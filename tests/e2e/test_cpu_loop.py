@@ -13,7 +13,7 @@ import pytest
 
 from augtree_verl.planner import ClusterProfile
 from augtree_verl.planner.startup import CACHE_ENV
-from tests.e2e.runs import STAGES, STEPS, read_steps, run_env, run_script
+from tests.e2e.runs import STAGES, STEPS, read_steps
 
 # Step 1 runs the same sampled responses through both engines from the same weights, so the update is the
 # same up to float32 rounding (the parity tests bound that at 1e-5 relative).
@@ -133,14 +133,8 @@ def test_compare_engines_writes_the_picture_and_one_wandb_run_per_engine(compare
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_dapo_recipe_runs_a_step_on_our_engine(assets, tmp_path):
+def test_dapo_recipe_runs_a_step_on_our_engine(dapo_steps):
     """DAPO: no reference model, dynamic sampling (filter_groups), the dapo reward manager's overlong shaping."""
-    log = tmp_path / "metrics.jsonl"
-    run_script(
-        "run_cpu.sh",
-        run_env(assets, tmp_path, STEPS="1", RECIPE="dapo_augtree", VERL_FILE_LOGGER_PATH=str(log)),
-        cwd=tmp_path,
-    )
-    (metrics,) = read_steps(log)
+    (metrics,) = dapo_steps
     assert "timing_s/ref" not in metrics and "timing_s/update_actor" in metrics
     assert metrics["actor/grad_norm"] > 0 and "actor/augtree/logical_tokens" in metrics

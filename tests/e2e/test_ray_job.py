@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from augtree_verl.testing.harness import free_port
+from tests.e2e.background import LAUNCH_TIMEOUT_S
 from tests.e2e.runs import STEPS, stopped_after
 from tests.e2e.test_resume import assert_resumed
 
@@ -79,7 +80,7 @@ def head(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(1300)
-def test_a_submitted_cpu_job_resumes_the_sync_run(head, sync_run, assets, tmp_path):
+def test_a_submitted_cpu_job_resumes_the_sync_run(head, sync_run, assets, tmp_path, e2e_background):
     """The job resumes the compare script's augtree_sync run (``conftest``) from its step-1 checkpoint and runs
     step 2, which must be that run's step 2 (``test_resume``'s check: a resumed run on another Ray cluster)."""
     address, env = head
@@ -96,19 +97,20 @@ def test_a_submitted_cpu_job_resumes_the_sync_run(head, sync_run, assets, tmp_pa
         PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
     )
     # the job runs in Ray's copy of the repository: the checkpoint folder by its absolute path
-    run = subprocess.run(
-        [
-            "bash",
-            str(REPO / "examples/submit_cpu_job.sh"),
-            *sync_run.overrides,
-            f"trainer.default_local_dir={checkpoints}",
-            "trainer.resume_mode=auto",
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=1100,
-    )
+    with e2e_background.slot():  # a launch beside the session's others
+        run = subprocess.run(
+            [
+                "bash",
+                str(REPO / "examples/submit_cpu_job.sh"),
+                *sync_run.overrides,
+                f"trainer.default_local_dir={checkpoints}",
+                "trainer.resume_mode=auto",
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=LAUNCH_TIMEOUT_S,
+        )
     output = run.stdout + run.stderr
     assert run.returncode == 0, f"exit status {run.returncode}:\n{output[-6000:]}"
     assert "succeeded" in output.lower()

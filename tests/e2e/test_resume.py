@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import pytest
 
-from tests.e2e.conftest import Run
-from tests.e2e.runs import read_steps, run_env, run_script, stopped_after
 from tests.e2e.test_cpu_loop import PG_LOSS_ATOL
 
 pytestmark = pytest.mark.slow
@@ -55,28 +53,12 @@ def assert_resumed(resumed: dict, straight: dict, *, restored_groups: bool) -> N
         assert from_rollout == groups, "every group was sampled after the restart, so reported to the new service"
 
 
-def resumed_step_two(straight: Run, assets, out) -> dict:
-    stopped_after(straight.dir, 1, out)
-    log = out / "metrics.jsonl"
-    run_script(
-        "run_cpu.sh",
-        run_env(assets, out, VERL_FILE_LOGGER_PATH=str(log)),
-        out,
-        *straight.overrides,
-        "trainer.resume_mode=auto",
-    )
-    (step,) = read_steps(log)
-    return step
-
-
 @pytest.mark.timeout(1300)
-def test_a_resumed_colocate_async_run_makes_the_straight_runs_next_step(colocate_async_run, assets, tmp_path):
+def test_a_resumed_colocate_async_run_makes_the_straight_runs_next_step(colocate_async_run, resumed_colocate_async):
     """With verl's warm-up batch: step 2 trains groups sampled before the cut, restored from the checkpoint."""
-    resumed = resumed_step_two(colocate_async_run, assets, tmp_path)
-    assert_resumed(resumed, colocate_async_run.steps[1], restored_groups=True)
+    assert_resumed(resumed_colocate_async, colocate_async_run.steps[1], restored_groups=True)
 
 
 @pytest.mark.timeout(1300)
-def test_a_resumed_separate_async_run_makes_the_straight_runs_next_step(separate_async_run, assets, tmp_path):
-    resumed = resumed_step_two(separate_async_run, assets, tmp_path)
-    assert_resumed(resumed, separate_async_run.steps[1], restored_groups=False)
+def test_a_resumed_separate_async_run_makes_the_straight_runs_next_step(separate_async_run, resumed_separate_async):
+    assert_resumed(resumed_separate_async, separate_async_run.steps[1], restored_groups=False)
