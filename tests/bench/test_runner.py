@@ -20,6 +20,7 @@ def test_every_method_runs_every_workload_and_matches_the_baseline(results):
         assert len(r.step_times_s) == 2 and r.step_time_s > 0
         assert r.max_grad_rel_err <= FLOAT32_GRAD_RTOL and not r.wrong
         assert r.comm_bytes == 0
+        assert len(r.peak_bytes) == 1 and r.max_peak_bytes > 0
     megan, aug = results[0], results[1]
     assert megan.plan == "flattened" and aug.plan == "single"
     assert megan.speedup_vs_megan == 1.0
