@@ -67,7 +67,8 @@ class MethodResult:
     max_logp_rel_err: float | None = None
     comm_counted: bool = True  # False for verl-fsdp2: FSDP2's all-gathers and reduce-scatters are not counted
     # Per rank: the most bytes one step held at once (``UnshardedGroups.peak_bytes``: tensors saved for backward,
-    # in-flight prompts' K/V and states; for verl-fsdp2 also FSDP2's unsharded parameters and gradients).
+    # in-flight prompts' K/V leaves, last hidden states and their gradient sums; for verl-fsdp2 also FSDP2's
+    # unsharded parameters and gradients).
     peak_bytes: list[int] = field(default_factory=list)
     groups: list[dict] = field(default_factory=list)
     # The shared workloads only: ideal FLOP ratios of every shared token run once, and of depth-1 reuse, over
