@@ -53,10 +53,12 @@ def test_quick_smoke_run_writes_json_and_plot(tmp_path):
         "MegaN",
         "MegaR",
         "AugTree",
+        "AugTree[one device]",
         "AugTree[tree_move_kv]",
         "AugTree[move_q]",
         "verl-fsdp2",
     ]
+    assert rows[3]["plan"] == "single" and all(len(r["peak_bytes"]) == 2 for r in rows)
     assert rows[-1]["plan"] == "fsdp2(dp=2,mb=1)" and rows[-1]["max_logp_rel_err"] <= 1e-5
     assert all(r["status"] == "ok" and r["max_grad_rel_err"] <= 1e-5 for r in rows)
     assert rows[0]["plan"] == "ring(d=2)" and rows[0]["comm_bytes"] > 0

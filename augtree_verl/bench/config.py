@@ -8,7 +8,9 @@ from augtree_verl.bench.workloads import ALL_WORKLOADS, WORKLOADS
 from augtree_verl.models import DEFAULT_MODEL
 
 # Defaults sized for 2 CPU cores: 5 repeats steady the paired ratios of sub-second steps. Measured on an
-# otherwise idle 2-core machine (load ~2, the bench's own two ranks): the default run takes 14 min, --quick 2 min.
+# otherwise idle 2-core machine (load ~2, the bench's own two ranks): the default run takes 14 min, --quick 2 min,
+# before AugTree[one device] and the metered memory step per method (whose hooks about double a step) were added;
+# not measured since: by step count, about 1.6x that (--quick 1.9x).
 DEFAULT_BUDGET = 32_768
 DEFAULT_GROUP_SIZE = 8
 DEFAULT_REPEATS = 5

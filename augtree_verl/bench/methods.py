@@ -9,6 +9,10 @@
   Needs d > 1; on one device it is exactly AugTree.
 - AugTree: the grouped replay; with d > 1 the planner picks primitive, grid and placement per tree.
 - AugTree[<primitive>]: the planner restricted to one split primitive (forced "ring" is MegaN itself).
+- AugTree[one device] (d > 1): the planner's one-device plan for every tree, the step plan dealing the trees
+  over the ranks (a tree whole on one rank): AugTree with its CP plans demoted to one device, the run that
+  context parallelism replaces. Listed for every model: what CP buys (a lower per-rank peak for a long
+  prompt) and what it costs (time, bytes) is the same question for attention-only models and hybrids.
 - AugTree[depth-1] (the shared workloads only): the trie cut to the nodes that end a prompt, so each group's
   prompt runs once and nothing beyond it is shared (a prompt that begins a later turn's prompt is still one
   node: the trie always cuts at a prompt's end).
@@ -46,6 +50,7 @@ class Method:
     force: str | None = None  # planner restricted to this primitive
     verl: bool = False  # verl's stock fsdp2 engine (verl_fsdp2.py) instead of ``replay``
     min_shared_tokens: int = MIN_SHARED_TOKENS  # the trie's threshold (``StepPlan.build``)
+    one_device: bool = False  # the planner's plans at degree 1, whatever the CP degree
 
     def plans(self, trees: Sequence[Tree], degree: int, profile=None) -> list[Plan] | None:
         """One plan per tree for CP degree ``degree`` (None: single device, no plan)."""
@@ -64,8 +69,9 @@ class Method:
                 )
                 for t in trees
             ]
+        degrees = [1] if self.one_device else [degree]
         return [
-            plan_tree(t.prompt_len, t.response_lens, degrees=[degree], profile=profile, force_primitive=self.force)
+            plan_tree(t.prompt_len, t.response_lens, degrees=degrees, profile=profile, force_primitive=self.force)
             for t in trees
         ]
 
@@ -107,19 +113,20 @@ class Method:
 
 VERL_FSDP2 = Method("verl-fsdp2", verl=True)
 DEPTH1 = Method("AugTree[depth-1]", min_shared_tokens=DEPTH1_SHARED_TOKENS)
+ONE_DEVICE = Method("AugTree[one device]", one_device=True)
 
 
 def methods_for(cp: int, device: str = "cpu", depth1: bool = False) -> list[Method]:
-    """MegaN first (the reference every other method is compared with); with ``depth1``, AugTree[depth-1]
-    right after AugTree; verl-fsdp2 last, on CPU only (verl's engine runs here on our CPU platform; on CUDA
-    it is not wired up yet)."""
+    """MegaN first (the reference every other method is compared with); with d > 1, AugTree[one device] right
+    after AugTree; with ``depth1``, AugTree[depth-1] next; verl-fsdp2 last, on CPU only (verl's engine runs here
+    on our CPU platform; on CUDA it is not wired up yet)."""
     verl = [VERL_FSDP2] if device == "cpu" else []
-    augtree = [Method("AugTree")] + ([DEPTH1] if depth1 else [])
+    depth = [DEPTH1] if depth1 else []
     if cp == 1:
-        return [Method("MegaN", flattened=True)] + augtree + verl
+        return [Method("MegaN", flattened=True), Method("AugTree")] + depth + verl
     return (
-        [Method("MegaN", fixed="ring"), Method("MegaR", fixed="megar")]
-        + augtree
+        [Method("MegaN", fixed="ring"), Method("MegaR", fixed="megar"), Method("AugTree"), ONE_DEVICE]
+        + depth
         + [Method(f"AugTree[{p}]", force=p) for p in SPLIT_PRIMITIVES]
         + verl
     )

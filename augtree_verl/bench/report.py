@@ -18,12 +18,14 @@ JSON_KEYS = (
     "executed_tokens",
     "logical_tokens",
     "comm_bytes",
+    "peak_bytes",
     "max_grad_rel_err",
     "plan",
 )
 
 
 def format_table(results: Sequence[MethodResult]) -> str:
+    """One row per workload and method; "peak/rank" is the largest rank's peak bytes held (``peak_bytes``)."""
     header = (
         "workload",
         "method",
@@ -31,6 +33,7 @@ def format_table(results: Sequence[MethodResult]) -> str:
         "vs MegaN",
         "executed/logical tok",
         "bytes moved",
+        "peak/rank",
         "plan",
         "max grad err",
         "",
@@ -45,6 +48,7 @@ def format_table(results: Sequence[MethodResult]) -> str:
                 f"{r.speedup_vs_megan:.2f}x",
                 f"{r.executed_tokens:,}/{r.logical_tokens:,}",
                 _bytes(r.comm_bytes) if r.comm_counted else "not counted",
+                _bytes(r.max_peak_bytes),
                 r.plan,
                 _errors(r),
                 "WRONG" if r.wrong else "ok",
@@ -131,7 +135,8 @@ def write_json(results: Sequence[MethodResult], path: str | Path, config: dict) 
 
 
 def write_plot(results: Sequence[MethodResult], path: str | Path, title: str) -> None:
-    """One column per workload: step time per method (top, with speedup vs MegaN) and bytes moved (bottom)."""
+    """One column per workload: step time per method (top, with speedup vs MegaN), bytes moved (middle) and the
+    largest rank's peak bytes held (bottom)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -140,11 +145,11 @@ def write_plot(results: Sequence[MethodResult], path: str | Path, title: str) ->
     workloads = list(dict.fromkeys(r.workload for r in results))
     methods = list(dict.fromkeys(r.method for r in results))
     colors = {m: f"C{k}" for k, m in enumerate(methods)}
-    fig, axes = plt.subplots(2, len(workloads), figsize=(2.2 + 2.6 * len(workloads), 6.5), squeeze=False)
+    fig, axes = plt.subplots(3, len(workloads), figsize=(2.2 + 2.6 * len(workloads), 9.0), squeeze=False)
     for col, workload in enumerate(workloads):
         rows = [r for r in results if r.workload == workload]
         xs = range(len(rows))
-        ax_t, ax_b = axes[0][col], axes[1][col]
+        ax_t, ax_b, ax_m = axes[0][col], axes[1][col], axes[2][col]
         bars = ax_t.bar(xs, [r.step_time_s for r in rows], color=[colors[r.method] for r in rows])
         for bar, r in zip(bars, rows):
             label = "WRONG" if r.wrong else f"{r.speedup_vs_megan:.2f}x"
@@ -161,12 +166,14 @@ def write_plot(results: Sequence[MethodResult], path: str | Path, title: str) ->
         if not any(r.comm_bytes for r in rows):
             ax_b.text(0.5, 0.5, "no communication", ha="center", va="center", transform=ax_b.transAxes, fontsize=8)
             ax_b.set_yticks([])
-        for ax in (ax_t, ax_b):
+        ax_m.bar(xs, [r.max_peak_bytes / 2**20 for r in rows], color=[colors[r.method] for r in rows])
+        for ax in (ax_t, ax_b, ax_m):
             ax.set_xticks(list(xs), [r.method for r in rows], rotation=35, ha="right", fontsize=7)
             ax.tick_params(axis="y", labelsize=7)
             ax.margins(y=0.15)
     axes[0][0].set_ylabel("update step time (s, median)")
     axes[1][0].set_ylabel("bytes moved (MiB, all ranks)")
+    axes[2][0].set_ylabel("peak held (MiB, largest rank)")
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -8,7 +8,9 @@ rounds cancels out. After
 every step the method's parameter gradients (summed over CP ranks) are compared with the reference: the
 flattened baseline's gradients (MegaN's own first step on one device; with CP, the flattened baseline run
 untimed with the responses split over the ranks and the gradients summed). verl-fsdp2 (verl_fsdp2.py) is
-checked the same way, and its log-probs against the flattened baseline's too.
+checked the same way, and its log-probs against the flattened baseline's too. Before the rounds, every method
+runs one more, untimed step under the memory meter (``integration.memory_meter.UnshardedGroups``, whose hooks
+slow a step): each rank's peak bytes held (``peak_bytes``).
 """
 
 from __future__ import annotations
@@ -64,6 +66,10 @@ class MethodResult:
     # verl-fsdp2 only: its log-probs against the flattened baseline's, max|Δ| / max|ref| (None: not checked).
     max_logp_rel_err: float | None = None
     comm_counted: bool = True  # False for verl-fsdp2: FSDP2's all-gathers and reduce-scatters are not counted
+    # Per rank: the most bytes one step held at once (``UnshardedGroups.peak_bytes``: tensors saved for backward,
+    # in-flight prompts' K/V leaves, last hidden states and their gradient sums; for verl-fsdp2 also FSDP2's
+    # unsharded parameters and gradients).
+    peak_bytes: list[int] = field(default_factory=list)
     groups: list[dict] = field(default_factory=list)
     # The shared workloads only: ideal FLOP ratios of every shared token run once, and of depth-1 reuse, over
     # flattened (``ideal_trie_speedup``).
@@ -76,6 +82,11 @@ class MethodResult:
         if self.predicted_s is None:
             return None
         return abs(self.predicted_s - self.step_time_s) / self.step_time_s
+
+    @property
+    def max_peak_bytes(self) -> int:
+        """The peak of the rank that held the most (what must fit on a device)."""
+        return max(self.peak_bytes, default=0)
 
     @property
     def step_time_s(self) -> float:
@@ -121,7 +132,7 @@ def run_benchmark(cfg: BenchConfig, rank: int = 0, world: int = 1, device: str =
     if rank == 0:
         print(RunProfile(profile, f"calibrated now on {world} {device} rank(s)").describe([world]), flush=True)
     bar = tqdm(
-        total=sum(cfg.repeats * len(m) + (world > 1) for m in methods.values()),
+        total=sum((cfg.repeats + 1) * len(m) + (world > 1) for m in methods.values()),
         disable=rank != 0,
         desc="augtree bench",
         unit="step",
@@ -215,6 +226,12 @@ def _run_workload(
     if verl_step is not None:
         results[VERL_NAME].max_logp_rel_err = verl_step.max_logp_rel_err
         results[VERL_NAME].comm_counted = False
+    for m in methods:
+        bar.set_postfix_str(f"{workload.name}: {m.name} (memory)")
+        results[m.name].peak_bytes = _peak_bytes(
+            model, trees, loss_fn, m, plans[m.name], world, profile, verl, verl_step
+        )
+        bar.update()
     for _ in range(repeats):
         for m in methods:
             bar.set_postfix_str(f"{workload.name}: {m.name}")
@@ -283,6 +300,21 @@ def _timed_step(
         )
     _sync(model, world)
     return time.perf_counter() - start, stats
+
+
+def _peak_bytes(model, trees, loss_fn, method: Method, plans, world: int, profile, verl, verl_step) -> list[int]:
+    """Each rank's peak bytes held during one untimed step of ``method`` (``UnshardedGroups`` on the model the
+    method trains)."""
+    # Imported here: the integration package loads verl, which ``augtree bench`` imports only when it needs it.
+    from augtree_verl.integration.memory_meter import UnshardedGroups
+
+    with UnshardedGroups(verl.engine.module if method.verl else model) as seen:
+        _timed_step(model, trees, loss_fn, method, plans, world, profile, verl, verl_step)
+    device = model.get_input_embeddings().weight.device
+    peaks = [torch.tensor([seen.peak_bytes], dtype=torch.int64, device=device) for _ in range(world)]
+    if world > 1:
+        dist.all_gather(peaks, peaks[0].clone())
+    return [int(p) for p in peaks]
 
 
 def _sync(model, world: int) -> None:

@@ -39,6 +39,7 @@ def log_runs(results: Sequence[MethodResult], config: dict) -> str:
                 "executed_tokens": r.executed_tokens,
                 "logical_tokens": r.logical_tokens,
                 "comm_bytes": r.comm_bytes,
+                "peak_bytes": r.max_peak_bytes,
                 "max_grad_rel_err": r.max_grad_rel_err,
                 "ideal_speedup": r.ideal_speedup,
                 "wrong": int(r.wrong),

@@ -15,11 +15,20 @@ def test_cp2_runs_every_method_exactly():
         workloads=("rag", "reasoning"), budget_tokens=3000, group_size=3, cp=2, model="qwen2-tiny", repeats=1
     )
     results = run(cfg)
-    methods = ["MegaN", "MegaR", "AugTree", "AugTree[tree_move_kv]", "AugTree[move_q]", "verl-fsdp2"]
+    methods = [
+        "MegaN",
+        "MegaR",
+        "AugTree",
+        "AugTree[one device]",
+        "AugTree[tree_move_kv]",
+        "AugTree[move_q]",
+        "verl-fsdp2",
+    ]
     assert [(r.workload, r.method) for r in results] == [(w, m) for w in cfg.workloads for m in methods]
     for r in results:
         assert r.max_grad_rel_err <= FLOAT32_GRAD_RTOL, (r.workload, r.method, r.max_grad_rel_err)
         assert r.step_time_s > 0
+        assert len(r.peak_bytes) == 2 and r.max_peak_bytes > 0
     # verl-fsdp2 at d = 2: data parallel over the 3 responses, one rank padded with a masked row.
     verl = {(r.workload, r.method): r for r in results}["rag", "verl-fsdp2"]
     assert verl.plan == "fsdp2(dp=2,mb=1)" and verl.max_logp_rel_err <= FLOAT32_GRAD_RTOL
@@ -28,6 +37,7 @@ def test_cp2_runs_every_method_exactly():
     assert by["rag", "MegaN"].plan == "ring(d=2)"
     assert by["rag", "MegaR"].plan == "tree_move_kv(d=2,b=3,s=1)"
     assert by["rag", "AugTree[move_q]"].plan.startswith("move_q(d=2")
+    assert by["rag", "AugTree[one device]"].plan == "single"
     # Rings over both ranks move K/V; MegaN recomputes the prompt per response, prompt reuse runs it once.
     assert by["rag", "MegaN"].comm_bytes > 0 and by["rag", "MegaR"].comm_bytes > 0
     assert by["rag", "MegaR"].executed_tokens < by["rag", "MegaN"].executed_tokens

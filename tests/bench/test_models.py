@@ -1,7 +1,9 @@
 import pytest
 import torch
 
-from augtree_verl.models import BUILTIN_MODELS, load_model, vocab_size
+from augtree_verl.models import BUILTIN_MODELS, LINEAR_DECAY_A, load_model, vocab_size
+from augtree_verl.replay.linear_state import SCANNED_MODEL_TYPES, linear_attention_modules, linear_layers
+from augtree_verl.replay.model_check import check_model
 
 
 @pytest.mark.parametrize("name", sorted(BUILTIN_MODELS))
@@ -31,3 +33,14 @@ def test_local_checkpoint_round_trip(tmp_path):
 def test_unknown_model_is_a_clear_error():
     with pytest.raises(ValueError, match="'nope' is neither a built-in model"):
         load_model("nope")
+
+
+def test_hybrid_passes_the_engine_checks_with_qwen35_layers_and_decays():
+    model = load_model("qwen3.5-small")
+    check_model(model)  # the engine's build-time refusals: none
+    assert model.config.model_type in SCANNED_MODEL_TYPES  # its CP plans run through the state scan
+    assert model.config.layer_types == ["linear_attention"] * 3 + ["full_attention"]
+    assert linear_layers(model) == {0, 1, 2}
+    for module in linear_attention_modules(model):
+        a = module.A_log.exp()
+        assert LINEAR_DECAY_A[0] <= a.min() and a.max() <= LINEAR_DECAY_A[1]

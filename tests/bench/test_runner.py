@@ -20,6 +20,7 @@ def test_every_method_runs_every_workload_and_matches_the_baseline(results):
         assert len(r.step_times_s) == 2 and r.step_time_s > 0
         assert r.max_grad_rel_err <= FLOAT32_GRAD_RTOL and not r.wrong
         assert r.comm_bytes == 0
+        assert len(r.peak_bytes) == 1 and r.max_peak_bytes > 0
     megan, aug = results[0], results[1]
     assert megan.plan == "flattened" and aug.plan == "single"
     assert megan.speedup_vs_megan == 1.0
@@ -93,7 +94,15 @@ def test_cp_plans_of_the_fixed_methods():
 
     trees = [Tree.of_tokens(torch.arange(5), [torch.arange(3), torch.arange(2)])]
     by = {m.name: m for m in methods_for(4)}
-    assert list(by) == ["MegaN", "MegaR", "AugTree", "AugTree[tree_move_kv]", "AugTree[move_q]", "verl-fsdp2"]
+    assert list(by) == [
+        "MegaN",
+        "MegaR",
+        "AugTree",
+        "AugTree[one device]",
+        "AugTree[tree_move_kv]",
+        "AugTree[move_q]",
+        "verl-fsdp2",
+    ]
     assert by["verl-fsdp2"].plans(trees, 4) is None and not by["verl-fsdp2"].planned
     assert "verl-fsdp2" not in [m.name for m in methods_for(4, device="cuda")]
     (ring,), (megar,) = by["MegaN"].plans(trees, 4), by["MegaR"].plans(trees, 4)
@@ -101,6 +110,8 @@ def test_cp_plans_of_the_fixed_methods():
     assert (megar.primitive, megar.lanes, megar.rounds, megar.placement) == ("tree_move_kv", 1, 2, ((0, 0), (1, 0)))
     (forced,) = by["AugTree[move_q]"].plans(trees, 4)
     assert forced.primitive == "move_q" and forced.degree == 4
+    (one,) = by["AugTree[one device]"].plans(trees, 4)
+    assert one.degree == 1 and by["AugTree[one device]"].planned
     assert [m.name for m in methods_for(1)] == ["MegaN", "AugTree", "verl-fsdp2"]
     assert by["MegaN"].plans(trees, 1) is None
 
