@@ -110,9 +110,17 @@ DEFAULT_MODEL = "qwen2-small"
 # Gated DeltaNet's per-token decay is exp(-A softplus(a + dt_bias)); transformers draws A from (0, 16), a decay
 # near exp(-10) that forgets a prompt within a token or two and leaves the decay parameters' gradients at ~1e-9,
 # where the bench's per-parameter gradient check would compare rounding. A from (0.02, 0.2) keeps ~90% of the
-# state per token (the range tests/families.py's LINEAR_A gives the tiny hybrids), so the prompt's state reaches
+# state per token (the range the family matrix's tiny hybrids get too), so the prompt's state reaches
 # the responses and every gradient is well above rounding.
 LINEAR_DECAY_A = (0.02, 0.2)
+
+
+def slow_linear_decay(model: torch.nn.Module) -> None:
+    """Every Gated DeltaNet layer's decay parameter A drawn from ``LINEAR_DECAY_A`` (torch's current RNG)."""
+    with torch.no_grad():
+        for module in model.modules():
+            if hasattr(module, "A_log"):  # a Gated DeltaNet layer
+                module.A_log.copy_(torch.empty_like(module.A_log).uniform_(*LINEAR_DECAY_A).log())
 
 
 def attn_implementation(device: str) -> str:
@@ -138,10 +146,7 @@ def load_model(name_or_path: str, *, device: str = "cpu", dtype: torch.dtype = t
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             model = model_cls(config)
-            with torch.no_grad():
-                for module in model.modules():
-                    if hasattr(module, "A_log"):  # a Gated DeltaNet layer
-                        module.A_log.copy_(torch.empty_like(module.A_log).uniform_(*LINEAR_DECAY_A).log())
+            slow_linear_decay(model)
     else:
         model = AutoModelForCausalLM.from_pretrained(
             name_or_path, dtype=dtype, attn_implementation=attn, local_files_only=True

@@ -17,6 +17,8 @@ from __future__ import annotations
 import torch
 import transformers as tf
 
+from augtree_verl.models import slow_linear_decay
+
 VOCAB = 128
 _SHAPE = dict(
     vocab_size=VOCAB,
@@ -63,10 +65,6 @@ _MISTRAL4_ROPE = dict(
     llama_4_scaling_beta=0.1,
     partial_rotary_factor=0.5,
 )
-# Gated DeltaNet's per-token decay is exp(-A softplus(a + dt_bias)); transformers initialises A in (0, 16), a
-# decay near exp(-10) that forgets a prompt within a token or two and leaves the decay parameters' gradients
-# at ~1e-9. A in (0.02, 0.2) keeps ~90% of the state per token, so the prompt's state reaches the responses.
-LINEAR_A = (0.02, 0.2)
 
 ABSENT = object()  # a family's kwarg of this value drops that size of ``_SHAPE``: its config has no such attribute
 
@@ -262,8 +260,5 @@ def family_model(name: str, seed: int = 0, dtype: torch.dtype = torch.float32, *
         **{k: v for k, v in {**_SHAPE, "attn_implementation": "sdpa", **kwargs, **sizes}.items() if v is not ABSENT}
     )
     model = model_cls(config)
-    with torch.no_grad():
-        for module in model.modules():
-            if hasattr(module, "A_log"):
-                module.A_log.copy_(torch.empty_like(module.A_log).uniform_(*LINEAR_A).log())
+    slow_linear_decay(model)  # a prompt's state reaches the responses (``augtree_verl.models.LINEAR_DECAY_A``)
     return model.to(dtype).train()
