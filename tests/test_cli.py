@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from augtree_verl.bench.config import QUICK
+from augtree_verl.bench.methods import methods_for
 from augtree_verl.bench.workloads import WORKLOADS
 from augtree_verl.cli import _parser, bench_config, main
 
@@ -49,15 +50,7 @@ def test_quick_smoke_run_writes_json_and_plot(tmp_path):
     assert "augtree bench" in proc.stderr  # the progress bar
     rows = json.loads(out.read_text())["results"]
     # The default CP degree is 2: every method runs, on two gloo ranks.
-    assert [r["method"] for r in rows] == [
-        "MegaN",
-        "MegaR",
-        "AugTree",
-        "AugTree[one device]",
-        "AugTree[tree_move_kv]",
-        "AugTree[move_q]",
-        "verl-fsdp2",
-    ]
+    assert [r["method"] for r in rows] == [m.name for m in methods_for(2)]  # the list tests/bench pins
     assert rows[3]["plan"] == "single" and all(len(r["peak_bytes"]) == 2 for r in rows)
     assert rows[-1]["plan"] == "fsdp2(dp=2,mb=1)" and rows[-1]["max_logp_rel_err"] <= 1e-5
     assert all(r["status"] == "ok" and r["max_grad_rel_err"] <= 1e-5 for r in rows)

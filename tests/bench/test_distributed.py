@@ -4,6 +4,7 @@ import pytest
 
 from augtree_verl.bench.config import BenchConfig
 from augtree_verl.bench.distributed import run
+from augtree_verl.bench.methods import methods_for
 from augtree_verl.bench.runner import FLOAT32_GRAD_RTOL
 
 pytestmark = pytest.mark.slow  # spawns process groups, Ray, verl engines or subprocesses
@@ -15,15 +16,7 @@ def test_cp2_runs_every_method_exactly():
         workloads=("rag", "reasoning"), budget_tokens=3000, group_size=3, cp=2, model="qwen2-tiny", repeats=1
     )
     results = run(cfg)
-    methods = [
-        "MegaN",
-        "MegaR",
-        "AugTree",
-        "AugTree[one device]",
-        "AugTree[tree_move_kv]",
-        "AugTree[move_q]",
-        "verl-fsdp2",
-    ]
+    methods = [m.name for m in methods_for(2)]  # the list test_runner pins
     assert [(r.workload, r.method) for r in results] == [(w, m) for w in cfg.workloads for m in methods]
     for r in results:
         assert r.max_grad_rel_err <= FLOAT32_GRAD_RTOL, (r.workload, r.method, r.max_grad_rel_err)
