@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from augtree_verl.replay import calls as calls_module
+from augtree_verl.replay.vlm import vision_output_as_tensor
 from augtree_verl.testing import harness as H
 from tests.families import family_model
 from tests.integration.test_engine_cp import PLANS_DEGREE_2
@@ -39,6 +40,41 @@ def _save(name: str, directory) -> str:
 @pytest.mark.parametrize("name", FAMILIES)
 def test_family_matches_stock_engine(name, tmp_path):
     H.spawn(_rank_main, (H.free_port(), _save(name, tmp_path / name), GROUPS, PROBE_BOUND), nprocs=WORLD, timeout_s=540)
+
+
+# Vision-language checkpoints, text-only rows in verl's batch format for them (M-RoPE position ids [4, L], packed
+# [4, 1, nnz] under remove-padding), with weight decay: verl's text-only forward gives the vision tower zero
+# gradients, which AdamW's decay then applies, so a replay that left them absent would leave the tower behind.
+VLM_WEIGHT_DECAY = 0.1
+# verl's use_remove_padding per family: False for the hybrids (as above) and for Qwen2(.5)-VL, whose attention verl
+# patches for remove-padding with a flash-attention-only forward (no flash attention on CPU).
+VLM_REMOVE_PADDING = {
+    "qwen2.5-vl": False,
+    "qwen3-vl": True,
+    "qwen3-vl-moe": True,
+    "qwen3.5-vl": False,
+    "qwen3.5-moe-vl": False,
+}
+
+
+def _vision_output_as_tensor(engine) -> None:
+    """verl 0.9.1's dummy vision forward for Qwen2(.5)-VL takes ``.mean()`` of the tower's output, which transformers 5
+    returns as an object: the stock engine cannot train a text-only batch (AttributeError). Its tower here returns
+    the merged embeddings, as the augtree engine's does (``replay.vlm.vision_output_as_tensor``)."""
+    vision_output_as_tensor(engine.module)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name", sorted(VLM_REMOVE_PADDING))
+def test_vision_language_text_rows_match_stock_engine(name, tmp_path):
+    build = dict(weight_decay=VLM_WEIGHT_DECAY, model_settings={"use_remove_padding": VLM_REMOVE_PADDING[name]})
+    fix = _vision_output_as_tensor if name == "qwen2.5-vl" else None
+    H.spawn(
+        _rank_main,
+        (H.free_port(), _save(name, tmp_path / name), GROUPS, PROBE_BOUND, True, build, fix),
+        nprocs=WORLD,
+        timeout_s=540,
+    )
 
 
 @pytest.fixture(scope="module")
