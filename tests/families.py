@@ -283,7 +283,7 @@ REFUSED = {
         tf.Glm4vConfig,
         tf.Glm4vForConditionalGeneration,
         _vlm(dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=4, out_hidden_size=32)),
-        r"'glm4v'.*a multimodal model .*Qwen3_5ForConditionalGeneration.*"
+        r"'glm4v'.*a multimodal model .*Qwen2VL, Qwen2_5_VL, Qwen3VL, Qwen3VLMoe, Qwen3_5, Qwen3_5Moe, and no other.*"
         r"Glm4vForConditionalGeneration: .*vision_config",
     ),
 }

@@ -191,6 +191,8 @@ KEY_SELECTION = {
 }
 # The name every transformers attention module dispatches through ("augtree" is one of its entries)
 ATTENTION_INTERFACE = "ALL_ATTENTION_FUNCTIONS"
+# The class-name suffix of the ``TEXT_VLMS`` (a refusal names them without it)
+VLM_SUFFIX = "ForConditionalGeneration"
 # The vision tower's name in a ``TEXT_VLMS`` model's base model
 VISION_TOWER = "visual"
 # Words in a sub-config's name that mark an input other than text.
@@ -217,8 +219,9 @@ def _check_structure(model, add):
     inputs = _modalities(model.config)
     if inputs and not vlm:
         add(
-            "a multimodal model (the replay runs the text decoder and LM head of the vision-language classes "
-            f"{', '.join(sorted(TEXT_VLMS))} on text-only rows, and no other multimodal model's forward)",
+            "a multimodal model (the replay runs text-only rows on the text decoder and LM head of the vision-language "
+            f"models {', '.join(sorted(c.removesuffix(VLM_SUFFIX) for c in TEXT_VLMS))}, and no other multimodal "
+            "model's forward)",
             None,
             f"{cls.__name__}: {', '.join(inputs)}",
         )

@@ -103,6 +103,24 @@ def test_hybrid_cp_plans_run_context_parallel(tmp_path):
     )
 
 
+def _build_with_remove_padding(rank: int, port: int, path: str) -> None:
+    H.use_cpu_platform()
+    H.init_process_group(rank=rank, world_size=1, port=port)
+    engine, _ = H.build_engine("augtree", path, model_settings={"use_remove_padding": True})
+    assert engine.exactness_probe.grad_err <= PROBE_BOUND
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.timeout(300)
+def test_qwen2_5_vl_with_remove_padding_builds(tmp_path):
+    """verl's use_remove_padding patches Qwen2.5-VL's attention class with a flash-attention-only forward outside
+    transformers' attention interface; the engine gives its own model transformers' forward back
+    (``replay.vlm.prepare_for_replay``): the build's checks and its exactness probe pass. In a process of its own:
+    verl's patches of the class stay in the process that built the engine."""
+    path = _save("qwen2.5-vl", tmp_path / "qwen2.5-vl")
+    H.spawn(_build_with_remove_padding, (H.free_port(), path), nprocs=1, timeout_s=240)
+
+
 @pytest.mark.timeout(120)
 def test_unimplemented_linear_attention_refused_at_build(one_rank, tmp_path):
     with pytest.raises(ValueError, match=r"'olmo_hybrid'.*layer 0: linear attention outside .*strategy=fsdp2"):

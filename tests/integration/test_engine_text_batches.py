@@ -52,6 +52,23 @@ def test_real_multimodal_input_is_refused_naming_the_samples(engine):
         _logps(engine, batch)
 
 
+def test_mrope_positions_other_than_text_positions_are_refused_naming_the_row(engine):
+    """A vision-language model's text-only rows carry [4, L] positions 0..L-1 on every axis (taken as they are);
+    positions that say otherwise (an image's grid on the M-RoPE axes) are refused, naming the row."""
+    rows = H.group_rows(GROUPS)
+    batch = H.rows_to_batch(rows, mrope=True)
+    want = _logps(engine, H.rows_to_batch(rows))
+    for row, (g, w) in enumerate(zip(_logps(engine, batch), want)):
+        assert rel_err(g, w) <= RTOL, f"row {row}"
+    positions = [p.clone() for p in batch["position_ids"].unbind()]
+    positions[4][2, 3:] += 2  # the height axis after an image of one token
+    batch["position_ids"] = torch.nested.as_nested_tensor(positions, layout=torch.jagged)
+    with pytest.raises(
+        ValueError, match=r"micro-batch 2 row 0 \(uid 'group-1'\): position_ids must be 0..4 .*\[4, L\]"
+    ):
+        _logps(engine, batch)
+
+
 def test_fused_kernels_are_refused_at_build_by_name(tmp_path):
     path = H.save_tiny_qwen2(str(tmp_path / "tiny-qwen2"))
     with pytest.raises(ValueError, match=r"use_fused_kernels=True.*use_fused_kernels=False.*strategy=fsdp2"):
