@@ -20,7 +20,9 @@ losses add up to verl's) and its backward, then one delayed prompt backward. So 
 step and rank whatever verl's micro-batch size. Every rank of the world makes the same sequence of model
 calls (``replay.lockstep``: phases by CP degree, padding with dummy calls), so FSDP2 gathers parameters per
 layer and reduce-scatters gradients per backward, as the stock engine does (ZeRO-3). Reported losses and
-metrics are verl's, per verl micro-batch, evaluated on the detached outputs.
+metrics are verl's, per verl micro-batch, evaluated on the detached outputs. A vision-language checkpoint's
+text-only rows run on its text decoder and LM head, with verl's zero-weighted dummy vision forward once per
+training step (``replay.vlm``); image and video rows are refused at the first batch, naming them.
 
 Context parallelism (``cp_degrees`` above 1): ranks form CP groups of C = max(cp_degrees) (``cp.mesh``);
 the engine reports data-parallel rank and size = world / C to verl, so every rank of a CP group gets the

@@ -91,13 +91,17 @@ def test_hybrid_micro_batch_settings_match_stock_engine(one_rank, tmp_path, sett
 
 
 @pytest.mark.timeout(420)
-def test_hybrid_cp_plans_run_context_parallel(tmp_path):
+@pytest.mark.parametrize("name", ["qwen3.5", "qwen3.5-vl"])
+def test_hybrid_cp_plans_run_context_parallel(tmp_path, name):
     """World 2, one CP group of both ranks, plans of degree 2 (MoveQ, TreeMoveKV, ring): a hybrid's run context-
     parallel on both ranks (its Gated DeltaNet state through the scan, ``cp.state_scan``; nothing demoted, bytes
-    moved), and the step still matches the stock engine (``test_engine_cp``'s rank)."""
+    moved), and the step still matches the stock engine (``test_engine_cp``'s rank); Qwen3.5 as it ships too
+    (vision tower, text-only rows with M-RoPE positions)."""
+    path = _save(name, tmp_path / name)
+    mrope = name.endswith("-vl")
     H.spawn(
         cp_rank_main,
-        (WORLD, H.free_port(), _save("qwen3.5", tmp_path / "qwen3.5"), [1, 2], PLANS_DEGREE_2, 2, "token-mean", 0.0, 0),
+        (WORLD, H.free_port(), path, [1, 2], PLANS_DEGREE_2, 2, "token-mean", 0.0, 0, None, mrope),
         nprocs=WORLD,
         timeout_s=360,
     )
