@@ -65,9 +65,15 @@ def _vision_output_as_tensor(engine) -> None:
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.parametrize("checkpointing", [False, True])
 @pytest.mark.parametrize("name", sorted(VLM_REMOVE_PADDING))
-def test_vision_language_text_rows_match_stock_engine(name, tmp_path):
-    build = dict(weight_decay=VLM_WEIGHT_DECAY, model_settings={"use_remove_padding": VLM_REMOVE_PADDING[name]})
+def test_vision_language_text_rows_match_stock_engine(name, checkpointing, tmp_path):
+    """Both engines with verl's gradient checkpointing on or off (on: the text layers and the vision blocks)."""
+    build = dict(
+        weight_decay=VLM_WEIGHT_DECAY,
+        gradient_checkpointing=checkpointing,
+        model_settings={"use_remove_padding": VLM_REMOVE_PADDING[name]},
+    )
     fix = _vision_output_as_tensor if name == "qwen2.5-vl" else None
     H.spawn(
         _rank_main,
