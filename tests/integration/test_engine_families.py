@@ -69,11 +69,22 @@ def _vision_output_as_tensor(engine) -> None:
 @pytest.mark.parametrize("name", sorted(VLM_REMOVE_PADDING))
 def test_vision_language_text_rows_match_stock_engine(name, checkpointing, tmp_path):
     """Both engines with verl's gradient checkpointing on or off (on: the text layers and the vision blocks)."""
-    build = dict(
-        weight_decay=VLM_WEIGHT_DECAY,
-        gradient_checkpointing=checkpointing,
-        model_settings={"use_remove_padding": VLM_REMOVE_PADDING[name]},
-    )
+    _vision_language_rows_match(name, tmp_path, gradient_checkpointing=checkpointing)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name", ["qwen3-vl", "qwen3.5-vl"])
+def test_vision_language_lora_matches_stock_engine(name, tmp_path):
+    """verl's LoRA on all linear layers, the vision tower's included: those adapters get the dummy forward's zero
+    gradients, and weight decay, in both engines."""
+    _vision_language_rows_match(name, tmp_path, lora=dict(lora_rank=4, lora_alpha=8, target_modules="all-linear"))
+
+
+def _vision_language_rows_match(name: str, tmp_path, lora: dict | None = None, **build) -> None:
+    """The dp2 family run on a vision-language checkpoint's text-only rows (M-RoPE positions, ``VLM_WEIGHT_DECAY``,
+    verl's use_remove_padding for it); ``lora``, ``build``: more model settings and ``build_engine`` settings."""
+    settings = {"use_remove_padding": VLM_REMOVE_PADDING[name], **(lora or {})}
+    build = dict(build, weight_decay=VLM_WEIGHT_DECAY, model_settings=settings)
     fix = _vision_output_as_tensor if name == "qwen2.5-vl" else None
     H.spawn(
         _rank_main,
