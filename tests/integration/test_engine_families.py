@@ -49,6 +49,7 @@ VLM_WEIGHT_DECAY = 0.1
 # verl's use_remove_padding per family: False for the hybrids (as above) and for Qwen2(.5)-VL, whose attention verl
 # patches for remove-padding with a flash-attention-only forward (no flash attention on CPU).
 VLM_REMOVE_PADDING = {
+    "qwen2-vl": False,
     "qwen2.5-vl": False,
     "qwen3-vl": True,
     "qwen3-vl-moe": True,
@@ -85,7 +86,7 @@ def _vision_language_rows_match(name: str, tmp_path, lora: dict | None = None, *
     verl's use_remove_padding for it); ``lora``, ``build``: more model settings and ``build_engine`` settings."""
     settings = {"use_remove_padding": VLM_REMOVE_PADDING[name], **(lora or {})}
     build = dict(build, weight_decay=VLM_WEIGHT_DECAY, model_settings=settings)
-    fix = _vision_output_as_tensor if name == "qwen2.5-vl" else None
+    fix = _vision_output_as_tensor if name in ("qwen2-vl", "qwen2.5-vl") else None
     H.spawn(
         _rank_main,
         (H.free_port(), _save(name, tmp_path / name), GROUPS, PROBE_BOUND, True, build, fix),
