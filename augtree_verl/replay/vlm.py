@@ -87,8 +87,14 @@ def prepare_for_replay(model: torch.nn.Module) -> None:
         original = next((f for k in type(module).__mro__ if (f := _ORIGINAL_FORWARDS.get(k.__name__))), None)
         if original is not None and type(module).forward is not original:
             module.forward = types.MethodType(original, module)
-    if any(k.__name__ in VISION_OUTPUT_READ_AS_TENSOR for k in type(model).__mro__):
+    if verl_reads_vision_output_as_tensor(model):
         vision_output_as_tensor(model)
+
+
+def verl_reads_vision_output_as_tensor(model: torch.nn.Module) -> bool:
+    """Whether verl 0.9.1's text-only forward of ``model``'s class reads its vision tower's output as a tensor
+    (``VISION_OUTPUT_READ_AS_TENSOR``)."""
+    return any(k.__name__ in VISION_OUTPUT_READ_AS_TENSOR for k in type(model).__mro__)
 
 
 def vision_output_as_tensor(model: Any) -> None:

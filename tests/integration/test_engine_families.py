@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from augtree_verl.replay import calls as calls_module
-from augtree_verl.replay.vlm import vision_output_as_tensor
+from augtree_verl.replay.vlm import verl_reads_vision_output_as_tensor, vision_output_as_tensor
 from augtree_verl.testing import harness as H
 from tests.families import family_model
 from tests.integration.test_engine_cp import PLANS_DEGREE_2
@@ -62,7 +62,8 @@ def _vision_output_as_tensor(engine) -> None:
     """verl 0.9.1's dummy vision forward for Qwen2(.5)-VL takes ``.mean()`` of the tower's output, which transformers 5
     returns as an object: the stock engine cannot train a text-only batch (AttributeError). Its tower here returns
     the merged embeddings, as the augtree engine's does (``replay.vlm.vision_output_as_tensor``)."""
-    vision_output_as_tensor(engine.module)
+    if verl_reads_vision_output_as_tensor(engine.module):
+        vision_output_as_tensor(engine.module)
 
 
 @pytest.mark.timeout(600)
@@ -86,10 +87,9 @@ def _vision_language_rows_match(name: str, tmp_path, lora: dict | None = None, *
     verl's use_remove_padding for it); ``lora``, ``build``: more model settings and ``build_engine`` settings."""
     settings = {"use_remove_padding": VLM_REMOVE_PADDING[name], **(lora or {})}
     build = dict(build, weight_decay=VLM_WEIGHT_DECAY, model_settings=settings)
-    fix = _vision_output_as_tensor if name in ("qwen2-vl", "qwen2.5-vl") else None
     H.spawn(
         _rank_main,
-        (H.free_port(), _save(name, tmp_path / name), GROUPS, PROBE_BOUND, True, build, fix),
+        (H.free_port(), _save(name, tmp_path / name), GROUPS, PROBE_BOUND, True, build, _vision_output_as_tensor),
         nprocs=WORLD,
         timeout_s=540,
     )
