@@ -66,6 +66,25 @@ _MISTRAL4_ROPE = dict(
     partial_rotary_factor=0.5,
 )
 
+# Vision-language checkpoints (text-only rows): the matrix's text shape goes into ``text_config``, a one-block vision
+# tower beside it. M-RoPE sections of the 4 frequency pairs of head_dim 8 (text-only rows have equal positions on
+# every axis, so the split changes nothing but must fit the head).
+_MROPE = dict(rope_type="default", rope_theta=10000.0, mrope_section=[2, 1, 1])
+_VISION_2 = dict(depth=1, embed_dim=32, num_heads=4, hidden_size=32)  # Qwen2-VL: merged to hidden_size
+_VISION_25 = dict(
+    depth=1, hidden_size=32, intermediate_size=64, num_heads=4, out_hidden_size=32, fullatt_block_indexes=[0]
+)
+# Qwen3-VL's and Qwen3.5's tower; Qwen3-VL also injects the deepstack merger of block 0 into the first layers
+_VISION_3 = dict(
+    depth=1, hidden_size=32, intermediate_size=64, num_heads=4, out_hidden_size=32, num_position_embeddings=64
+)
+_DEEPSTACK = dict(deepstack_visual_indexes=[0])
+
+
+def _vlm(vision: dict, **text) -> dict:
+    return dict(text_config={"head_dim": 8, "rope_parameters": _MROPE, **text}, vision_config=vision)
+
+
 ABSENT = object()  # a family's kwarg of this value drops that size of ``_SHAPE``: its config has no such attribute
 
 # Phi-3's longrope: short factors up to original_max_position_embeddings, long ones beyond (``replay.rope``), the
@@ -139,6 +158,21 @@ PARITY = {
         ),
     ),
     "phi3-longrope": (tf.Phi3Config, tf.Phi3ForCausalLM, dict(_LONGROPE)),
+    # Vision-language checkpoints on text-only rows (``replay.vlm``): the text decoder and LM head, M-RoPE
+    "qwen2-vl": (tf.Qwen2VLConfig, tf.Qwen2VLForConditionalGeneration, _vlm(_VISION_2)),
+    "qwen2.5-vl": (tf.Qwen2_5_VLConfig, tf.Qwen2_5_VLForConditionalGeneration, _vlm(_VISION_25)),
+    "qwen3-vl": (tf.Qwen3VLConfig, tf.Qwen3VLForConditionalGeneration, _vlm(dict(_VISION_3, **_DEEPSTACK))),
+    "qwen3-vl-moe": (
+        tf.Qwen3VLMoeConfig,
+        tf.Qwen3VLMoeForConditionalGeneration,
+        _vlm(dict(_VISION_3, **_DEEPSTACK), **_MOE),
+    ),
+    "qwen3.5-vl": (tf.Qwen3_5Config, tf.Qwen3_5ForConditionalGeneration, _vlm(_VISION_3, **_LINEAR)),
+    "qwen3.5-moe-vl": (
+        tf.Qwen3_5MoeConfig,
+        tf.Qwen3_5MoeForConditionalGeneration,
+        _vlm(_VISION_3, **_LINEAR, **_MOE),
+    ),
 }
 REFUSED = {
     "gemma2-default": (
@@ -242,11 +276,13 @@ REFUSED = {
         dict(n_embd=32, n_layer=2, n_head=4, resid_pdrop=0.1),
         r"'gpt2'.*layers 0-1: dropout in training .*p=0.1",
     ),
-    "qwen2-vl": (
-        tf.Qwen2VLConfig,
-        tf.Qwen2VLForConditionalGeneration,
-        dict(text_config=dict(_SHAPE), vision_config=dict(depth=1, embed_dim=32, num_heads=4, hidden_size=32)),
-        r"'qwen2_vl'.*a multimodal model .*vision_config",
+    # a vision-language model outside ``replay.vlm.TEXT_VLMS``
+    "glm4v": (
+        tf.Glm4vConfig,
+        tf.Glm4vForConditionalGeneration,
+        _vlm(dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=4, out_hidden_size=32)),
+        r"'glm4v'.*a multimodal model .*Qwen2VL, Qwen2_5_VL, Qwen3VL, Qwen3VLMoe, Qwen3_5, Qwen3_5Moe, and no other.*"
+        r"Glm4vForConditionalGeneration: .*vision_config",
     ),
 }
 
@@ -256,9 +292,13 @@ def family_model(name: str, seed: int = 0, dtype: torch.dtype = torch.float32, *
     ``sizes`` override config values."""
     config_cls, model_cls, kwargs = (PARITY.get(name) or REFUSED[name])[:3]
     torch.manual_seed(seed)
-    config = config_cls(
-        **{k: v for k, v in {**_SHAPE, "attn_implementation": "sdpa", **kwargs, **sizes}.items() if v is not ABSENT}
-    )
+    if "text_config" in kwargs:  # a vision-language checkpoint: the matrix's shape (and ``sizes``) is its text model's
+        text = {**_SHAPE, **kwargs["text_config"], **sizes}
+        tied = text.pop("tie_word_embeddings")  # the outer class's LM head
+        kwargs = dict(kwargs, text_config=text, tie_word_embeddings=tied)
+    else:
+        kwargs = {**_SHAPE, **kwargs, **sizes}
+    config = config_cls(**{k: v for k, v in {"attn_implementation": "sdpa", **kwargs}.items() if v is not ABSENT})
     model = model_cls(config)
     slow_linear_decay(model)  # a prompt's state reaches the responses (``augtree_verl.models.LINEAR_DECAY_A``)
     return model.to(dtype).train()

@@ -111,6 +111,9 @@ OVERRIDES: dict[str, dict] = {
     "deepseek_ocr2": dict(text_config=dict(mlp_layer_types=["dense", "sparse"])),  # the default leaves them unset
     "reformer": dict(is_decoder=True, axial_pos_embds_dim=[16, 16]),  # causal LM head; embeddings sum to hidden
     "lfm2_moe": dict(layer_types=["conv", "full_attention"]),  # the default leaves them unset
+    # M-RoPE sections the defaults leave unset: the 4 frequency pairs of the shrunk head (32 / 4 heads)
+    "qwen2_vl": dict(text_config=dict(rope_parameters=dict(rope_type="default", mrope_section=[2, 1, 1]))),
+    "qwen2_5_vl": dict(text_config=dict(rope_parameters=dict(rope_type="default", mrope_section=[2, 1, 1]))),
     "chameleon": dict(vocabulary_map={"<image>": 4}),  # image token ids in the (tiny) vocabulary
     "emu3": dict(vocabulary_map={"<image>": 4}),
     # KV sharing: the shared layers read the last earlier layer of their type

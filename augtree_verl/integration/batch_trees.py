@@ -15,6 +15,7 @@ import torch
 from tensordict import TensorDict
 
 from augtree_verl.groups import Tree, find_trees
+from augtree_verl.replay.vlm import MROPE_AXES
 
 
 def sequence_lengths(micro_batch: TensorDict) -> tuple[list[int], list[int]]:
@@ -46,10 +47,24 @@ def build_trees(micro_batches: list[TensorDict]) -> list[Tree]:
                 raise ValueError(f"{where}: input_ids has shape {tuple(seq.shape)} but prompt + response is {p} + {r}")
             if p < 1 or r < 1:
                 raise ValueError(f"{where}: prompt length {p} and response length {r} must both be >= 1")
-            if pos.dim() != 1 or not torch.equal(pos, torch.arange(p + r, device=pos.device)):
-                raise ValueError(f"{where}: position_ids must be 0..{p + r - 1} (text-only, unpadded sequences)")
+            if not _text_positions(pos, p + r):
+                raise ValueError(
+                    f"{where}: position_ids must be 0..{p + r - 1} (text-only, unpadded sequences; a vision-language "
+                    f"model's [{MROPE_AXES}, L] M-RoPE positions 0..{p + r - 1} on every axis), got shape "
+                    f"{tuple(pos.shape)}"
+                )
             uids.append(mb_uids[k])
             prompt_lens.append(p)
             response_lens.append(r)
             sequences.append(seq)
     return find_trees(uids, prompt_lens, response_lens, sequences, call_lens)
+
+
+def _text_positions(positions: torch.Tensor, length: int) -> bool:
+    """Whether a row's verl position ids are the replay's own (0..length-1 for every token): [L], or a
+    vision-language model's [MROPE_AXES, L] on a text-only row (verl's agent loop: text positions and
+    ``get_rope_index``'s three M-RoPE axes, each 0..L-1 without images). The replay reads nothing else of them."""
+    want = torch.arange(length, device=positions.device)
+    if positions.dim() == 2 and positions.shape[0] == MROPE_AXES:
+        want = want.expand(MROPE_AXES, -1)
+    return positions.shape == want.shape and torch.equal(positions, want)

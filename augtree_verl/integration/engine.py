@@ -20,7 +20,9 @@ losses add up to verl's) and its backward, then one delayed prompt backward. So 
 step and rank whatever verl's micro-batch size. Every rank of the world makes the same sequence of model
 calls (``replay.lockstep``: phases by CP degree, padding with dummy calls), so FSDP2 gathers parameters per
 layer and reduce-scatters gradients per backward, as the stock engine does (ZeRO-3). Reported losses and
-metrics are verl's, per verl micro-batch, evaluated on the detached outputs.
+metrics are verl's, per verl micro-batch, evaluated on the detached outputs. A vision-language checkpoint's
+text-only rows run on its text decoder and LM head, with verl's zero-weighted dummy vision forward once per
+training step (``replay.vlm``); image and video rows are refused at the first batch, naming them.
 
 Context parallelism (``cp_degrees`` above 1): ranks form CP groups of C = max(cp_degrees) (``cp.mesh``);
 the engine reports data-parallel rank and size = world / C to verl, so every rank of a CP group gets the
@@ -53,13 +55,16 @@ from augtree_verl.integration.fsdp_model import FSDPReplayModel
 from augtree_verl.integration.loss_calls import adjoint_loss, coupling, micro_batch_adjoints
 from augtree_verl.integration.metrics import group_totals, step_metrics
 from augtree_verl.integration.run_profile import make_run_profile
+from augtree_verl.model_shape import text_config
 from augtree_verl.plan import Plan
 from augtree_verl.plan_field import PLAN_FIELD
 from augtree_verl.planner.cost import cost_model
 from augtree_verl.replay import Offload, ReplayOptions, ReplayStats, StepPlan, replay
+from augtree_verl.replay.adapters import causal_lm
 from augtree_verl.replay.memory import STOCK_ENGINE, ReplayMemory, device_budget_bytes
 from augtree_verl.replay.model_check import check_model, probe_exactness, refusal
 from augtree_verl.replay.rope import RopeRegimes
+from augtree_verl.replay.vlm import prepare_for_replay
 
 logger = logging.getLogger(__name__)
 UNSUPPORTED_FLAGS = ("calculate_sum_pi_squared", "distillation_use_topk", "distillation_only", "use_fused_kernels")
@@ -132,9 +137,11 @@ class AugTreeEngine(FSDPEngineWithLMHead):
         )
 
     def _build_fsdp_module(self, module):
+        # transformers' forwards for the modules verl's monkey patches replaced process-wide (``replay.vlm``)
+        prepare_for_replay(causal_lm(module))
         # Refuse, by name, what the replay does not implement, before any work.
         check_model(module, training=not self.engine_config.forward_only)
-        if self.engine_config.pad_to_length and RopeRegimes.of(module.config) is not None:
+        if self.engine_config.pad_to_length and RopeRegimes.of(text_config(module.config)) is not None:
             # the stock engine's padded segment would then choose the rope (its positions restart at 0 up to the
             # bucket's pad), which the rows' call lengths (``Tree.call_lens``) do not say
             raise ValueError(
@@ -222,7 +229,7 @@ class AugTreeEngine(FSDPEngineWithLMHead):
             min_cp_tokens=self.engine_config.fallback_threshold_tokens,
             micro_batch_tokens=min(self.engine_config.micro_batch_tokens, _largest_micro_batch(micro_batches)),
             lockstep_group=torch.distributed.group.WORLD if world > 1 else None,
-            model_config=self.module.config,
+            model_config=text_config(self.module.config),
             trie_cost=cost_model(self.run_profile.profile) if hasattr(self, "run_profile") else None,
             memory=self._replay_memory(train, trees[0].prompt.device),
         )
@@ -269,6 +276,8 @@ class AugTreeEngine(FSDPEngineWithLMHead):
             scores = replay(model, step_plan, adjoint_loss(lambda t, i: adjoints[row_of[t][i]]), options)
         else:
             scores = replay(model, step_plan, None, options)
+        if train:
+            model.vision_dummy_backward()
         row_scores = _rows_in_order(scores, trees)
 
         output_lst = []
@@ -302,7 +311,7 @@ class AugTreeEngine(FSDPEngineWithLMHead):
         if budget is None:
             return None
         return ReplayMemory.of(
-            self.module.config,
+            text_config(self.module.config),
             dtype=self.exactness_probe.dtype,
             checkpointing=bool(self.model_config.enable_gradient_checkpointing),
             train=train,
@@ -340,13 +349,18 @@ def _check_supported(data: TensorDict) -> None:
             raise ValueError(f"the augtree engine does not support {flag}=True")
     # verl's agent loop writes multi_modal_inputs for every sample, an empty dict for text: only a non-empty
     # one means multimodal input.
-    for row, inputs in enumerate(tu.get(data, "multi_modal_inputs", default=None) or []):
-        if inputs:
-            uid = tu.get(data, "uid", default=None)
-            raise ValueError(
-                f"the augtree engine replays text-only batches; row {row} (uid "
-                f"{uid[row] if uid is not None else '?'!r}) has multi_modal_inputs {sorted(inputs)}"
-            )
+    uid = tu.get(data, "uid", default=None)
+    rows = [
+        f"row {row} (uid {uid[row] if uid is not None else '?'!r}: {', '.join(sorted(inputs))})"
+        for row, inputs in enumerate(tu.get(data, "multi_modal_inputs", default=None) or [])
+        if inputs
+    ]
+    if rows:
+        raise ValueError(
+            f"image/video prompts are not yet replayed by augtree (it replays the text-only rows of a vision-language "
+            f"model); {len(rows)} row(s) carry multi_modal_inputs: {'; '.join(rows)}. Train image or video data on "
+            f"verl's stock engine: {STOCK_ENGINE}"
+        )
 
 
 def _temperature(data: TensorDict) -> float:

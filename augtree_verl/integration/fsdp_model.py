@@ -21,8 +21,10 @@ from collections.abc import Callable
 
 import torch
 
+from augtree_verl.model_shape import text_config
 from augtree_verl.replay.adapters import causal_lm
 from augtree_verl.replay.logits import batched_family_logits, unbatched
+from augtree_verl.replay.vlm import trains_vision_tower, vision_dummy_loss
 
 
 class _Box:
@@ -58,7 +60,7 @@ class FSDPReplayModel:
 
     def __init__(self, root: torch.nn.Module):
         self._root = root
-        self.config = root.config
+        self.config = text_config(root.config)  # the decoder's (a vision-language model's text config)
 
     @property
     def training(self) -> bool:
@@ -78,3 +80,11 @@ class FSDPReplayModel:
 
     def logits_head(self):
         return unbatched(_ThroughRoot(self._root, batched_family_logits(causal_lm(self._root))))
+
+    def vision_dummy_backward(self) -> None:
+        """A vision-language model's zero-weighted dummy vision forward and its backward, through the root, as
+        verl's forward runs it on a text-only batch (``replay.vlm.vision_dummy_loss``); nothing for other models
+        or a frozen vision tower. Every rank calls it once per training step."""
+        model = causal_lm(self._root)
+        if trains_vision_tower(model):
+            _ThroughRoot(self._root, vision_dummy_loss)(model).backward()

@@ -17,6 +17,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from augtree_verl.model_shape import text_config
 from augtree_verl.replay.linear_state import StateCapture, StateStart, route_linear_attention
 from augtree_verl.replay.prefix_attention import path_causal_attention
 
@@ -141,7 +142,7 @@ def use_augtree_attention(model) -> None:
     implementation ("eager" runs as SDPA; so does a copy of the config, which has no entry). The config
     gains no attribute: a checkpoint saved from the model carries nothing of ours.
     """
-    config = model.config
+    config = text_config(model.config)  # a vision-language model's text decoder (its vision tower keeps its own)
     if config._attn_implementation != ATTN_NAME:
         _FALLBACKS[id(config)] = config._attn_implementation
         weakref.finalize(config, _FALLBACKS.pop, id(config), None)
@@ -153,7 +154,7 @@ def use_augtree_attention(model) -> None:
 def original_attention(model):
     """``model``'s own attention implementation for the duration (the model's ordinary forward, e.g. the
     start-up probe's reference), routed through "augtree" again after."""
-    config = model.config
+    config = text_config(model.config)
     if config._attn_implementation != ATTN_NAME:
         yield
         return

@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from augtree_verl.groups import Tree
+from augtree_verl.replay.vlm import MROPE_AXES
 
 LogitsHook = Callable[[int, int, torch.Tensor], None]  # on_logits(t, i, tempered float32 logits [R_i, V])
 LossFn = Callable[[int, int, torch.Tensor], torch.Tensor]  # loss_fn(t, i, log-probs [R_i]) -> scalar loss
@@ -24,8 +25,13 @@ def flattened_replay(
     temperature: float = 1.0,
     keep_graph: bool = False,
     on_logits: LogitsHook | None = None,
+    mrope: bool = False,
 ) -> list[list[torch.Tensor]]:
-    """Same contract as ``replay``, computed the way stock trainers do: one sequence per response."""
+    """Same contract as ``replay``, computed the way stock trainers do: one sequence per response.
+
+    ``mrope``: the model is a vision-language model, called as verl's engine calls it on a text-only row: position
+    ids [4, 1, L] (text positions on the three M-RoPE axes, all 0..L-1) and every position's logits (verl's forward
+    for these models takes no ``logits_to_keep``)."""
     logps = []
     with torch.set_grad_enabled(loss_fn is not None or keep_graph):
         for t, tree in enumerate(trees):
@@ -33,7 +39,12 @@ def flattened_replay(
             for i, resp in enumerate(tree.responses):
                 ids = torch.cat([tree.prompt, resp])[None]
                 # Keep the logits of positions P-1 .. P+R-2, the ones that score the response.
-                logits = model(input_ids=ids, logits_to_keep=len(resp) + 1, use_cache=False).logits[0, :-1]
+                keep = len(resp) + 1
+                if mrope:
+                    positions = torch.arange(ids.shape[1], device=ids.device).expand(MROPE_AXES, 1, -1)
+                    logits = model(input_ids=ids, position_ids=positions, use_cache=False).logits[0, -keep:-1]
+                else:
+                    logits = model(input_ids=ids, logits_to_keep=keep, use_cache=False).logits[0, :-1]
                 hook = None if on_logits is None else (lambda x, t=t, i=i: on_logits(t, i, x))
                 logits = logits.float() / temperature
                 if hook is not None:

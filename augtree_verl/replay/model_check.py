@@ -6,7 +6,8 @@ settings, and the setting that trains the model on verl's stock engine instead (
 
 - what the replay cannot call: a forward without ``logits_to_keep``, a ``get_decoder()`` that returns the model
   itself (Llama 4's text model), a multimodal model (a vision, audio or other non-text sub-config, or modules of
-  the base model around the text decoder);
+  the base model around the text decoder) other than the vision-language classes whose text decoder and LM head
+  the replay runs on text-only rows (``vlm.TEXT_VLMS``: their vision tower is the one module allowed around it);
 - attention the replay's hook does not compute: attention modules that do not dispatch through transformers'
   attention interface (Falcon, MPT, Bloom's ALiBi...), layer types other than full attention and the Gated
   DeltaNet layers of ``linear_state`` (sliding windows, chunked attention, Mamba...), a sliding window on every
@@ -39,7 +40,7 @@ import torch
 from transformers import PretrainedConfig
 
 from augtree_verl.groups import Tree
-from augtree_verl.model_shape import ModelShape
+from augtree_verl.model_shape import ModelShape, text_config
 from augtree_verl.replay.adapters import adapter_problems, causal_lm
 from augtree_verl.replay.attention import PrefillContext, original_attention, use_augtree_attention
 from augtree_verl.replay.baseline import flattened_replay
@@ -48,6 +49,7 @@ from augtree_verl.replay.memory import STOCK_ENGINE, ReplayMemory
 from augtree_verl.replay.rope import RopeRegimes, rope_parameters, stateful_ropes
 from augtree_verl.replay.run import per_response, replay
 from augtree_verl.replay.step_plan import StepPlan
+from augtree_verl.replay.vlm import TEXT_VLMS, is_text_vlm
 
 # ``config.layer_types`` entries and what the replay would need to implement for them.
 LAYER_TYPE_FEATURES = {
@@ -55,11 +57,6 @@ LAYER_TYPE_FEATURES = {
     "linear_attention": f"linear attention outside {', '.join(sorted(STATE_MODULES))}",
     "chunked_attention": "chunked attention",
 }
-
-
-def _text_config(config):
-    get = getattr(config, "get_text_config", None)
-    return get(decoder=True) if get is not None else config
 
 
 def refusal(model_type: str, problems: dict[str, tuple[list, str]]) -> str:
@@ -90,7 +87,7 @@ def check_model(model, *, training: bool = True) -> None:
     """``ValueError`` (``refusal``) if ``model`` (a transformers causal LM, possibly on the meta device, before
     FSDP wraps it) has a layer type or feature the replay does not implement; ``training`` False: a forward-only
     engine, where dropout is inactive. Reads the config, the classes and the modules: no model call."""
-    config = _text_config(model.config)  # the decoder's (a multimodal model's text config)
+    config = text_config(model.config)  # the decoder's (a multimodal model's text config)
     model_type = getattr(model.config, "model_type", None) or type(model).__name__
     n = getattr(config, "num_hidden_layers", 0)
     problems: dict[str, tuple[list, str]] = {}
@@ -129,7 +126,7 @@ def check_model(model, *, training: bool = True) -> None:
         layer = _layer_of(name)
         if layer_types and layer is not None and layer < len(layer_types) and layer_types[layer] != "full_attention":
             continue  # refused (or replayed through its state) for its layer type above
-        if not _dispatches(type(module)):
+        if not _dispatches(module):
             add(
                 "attention outside transformers' attention interface (the replay's attention hook never runs)",
                 layer,
@@ -194,6 +191,10 @@ KEY_SELECTION = {
 }
 # The name every transformers attention module dispatches through ("augtree" is one of its entries)
 ATTENTION_INTERFACE = "ALL_ATTENTION_FUNCTIONS"
+# The class-name suffix of the ``TEXT_VLMS`` (a refusal names them without it)
+VLM_SUFFIX = "ForConditionalGeneration"
+# The vision tower's name in a ``TEXT_VLMS`` model's base model
+VISION_TOWER = "visual"
 # Words in a sub-config's name that mark an input other than text.
 MODALITIES = ("vision", "visual", "image", "video", "audio", "speech", "vq", "perceiver", "qformer", "protein", "vlm")
 # Config settings that run the decoder's layers in cycles, some without gradient (recurrent depth, HRM).
@@ -214,16 +215,19 @@ def _check_structure(model, add):
     scores through a forward taking ``logits_to_keep``. Returns the decoder; None where there is no text decoder
     the replay could call."""
     cls = type(model)
+    vlm = is_text_vlm(model)  # scored through its LM head alone (``replay.vlm``)
     inputs = _modalities(model.config)
-    if inputs:
+    if inputs and not vlm:
         add(
-            "a multimodal model (the replay runs its text decoder alone, not the model's multimodal forward)",
+            "a multimodal model (the replay runs text-only rows on the text decoder and LM head of the vision-language "
+            f"models {', '.join(sorted(c.removesuffix(VLM_SUFFIX) for c in TEXT_VLMS))}, and no other multimodal "
+            "model's forward)",
             None,
             f"{cls.__name__}: {', '.join(inputs)}",
         )
         return None
     forward = getattr(cls, "forward", None)
-    if forward is None or "logits_to_keep" not in inspect.signature(forward).parameters:
+    if not vlm and (forward is None or "logits_to_keep" not in inspect.signature(forward).parameters):
         add(
             "a causal-LM forward with logits_to_keep (the replay scores through the family's own forward)",
             None,
@@ -243,6 +247,8 @@ def _check_structure(model, add):
     if base is not None and base is not decoder and base is not model:
         inside = {id(p) for p in decoder.parameters()}
         skipped = sorted({name.split(".")[0] for name, p in base.named_parameters() if id(p) not in inside})
+        if vlm:  # its vision tower: a text-only row's forward weights it by 0.0 (``replay.vlm``)
+            skipped = [name for name in skipped if name != VISION_TOWER]
         if skipped:
             add(
                 "a multimodal model: modules around its text decoder that the replay, calling the decoder alone, "
@@ -274,9 +280,12 @@ def _attention_modules(decoder) -> list[tuple[str, torch.nn.Module]]:
     ]
 
 
-def _dispatches(cls) -> bool:
-    """Whether ``cls.forward`` (the first in its MRO) calls attention through transformers' interface."""
-    forward = next((vars(k)["forward"] for k in cls.__mro__ if "forward" in vars(k)), None)
+def _dispatches(module) -> bool:
+    """Whether ``module``'s forward (its own, else the first in its class's MRO) calls attention through
+    transformers' interface."""
+    forward = vars(module).get("forward") or next(
+        (vars(k)["forward"] for k in type(module).__mro__ if "forward" in vars(k)), None
+    )
     try:
         return forward is not None and ATTENTION_INTERFACE in inspect.getsource(forward)
     except (OSError, TypeError):  # no source (a compiled or generated class): the probe's hook check decides
@@ -428,7 +437,7 @@ def probe_exactness(
     a fraction of one training step's work.
     """
     start = time.perf_counter()
-    config = _text_config(forward_model.config)
+    config = text_config(forward_model.config)
     model_type = getattr(config, "model_type", None) or type(forward_model).__name__
     embeddings = replay_model.get_input_embeddings()
     device, vocab = embeddings.weight.device, embeddings.num_embeddings
@@ -451,7 +460,7 @@ def probe_exactness(
             for p in params:
                 p.grad = None
             with original_attention(forward_model):
-                want = flattened_replay(forward_model, trees, loss)
+                want = flattened_replay(forward_model, trees, loss, mrope=is_text_vlm(causal_lm(forward_model)))
             want_grads = [_local(p.grad) for p in params]
     finally:
         for p, g in zip(params, saved):
@@ -503,7 +512,7 @@ def _check_hooked_layers(replay_model, forward_model, model_type, tree) -> torch
         replay_model.get_decoder()(
             input_ids=tree.prompt[None], position_ids=positions, attention_mask=None, use_cache=False, augtree_ctx=ctx
         )
-    n = getattr(_text_config(forward_model.config), "num_hidden_layers", len(ctx.kv))
+    n = getattr(text_config(forward_model.config), "num_hidden_layers", len(ctx.kv))
     missing = [i for i in range(n) if i not in ctx.kv]
     if missing or not ctx.kv:
         layers = getattr(forward_model.get_decoder(), "layers", None)

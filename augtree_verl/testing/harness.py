@@ -170,6 +170,7 @@ def build_engine(
     *,
     loss_agg_mode: str = "token-mean",
     lr: float = 1e-2,
+    weight_decay: float = 0.0,
     entropy_coeff: float = 0.0,
     gradient_checkpointing: bool = False,
     engine_knobs: dict | None = None,
@@ -195,14 +196,14 @@ def build_engine(
 
     # verl packs rows for use_remove_padding, which hybrid linear-attention models (Qwen3.5, Qwen3-Next) do not
     # support on the torch kernels (the recurrence would run across rows): verl's note for them is False.
-    hybrid = "linear_attention" in (getattr(AutoConfig.from_pretrained(model_path), "layer_types", None) or ())
+    text = AutoConfig.from_pretrained(model_path).get_text_config(decoder=True)
+    hybrid = "linear_attention" in (getattr(text, "layer_types", None) or ())
     model_config = HFModelConfig(
         path=model_path,
         load_tokenizer=False,
-        use_remove_padding=not hybrid,
         enable_gradient_checkpointing=gradient_checkpointing,
         override_config={"attn_implementation": "sdpa"},
-        **(model_settings or {}),
+        **{"use_remove_padding": not hybrid, **(model_settings or {})},
     )
     common: dict[str, Any] = dict(mixed_precision=FP32, use_torch_compile=False, forward_only=forward_only)
     if strategy == "augtree":
@@ -213,7 +214,11 @@ def build_engine(
     else:
         fsdp_config = FSDPEngineConfig(strategy=strategy, **common)
     optim = FSDPOptimizerConfig(
-        lr=lr, clip_grad=1.0, total_training_steps=100, weight_decay=0.0, override_optimizer_config={"eps": ADAM_EPS}
+        lr=lr,
+        clip_grad=1.0,
+        total_training_steps=100,
+        weight_decay=weight_decay,
+        override_optimizer_config={"eps": ADAM_EPS},
     )
     actor_config = FSDPActorConfig(
         strategy=strategy,
@@ -306,11 +311,21 @@ def group_rows(groups: list[tuple[int, list[int]]], *, seed: int = 0) -> list[di
 
 
 def rows_to_batch(
-    rows: list[dict], *, micro_batch_size: int = 2, temperature: float = 1.0, extra: dict[str, list] | None = None
+    rows: list[dict],
+    *,
+    micro_batch_size: int = 2,
+    temperature: float = 1.0,
+    extra: dict[str, list] | None = None,
+    mrope: bool = False,
 ) -> TensorDict:
     """The harness's batches: fixed-size micro-batches of ``micro_batch_size`` rows (see ``verl_batch``)."""
     return verl_batch.rows_to_batch(
-        rows, extra=extra, temperature=temperature, use_dynamic_bsz=False, micro_batch_size_per_gpu=micro_batch_size
+        rows,
+        extra=extra,
+        mrope=mrope,
+        temperature=temperature,
+        use_dynamic_bsz=False,
+        micro_batch_size_per_gpu=micro_batch_size,
     )
 
 

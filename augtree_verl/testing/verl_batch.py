@@ -5,19 +5,25 @@ from __future__ import annotations
 import torch
 from tensordict import TensorDict
 
+from augtree_verl.replay.vlm import MROPE_AXES
+
 
 def rows_to_batch(
     rows: list[dict],
     *,
     old_log_probs: list[torch.Tensor] | None = None,
     extra: dict[str, list] | None = None,
+    mrope: bool = False,
     **settings,
 ) -> TensorDict:
     """``rows[k] = {uid, prompt, response, advantage}`` -> the TensorDict verl's engines take (jagged nested
     tensors over prompt + response, no padding).
 
     ``old_log_probs``: one [R_k] tensor per row (zeros if omitted). ``extra[key]``: one non-tensor value per row
-    (e.g. the trainer's plan entries). ``settings``: the non-tensor knobs verl's engine and loss read
+    (e.g. the trainer's plan entries). ``mrope``: position ids [4, L] per row, as verl's agent loop builds them for
+    a text-only row on an M-RoPE vision-language model (its text positions on the three M-RoPE axes of
+    ``get_rope_index``, all 0..L-1 without images); else [L]. ``settings``: the non-tensor knobs verl's engine
+    and loss read
     (``temperature``, ``use_dynamic_bsz``, ``micro_batch_size_per_gpu`` or ``max_token_len_per_gpu``,
     ``calculate_entropy``, ...), over defaults for remove-padding, unfused kernels, temperature 1.
     """
@@ -27,12 +33,13 @@ def rows_to_batch(
         return torch.nested.as_nested_tensor(tensors, layout=torch.jagged)
 
     seqs = [torch.cat([row["prompt"], row["response"]]) for row in rows]
+    positions = [torch.arange(len(s)).expand(MROPE_AXES, -1) if mrope else torch.arange(len(s)) for s in seqs]
     responses = [row["response"] for row in rows]
     olds = old_log_probs if old_log_probs is not None else [torch.zeros(len(r)) for r in responses]
     return tu.get_tensordict(
         tensor_dict={
             "input_ids": nested(seqs),
-            "position_ids": nested([torch.arange(len(s)) for s in seqs]),
+            "position_ids": nested(positions),
             "attention_mask": nested([torch.ones(len(s), dtype=torch.int64) for s in seqs]),
             "prompts": nested([row["prompt"] for row in rows]),
             "responses": nested(responses),

@@ -99,10 +99,12 @@ def _rank_main(
     entropy_coeff: float,
     system: int,
     rows_per_micro_batch: int | None = None,
+    mrope: bool = False,
 ) -> None:
     """``cp_max``: the largest degree expected to run; ``system``: tokens of a system prompt in front of every
     prompt (0: none); ``rows_per_micro_batch``: verl's micro-batches, ours and the stock engine's (None: a rank's
-    whole share in one of ours, 2 rows in the stock engine's)."""
+    whole share in one of ours, 2 rows in the stock engine's); ``mrope``: verl's M-RoPE position ids (a
+    vision-language model's text-only rows)."""
     H.use_cpu_platform()  # a spawned process: select verl's CPU platform before building engines
     from verl.utils import tensordict_utils as tu
 
@@ -134,8 +136,11 @@ def _rank_main(
             our_rows,
             micro_batch_size=rows_per_micro_batch or len(our_rows),
             extra={"augtree_plan": _plan_entries(our_rows, specs)},
+            mrope=mrope,
         )
-        stock_batch = H.rows_to_batch([rows[k] for k in stock_idx], micro_batch_size=rows_per_micro_batch or 2)
+        stock_batch = H.rows_to_batch(
+            [rows[k] for k in stock_idx], micro_batch_size=rows_per_micro_batch or 2, mrope=mrope
+        )
         for b in (batch, stock_batch):  # use_remove_padding as verl's worker sets it (False for hybrids)
             tu.assign_non_tensor(
                 b, global_batch_size=len(rows), use_remove_padding=stock.model_config.use_remove_padding

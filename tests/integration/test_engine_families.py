@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from augtree_verl.replay import calls as calls_module
+from augtree_verl.replay.vlm import verl_reads_vision_output_as_tensor, vision_output_as_tensor
 from augtree_verl.testing import harness as H
 from tests.families import family_model
 from tests.integration.test_engine_cp import PLANS_DEGREE_2
@@ -41,6 +42,59 @@ def test_family_matches_stock_engine(name, tmp_path):
     H.spawn(_rank_main, (H.free_port(), _save(name, tmp_path / name), GROUPS, PROBE_BOUND), nprocs=WORLD, timeout_s=540)
 
 
+# Vision-language checkpoints, text-only rows in verl's batch format for them (M-RoPE position ids [4, L], packed
+# [4, 1, nnz] under remove-padding), with weight decay: verl's text-only forward gives the vision tower zero
+# gradients, which AdamW's decay then applies, so a replay that left them absent would leave the tower behind.
+VLM_WEIGHT_DECAY = 0.1
+# verl's use_remove_padding per family: False for the hybrids (as above) and for Qwen2(.5)-VL, whose attention verl
+# patches for remove-padding with a flash-attention-only forward (no flash attention on CPU).
+VLM_REMOVE_PADDING = {
+    "qwen2-vl": False,
+    "qwen2.5-vl": False,
+    "qwen3-vl": True,
+    "qwen3-vl-moe": True,
+    "qwen3.5-vl": False,
+    "qwen3.5-moe-vl": False,
+}
+
+
+def _vision_output_as_tensor(engine) -> None:
+    """verl 0.9.1's dummy vision forward for Qwen2(.5)-VL takes ``.mean()`` of the tower's output, which transformers 5
+    returns as an object: the stock engine cannot train a text-only batch (AttributeError). Its tower here returns
+    the merged embeddings, as the augtree engine's does (``replay.vlm.vision_output_as_tensor``)."""
+    if verl_reads_vision_output_as_tensor(engine.module):
+        vision_output_as_tensor(engine.module)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("checkpointing", [False, True])
+@pytest.mark.parametrize("name", sorted(VLM_REMOVE_PADDING))
+def test_vision_language_text_rows_match_stock_engine(name, checkpointing, tmp_path):
+    """Both engines with verl's gradient checkpointing on or off (on: the text layers and the vision blocks)."""
+    _vision_language_rows_match(name, tmp_path, gradient_checkpointing=checkpointing)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name", ["qwen3-vl", "qwen3.5-vl"])
+def test_vision_language_lora_matches_stock_engine(name, tmp_path):
+    """verl's LoRA on all linear layers, the vision tower's included: those adapters get the dummy forward's zero
+    gradients, and weight decay, in both engines."""
+    _vision_language_rows_match(name, tmp_path, lora=dict(lora_rank=4, lora_alpha=8, target_modules="all-linear"))
+
+
+def _vision_language_rows_match(name: str, tmp_path, lora: dict | None = None, **build) -> None:
+    """The dp2 family run on a vision-language checkpoint's text-only rows (M-RoPE positions, ``VLM_WEIGHT_DECAY``,
+    verl's use_remove_padding for it); ``lora``, ``build``: more model settings and ``build_engine`` settings."""
+    settings = {"use_remove_padding": VLM_REMOVE_PADDING[name], **(lora or {})}
+    build = dict(build, weight_decay=VLM_WEIGHT_DECAY, model_settings=settings)
+    H.spawn(
+        _rank_main,
+        (H.free_port(), _save(name, tmp_path / name), GROUPS, PROBE_BOUND, True, build, _vision_output_as_tensor),
+        nprocs=WORLD,
+        timeout_s=540,
+    )
+
+
 @pytest.fixture(scope="module")
 def one_rank(single_process_group):
     H.use_cpu_platform()
@@ -55,16 +109,38 @@ def test_hybrid_micro_batch_settings_match_stock_engine(one_rank, tmp_path, sett
 
 
 @pytest.mark.timeout(420)
-def test_hybrid_cp_plans_run_context_parallel(tmp_path):
+@pytest.mark.parametrize("name", ["qwen3.5", "qwen3.5-vl"])
+def test_hybrid_cp_plans_run_context_parallel(tmp_path, name):
     """World 2, one CP group of both ranks, plans of degree 2 (MoveQ, TreeMoveKV, ring): a hybrid's run context-
     parallel on both ranks (its Gated DeltaNet state through the scan, ``cp.state_scan``; nothing demoted, bytes
-    moved), and the step still matches the stock engine (``test_engine_cp``'s rank)."""
+    moved), and the step still matches the stock engine (``test_engine_cp``'s rank); Qwen3.5 as it ships too
+    (vision tower, text-only rows with M-RoPE positions)."""
+    path = _save(name, tmp_path / name)
+    mrope = name.endswith("-vl")
     H.spawn(
         cp_rank_main,
-        (WORLD, H.free_port(), _save("qwen3.5", tmp_path / "qwen3.5"), [1, 2], PLANS_DEGREE_2, 2, "token-mean", 0.0, 0),
+        (WORLD, H.free_port(), path, [1, 2], PLANS_DEGREE_2, 2, "token-mean", 0.0, 0, None, mrope),
         nprocs=WORLD,
         timeout_s=360,
     )
+
+
+def _build_with_remove_padding(rank: int, port: int, path: str) -> None:
+    H.use_cpu_platform()
+    H.init_process_group(rank=rank, world_size=1, port=port)
+    engine, _ = H.build_engine("augtree", path, model_settings={"use_remove_padding": True})
+    assert engine.exactness_probe.grad_err <= PROBE_BOUND
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.timeout(300)
+def test_qwen2_5_vl_with_remove_padding_builds(tmp_path):
+    """verl's use_remove_padding patches Qwen2.5-VL's attention class with a flash-attention-only forward outside
+    transformers' attention interface; the engine gives its own model transformers' forward back
+    (``replay.vlm.prepare_for_replay``): the build's checks and its exactness probe pass. In a process of its own:
+    verl's patches of the class stay in the process that built the engine."""
+    path = _save("qwen2.5-vl", tmp_path / "qwen2.5-vl")
+    H.spawn(_build_with_remove_padding, (H.free_port(), path), nprocs=1, timeout_s=240)
 
 
 @pytest.mark.timeout(120)

@@ -15,22 +15,35 @@ WORLD = 2
 GROUPS = [(9, [3, 5, 4, 2]), (4, [6, 2, 3, 1, 5, 2]), (6, [4, 2]), (1, [2, 1, 3, 2])]
 
 
-def _rank_main(rank: int, port: int, model_path: str, groups=GROUPS, probe_bound: float | None = None) -> None:
+def _rank_main(
+    rank: int,
+    port: int,
+    model_path: str,
+    groups=GROUPS,
+    probe_bound: float | None = None,
+    mrope: bool = False,
+    build: dict | None = None,
+    prepare_stock=None,
+) -> None:
     """STEPS optimizer steps of ``groups`` (rows dealt round-robin) on both engines: log-probs, entropies,
-    losses, grad norms and weights equal; with ``probe_bound``, the start-up probe's gradient error under it."""
+    losses, grad norms and weights equal; with ``probe_bound``, the start-up probe's gradient error under it.
+    ``mrope``: verl's M-RoPE position ids (a vision-language model's text-only rows); ``build``: ``build_engine``
+    settings of both engines; ``prepare_stock(engine)``: called on the stock engine once built."""
     H.use_cpu_platform()  # a spawned process: select verl's CPU platform before building engines
     from verl.utils import tensordict_utils as tu
 
     from tests.integration.test_engine_parity import _assert_close, _assert_params_match, _infer, _train
 
     H.init_process_group(rank=rank, world_size=WORLD, port=port)
-    stock, stock_loss = H.build_engine("fsdp2", model_path)
-    ours, our_loss = H.build_engine("augtree", model_path, engine_knobs={"micro_batch_tokens": 8})
+    stock, stock_loss = H.build_engine("fsdp2", model_path, **(build or {}))
+    if prepare_stock is not None:
+        prepare_stock(stock)
+    ours, our_loss = H.build_engine("augtree", model_path, engine_knobs={"micro_batch_tokens": 8}, **(build or {}))
     if probe_bound is not None:
         assert ours.exactness_probe.grad_err <= probe_bound
     for step in range(STEPS):
         rows = H.group_rows(groups, seed=step)[rank::WORLD]
-        batch = H.rows_to_batch(rows)
+        batch = H.rows_to_batch(rows, mrope=mrope)
         # as verl's worker does: the batch carries the model config's use_remove_padding (False for hybrids)
         tu.assign_non_tensor(
             batch, global_batch_size=len(rows) * WORLD, use_remove_padding=stock.model_config.use_remove_padding

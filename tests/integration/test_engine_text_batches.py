@@ -36,16 +36,35 @@ def test_empty_multi_modal_inputs_are_a_text_batch(engine):
         assert rel_err(g, w) <= RTOL, f"row {row}"
 
 
-def test_real_multimodal_input_is_refused_naming_the_sample(engine):
+def test_real_multimodal_input_is_refused_naming_the_samples(engine):
     rows = H.group_rows(GROUPS)
     inputs = [{} for _ in rows]
     inputs[3] = {"pixel_values": torch.zeros(4, 8), "image_grid_thw": torch.tensor([[1, 2, 2]])}
+    inputs[5] = {"pixel_values_videos": torch.zeros(4, 8), "video_grid_thw": torch.tensor([[1, 2, 2]])}
     batch = H.rows_to_batch(rows, extra={"multi_modal_inputs": inputs})
     assert tu.get(batch, "uid")[3] == "group-1"
     with pytest.raises(
         ValueError,
-        match=r"row 3 \(uid 'group-1'\) has multi_modal_inputs \['image_grid_thw', "
-        r"'pixel_values'\]",
+        match=r"image/video prompts are not yet replayed by augtree.*2 row\(s\).*"
+        r"row 3 \(uid 'group-1': image_grid_thw, pixel_values\); "
+        r"row 5 \(uid 'group-1': pixel_values_videos, video_grid_thw\).*strategy=fsdp2",
+    ):
+        _logps(engine, batch)
+
+
+def test_mrope_positions_other_than_text_positions_are_refused_naming_the_row(engine):
+    """A vision-language model's text-only rows carry [4, L] positions 0..L-1 on every axis (taken as they are);
+    positions that say otherwise (an image's grid on the M-RoPE axes) are refused, naming the row."""
+    rows = H.group_rows(GROUPS)
+    batch = H.rows_to_batch(rows, mrope=True)
+    want = _logps(engine, H.rows_to_batch(rows))
+    for row, (g, w) in enumerate(zip(_logps(engine, batch), want)):
+        assert rel_err(g, w) <= RTOL, f"row {row}"
+    positions = [p.clone() for p in batch["position_ids"].unbind()]
+    positions[4][2, 3:] += 2  # the height axis after an image of one token
+    batch["position_ids"] = torch.nested.as_nested_tensor(positions, layout=torch.jagged)
+    with pytest.raises(
+        ValueError, match=r"micro-batch 2 row 0 \(uid 'group-1'\): position_ids must be 0..4 .*\[4, L\]"
     ):
         _logps(engine, batch)
 
