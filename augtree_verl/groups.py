@@ -16,6 +16,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+# A row's position ids on a model with M-RoPE (verl's agent loop, transformers' Qwen2-VL family): its text
+# positions, then the temporal, height and width axes.
+MROPE_AXES = 4
+
 
 def tree_id(uid: str, prompt_len: int) -> str:
     """The identity of the tree of group ``uid`` whose prompt has ``prompt_len`` tokens."""

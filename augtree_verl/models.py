@@ -119,8 +119,9 @@ def slow_linear_decay(model: torch.nn.Module) -> None:
     """Every Gated DeltaNet layer's decay parameter A drawn from ``LINEAR_DECAY_A`` (torch's current RNG)."""
     with torch.no_grad():
         for module in model.modules():
-            if hasattr(module, "A_log"):  # a Gated DeltaNet layer
-                module.A_log.copy_(torch.empty_like(module.A_log).uniform_(*LINEAR_DECAY_A).log())
+            a_log = getattr(module, "A_log", None)  # a Gated DeltaNet layer's
+            if isinstance(a_log, torch.Tensor):
+                a_log.copy_(torch.empty_like(a_log).uniform_(*LINEAR_DECAY_A).log())
 
 
 def attn_implementation(device: str) -> str:

@@ -14,8 +14,7 @@ from __future__ import annotations
 import torch
 from tensordict import TensorDict
 
-from augtree_verl.groups import Tree, find_trees
-from augtree_verl.replay.vlm import MROPE_AXES
+from augtree_verl.groups import MROPE_AXES, Tree, find_trees
 
 
 def sequence_lengths(micro_batch: TensorDict) -> tuple[list[int], list[int]]:

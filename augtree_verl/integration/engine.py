@@ -22,7 +22,7 @@ calls (``replay.lockstep``: phases by CP degree, padding with dummy calls), so F
 layer and reduce-scatters gradients per backward, as the stock engine does (ZeRO-3). Reported losses and
 metrics are verl's, per verl micro-batch, evaluated on the detached outputs. A vision-language checkpoint's
 text-only rows run on its text decoder and LM head, with verl's zero-weighted dummy vision forward once per
-training step (``replay.vlm``); image and video rows are refused at the first batch, naming them.
+training step (``integration.vlm``); image and video rows are refused at the first batch, naming them.
 
 Context parallelism (``cp_degrees`` above 1): ranks form CP groups of C = max(cp_degrees) (``cp.mesh``);
 the engine reports data-parallel rank and size = world / C to verl, so every rank of a CP group gets the
@@ -55,6 +55,7 @@ from augtree_verl.integration.fsdp_model import FSDPReplayModel
 from augtree_verl.integration.loss_calls import adjoint_loss, coupling, micro_batch_adjoints
 from augtree_verl.integration.metrics import group_totals, step_metrics
 from augtree_verl.integration.run_profile import make_run_profile
+from augtree_verl.integration.vlm import prepare_for_replay
 from augtree_verl.model_shape import text_config
 from augtree_verl.plan import Plan
 from augtree_verl.plan_field import PLAN_FIELD
@@ -64,7 +65,6 @@ from augtree_verl.replay.adapters import causal_lm
 from augtree_verl.replay.memory import STOCK_ENGINE, ReplayMemory, device_budget_bytes
 from augtree_verl.replay.model_check import check_model, probe_exactness, refusal
 from augtree_verl.replay.rope import RopeRegimes
-from augtree_verl.replay.vlm import prepare_for_replay
 
 logger = logging.getLogger(__name__)
 UNSUPPORTED_FLAGS = ("calculate_sum_pi_squared", "distillation_use_topk", "distillation_only", "use_fused_kernels")
@@ -137,7 +137,7 @@ class AugTreeEngine(FSDPEngineWithLMHead):
         )
 
     def _build_fsdp_module(self, module):
-        # transformers' forwards for the modules verl's monkey patches replaced process-wide (``replay.vlm``)
+        # transformers' forwards for the modules verl's monkey patches replaced process-wide (``integration.vlm``)
         prepare_for_replay(causal_lm(module))
         # Refuse, by name, what the replay does not implement, before any work.
         check_model(module, training=not self.engine_config.forward_only)

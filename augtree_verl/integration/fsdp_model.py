@@ -21,10 +21,10 @@ from collections.abc import Callable
 
 import torch
 
+from augtree_verl.integration.vlm import trains_vision_tower, vision_dummy_loss
 from augtree_verl.model_shape import text_config
 from augtree_verl.replay.adapters import causal_lm
 from augtree_verl.replay.logits import batched_family_logits, unbatched
-from augtree_verl.replay.vlm import trains_vision_tower, vision_dummy_loss
 
 
 class _Box:
@@ -83,7 +83,7 @@ class FSDPReplayModel:
 
     def vision_dummy_backward(self) -> None:
         """A vision-language model's zero-weighted dummy vision forward and its backward, through the root, as
-        verl's forward runs it on a text-only batch (``replay.vlm.vision_dummy_loss``); nothing for other models
+        verl's forward runs it on a text-only batch (``integration.vlm.vision_dummy_loss``); nothing for other models
         or a frozen vision tower. Every rank calls it once per training step."""
         model = causal_lm(self._root)
         if trains_vision_tower(model):

@@ -10,8 +10,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from augtree_verl.groups import Tree
-from augtree_verl.replay.vlm import MROPE_AXES
+from augtree_verl.groups import MROPE_AXES, Tree
 
 LogitsHook = Callable[[int, int, torch.Tensor], None]  # on_logits(t, i, tempered float32 logits [R_i, V])
 LossFn = Callable[[int, int, torch.Tensor], torch.Tensor]  # loss_fn(t, i, log-probs [R_i]) -> scalar loss

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from tensordict import TensorDict
 
-from augtree_verl.replay.vlm import MROPE_AXES
+from augtree_verl.groups import MROPE_AXES
 
 
 def rows_to_batch(

@@ -13,8 +13,8 @@ import warnings
 import pytest
 import torch
 
+from augtree_verl.integration.vlm import verl_reads_vision_output_as_tensor, vision_output_as_tensor
 from augtree_verl.replay import calls as calls_module
-from augtree_verl.replay.vlm import verl_reads_vision_output_as_tensor, vision_output_as_tensor
 from augtree_verl.testing import harness as H
 from tests.families import family_model
 from tests.integration.test_engine_cp import PLANS_DEGREE_2
