@@ -47,6 +47,7 @@ class Background:
         self._width = 1
         self._running = 0
         self._waiting: list[int] = []  # the ranks in ``RUNS`` of the launches waiting for a slot
+        self._stopped = False
         self._local = threading.local()
         self._procs: set[subprocess.Popen] = set()
         self._futures: dict[str, Future] = {}
@@ -88,8 +89,10 @@ class Background:
         rank = getattr(self._local, "rank", len(RUNS))
         with self._gate:
             self._waiting.append(rank)
-            self._gate.wait_for(lambda: self._running < self._width and rank == min(self._waiting))
+            self._gate.wait_for(lambda: self._stopped or (self._running < self._width and rank == min(self._waiting)))
             self._waiting.remove(rank)
+            if self._stopped:
+                raise RuntimeError("the session ended before this launch could start")
             self._running += 1
             self._gate.notify_all()
         try:
@@ -123,7 +126,10 @@ class Background:
         return output
 
     def stop(self) -> None:
-        """End the launches still running (a session stopped early) and the threads."""
+        """End the launches still running (a session stopped early), start no other, and end the threads."""
+        with self._gate:
+            self._stopped = True
+            self._gate.notify_all()
         for proc in list(self._procs):
             _kill(proc)
         self._pool.shutdown(wait=True, cancel_futures=True)

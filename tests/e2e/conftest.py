@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.background import E2E_WIDTH, Background, Run
+from tests.e2e.background import E2E_WIDTH, RUN_OF_FIXTURE, Background, Run
 from tests.e2e.runs import LR, SAVE_EVERY_STEP, read_steps
 
 
@@ -23,11 +23,20 @@ def assets(e2e_background: Background) -> Path:
     return e2e_background.assets
 
 
-@pytest.fixture(scope="session")
-def compared(e2e_background: Background) -> Path:
-    """OUT_DIR of ``examples/compare_engines.sh``: <engine>.jsonl, compare.png, wandb/, checkpoints/<engine>/,
-    and log.txt (the script's output)."""
-    return e2e_background.result("compared")
+def _run_fixture(fixture: str, run: str):
+    @pytest.fixture(scope="session", name=fixture)
+    def read(e2e_background: Background):
+        return e2e_background.result(run)
+
+    read.__doc__ = f"The result of the session's run {run!r} (``background.RUNS``)."
+    return read
+
+
+# One session fixture per run: ``compared`` is OUT_DIR of ``examples/compare_engines.sh`` (<engine>.jsonl,
+# compare.png, wandb/, checkpoints/<engine>/, log.txt), ``*_async_run`` a ``Run``, ``resumed_*`` step 2's metrics
+# of a resumed run, ``agent_runs`` OUT_DIR of ``examples/train_agent.sh``, ``dapo_steps`` the DAPO run's steps.
+for _fixture, _run in RUN_OF_FIXTURE.items():
+    globals()[f"_{_fixture}"] = _run_fixture(_fixture, _run)
 
 
 @pytest.fixture(scope="session")
@@ -36,33 +45,3 @@ def sync_run(compared: Path) -> Run:
     return Run(
         compared, (f"actor_rollout_ref.actor.optim.lr={LR}", *SAVE_EVERY_STEP), read_steps(compared / "augtree.jsonl")
     )
-
-
-@pytest.fixture(scope="session")
-def colocate_async_run(e2e_background: Background) -> Run:
-    return e2e_background.result("colocate_async")
-
-
-@pytest.fixture(scope="session")
-def separate_async_run(e2e_background: Background) -> Run:
-    return e2e_background.result("separate_async")
-
-
-@pytest.fixture(scope="session")
-def resumed_colocate_async(e2e_background: Background) -> dict:
-    return e2e_background.result("resumed_colocate_async")
-
-
-@pytest.fixture(scope="session")
-def resumed_separate_async(e2e_background: Background) -> dict:
-    return e2e_background.result("resumed_separate_async")
-
-
-@pytest.fixture(scope="session")
-def agent_runs(e2e_background: Background) -> Path:
-    return e2e_background.result("agent")
-
-
-@pytest.fixture(scope="session")
-def dapo_steps(e2e_background: Background) -> list[dict]:
-    return e2e_background.result("dapo")
