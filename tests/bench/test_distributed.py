@@ -1,23 +1,44 @@
 """``augtree bench --cp 2``: every method on two spawned gloo ranks, gradients summed and checked."""
 
+import json
+import shutil
+import subprocess
+import sys
+
 import pytest
 
 from augtree_verl.bench.config import BenchConfig
 from augtree_verl.bench.distributed import run
 from augtree_verl.bench.methods import methods_for
-from augtree_verl.bench.runner import FLOAT32_GRAD_RTOL
+from augtree_verl.bench.runner import FLOAT32_GRAD_RTOL, MethodResult
 
 pytestmark = pytest.mark.slow  # spawns process groups, Ray, verl engines or subprocesses
 
 
 @pytest.mark.timeout(400)
-def test_cp2_runs_every_method_exactly():
-    cfg = BenchConfig(
-        workloads=("rag", "reasoning"), budget_tokens=3000, group_size=3, cp=2, model="qwen2-tiny", repeats=1
+def test_the_console_script_runs_every_method_exactly_on_two_ranks(tmp_path):
+    """``augtree bench --quick`` as users run it (the console script in a subprocess; the default CP degree is 2):
+    its table, progress bar, JSON and plot, every method on two gloo ranks, exact."""
+    out, png = tmp_path / "bench.json", tmp_path / "bench.png"
+    flags = ["--workload", "rag", "reasoning", "--budget", "3000", "--group-size", "3", "--repeats", "1"]
+    exe = shutil.which("augtree")
+    command = [exe] if exe else [sys.executable, "-m", "augtree_verl.cli"]
+    proc = subprocess.run(
+        [*command, "bench", "--quick", *flags, "--json", str(out), "--plot", str(png)],
+        capture_output=True,
+        text=True,
+        timeout=380,
     )
-    results = run(cfg)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "MegaN" in proc.stdout and "AugTree" in proc.stdout and "ideal FLOP-count speedup" in proc.stdout
+    assert "augtree bench" in proc.stderr  # the progress bar
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    rows = json.loads(out.read_text())["results"]
+    assert all(r["status"] == "ok" for r in rows)
+    results = [MethodResult.from_dict(r) for r in rows]
     methods = [m.name for m in methods_for(2)]  # the list test_runner pins
-    assert [(r.workload, r.method) for r in results] == [(w, m) for w in cfg.workloads for m in methods]
+    workloads = ("rag", "reasoning")
+    assert [(r.workload, r.method) for r in results] == [(w, m) for w in workloads for m in methods]
     for r in results:
         assert r.max_grad_rel_err <= FLOAT32_GRAD_RTOL, (r.workload, r.method, r.max_grad_rel_err)
         assert r.step_time_s > 0
