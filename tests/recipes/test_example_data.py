@@ -1,5 +1,6 @@
 """examples/prepare_musique_longctx.py writes data verl's RL dataset loads and verl's built-in reward scores."""
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +15,9 @@ pytestmark = pytest.mark.slow  # spawns process groups, Ray, verl engines or sub
 
 REPO = Path(__file__).resolve().parents[2]
 DATA = REPO / "tests" / "data"
-MUSIQUE_SAMPLE = str(DATA / "musique_hipporag" / "musique_train.json")  # 100 questions, official format
+MUSIQUE_SAMPLE = DATA / "musique_hipporag" / "musique_train.json"  # 100 questions, official format
+# The questions prepared here: verl's dataset tokenizes every prompt (~14k tokens each) to filter the long ones.
+QUESTIONS = 20
 TOKENIZER = str(DATA / "qwen2_5_tokenizer")
 PARAGRAPHS = 120  # ~14k tokens: long, but quick to tokenize here
 
@@ -22,12 +25,14 @@ PARAGRAPHS = 120  # ~14k tokens: long, but quick to tokenize here
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory):
     out = tmp_path_factory.mktemp("musique_longctx")
+    sample = out / "musique_sample.json"
+    sample.write_text(json.dumps(json.loads(MUSIQUE_SAMPLE.read_text())[:QUESTIONS]))
     run = subprocess.run(
         [
             sys.executable,
             str(REPO / "examples/prepare_musique_longctx.py"),
             "--input",
-            MUSIQUE_SAMPLE,
+            str(sample),
             "--output",
             str(out),
             "--total-paragraphs",
@@ -48,7 +53,7 @@ def test_verls_dataset_loads_long_prompts_within_the_recipe_limit(prepared, tmp_
     tokenizer = AutoTokenizer.from_pretrained(TOKENIZER)
     train = RLHFDataset(str(prepared / "train.parquet"), tokenizer, data_config)
     test = RLHFDataset(str(prepared / "test.parquet"), tokenizer, data_config)
-    assert (len(train), len(test)) == (95, 5)  # nothing over max_prompt_length was filtered out
+    assert (len(train), len(test)) == (19, 1)  # nothing over max_prompt_length was filtered out
     row = train[0]
     assert row["data_source"] == "searchR1_musique" and row["extra_info"]["num_paragraphs"] == PARAGRAPHS
     assert row["raw_prompt"][0]["role"] == "user" and "<answer>" in row["raw_prompt"][0]["content"]
