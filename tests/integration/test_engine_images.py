@@ -8,16 +8,19 @@ every weight, the vision tower's included, must agree, and the tower must run on
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from augtree_verl.groups import Tree, Vision
-from augtree_verl.replay import StepPlan, replay
+from augtree_verl.replay import Offload, ReplayOptions, ReplayStats, StepPlan, per_response, replay
 from augtree_verl.replay.rope import RopeRegimes
 from augtree_verl.testing import harness as H
 from tests.families import IMAGE_TOKEN, family_model
 from tests.integration.test_engine_families import VLM_REMOVE_PADDING, VLM_WEIGHT_DECAY, _save, _vision_output_as_tensor
 from tests.integration.test_engine_parity_dp2 import compare_step
+from tests.parity import assert_grads_match
 
 pytestmark = pytest.mark.slow  # spawns process groups and builds verl engines
 
@@ -120,3 +123,35 @@ def test_image_tokens_not_matching_the_grid_are_refused_naming_the_tree():
     tree = Tree.of_tokens(prompt, [row["response"]], uid="small", samples=[4], vision=vision)
     with pytest.raises(ValueError, match=r"tree 0 \(uid 'small', batch rows \[4\]\): 3 image tokens .*\[\[1, 2, 4\]\]"):
         replay(model, StepPlan.build([tree], rope=RopeRegimes.of(model.config)))
+
+
+def _replay_grads(model, tree: Tree, offload: Offload | None) -> dict[str, torch.Tensor]:
+    """Every parameter's gradient of one training replay of ``tree`` (loss: the sum of its log-probs)."""
+    model.zero_grad(set_to_none=True)
+    plan = StepPlan.build([tree], rope=RopeRegimes.of(model.config))
+    replay(model, plan, per_response(lambda t, i, logp: logp.sum()), ReplayOptions(offload=offload))
+    return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+def test_offload_moves_the_vision_tower_activations_and_stays_exact():
+    """The tower runs inside the prompt's prefill, so prompt offload moves what it saves too (counted in
+    ``offloaded_bytes``, more than the same tokens without images), and the gradients, the tower's included, stay
+    those of the replay without offload."""
+    model = family_model("qwen2.5-vl")
+    rows = [row for row in image_rows(model, seed=0) if row["uid"] == "big"]
+    prompt, inputs = rows[0]["prompt"], rows[0]["multi_modal_inputs"]
+    vision = Vision(inputs["pixel_values"], inputs["image_grid_thw"], rows[0]["positions"][:, : len(prompt)])
+    tree = Tree.of_tokens(prompt, [row["response"] for row in rows], uid="big", vision=vision)
+    want = _replay_grads(model, tree, None)
+    assert any(name.startswith("model.visual.") for name in want)
+    moved = {}
+    for images in (True, False):
+        stats = ReplayStats()
+        got = _replay_grads(
+            model, tree if images else dataclasses.replace(tree, vision=None), Offload(stats, min_bytes=0)
+        )
+        moved[images] = stats.offloaded_bytes
+        if images:
+            assert got.keys() == want.keys()
+            assert_grads_match(got, want)
+    assert moved[True] > moved[False] > 0
