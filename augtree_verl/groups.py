@@ -21,6 +21,33 @@ import torch
 MROPE_AXES = 4
 
 
+@dataclass(frozen=True, eq=False)
+class Vision:
+    """A prompt's images as verl's batch carries them for an M-RoPE vision-language model (one row's
+    ``multi_modal_inputs`` and position ids).
+
+    ``pixels`` [N, D]: ``pixel_values``, N patches of D = channels x temporal patch x patch^2 values, every image's
+    in order; ``grid_thw`` LongTensor [n, 3]: ``image_grid_thw``, each image's (t, h, w) patch grid;
+    ``positions`` LongTensor [MROPE_AXES, P]: the prompt's position ids from verl's batch (text positions, then the
+    temporal, height and width axes of ``get_rope_index``). After the prompt every axis advances by one a token:
+    token k >= P has text position k and M-RoPE positions k + ``shift`` on the three others.
+    """
+
+    pixels: torch.Tensor
+    grid_thw: torch.Tensor
+    positions: torch.Tensor
+
+    @property
+    def shift(self) -> int:
+        """M-RoPE position of the first token after the prompt, less the prompt's length."""
+        return int(self.positions[1:].max()) + 1 - self.positions.shape[1]
+
+    def key(self) -> bytes:
+        """Equal for equal images and positions, bit for bit (what a tree's rows must share)."""
+        parts = (self.pixels, self.grid_thw, self.positions)
+        return b"|".join(repr((x.dtype, tuple(x.shape))).encode() + x.cpu().numpy().tobytes() for x in parts)
+
+
 def tree_id(uid: str, prompt_len: int) -> str:
     """The identity of the tree of group ``uid`` whose prompt has ``prompt_len`` tokens."""
     return f"{uid}|{prompt_len}"
@@ -36,7 +63,8 @@ class Tree:
     ``call_lens[i]``: the length of the model call verl's stock engine runs response i's row in (the longest
     row of its verl micro-batch, whose rows it packs into one call); empty: each row alone (P + R_i, as the
     flattened baseline runs it). ``rope_len``: the call length this tree's model calls fix a length-dependent
-    rope's frequencies for (``replay.rope``; set by ``rope.split_regimes``); None: each call's own.
+    rope's frequencies for (``replay.rope``; set by ``rope.split_regimes``); None: each call's own. ``vision``: the
+    prompt's images and M-RoPE positions (``Vision``; ``replay.vlm``); None: a text prompt.
     """
 
     uid: str
@@ -47,6 +75,7 @@ class Tree:
     responses: tuple[torch.Tensor, ...] = ()
     call_lens: tuple[int, ...] = ()
     rope_len: int | None = None
+    vision: Vision | None = None
 
     @classmethod
     def of_tokens(
@@ -57,6 +86,7 @@ class Tree:
         uid: str = "",
         samples: Sequence[int] = (),
         call_lens: Sequence[int] = (),
+        vision: Vision | None = None,
     ) -> Tree:
         """The tree of ``prompt`` [P] and ``responses`` [R_i] (checked by ``check_tokens``, not here)."""
         return cls(
@@ -67,6 +97,7 @@ class Tree:
             prompt=prompt,
             responses=tuple(responses),
             call_lens=tuple(int(n) for n in call_lens),
+            vision=vision,
         )
 
     @property
@@ -162,13 +193,16 @@ def find_trees(
     response_lens: Sequence[int],
     sequences: Sequence[torch.Tensor] | None = None,
     call_lens: Sequence[int] = (),
+    visions: Sequence[Vision | None] = (),
 ) -> list[Tree]:
     """Group samples into trees by ``tree_id``; raise ValueError naming the sample on bad input.
 
     With ``sequences`` (sample i's token ids [prompt_lens[i] + response_lens[i]]) the trees carry their
     tokens, and samples of one ``tree_id`` whose prompt tokens differ become separate trees (each is
     then only part of the tree the trainer planned, so a split plan cannot apply to it); ``call_lens[i]``:
-    the length of the stock engine's call holding sample i (``Tree.call_lens``; empty: each row alone).
+    the length of the stock engine's call holding sample i (``Tree.call_lens``; empty: each row alone);
+    ``visions[i]``: sample i's images (``Vision``, None for a text prompt; empty: none has any), of which the
+    samples of one tree share equal ones (``Vision.key``): samples whose images differ become separate trees too.
     """
     if not len(uids) == len(prompt_lens) == len(response_lens):
         raise ValueError(
@@ -187,6 +221,7 @@ def find_trees(
         key: tuple = (uid, int(p))
         if sequences is not None:
             key += (prompts[offsets[i] : offsets[i + 1]].tobytes(),)
+            key += (visions[i].key() if visions and visions[i] is not None else None,)
         members.setdefault(key, []).append(i)
     if sequences is None:
         return [
@@ -200,6 +235,7 @@ def find_trees(
             uid=uid,
             samples=idx,
             call_lens=[call_lens[i] for i in idx] if call_lens else (),
+            vision=visions[idx[0]] if visions else None,
         )
-        for (uid, p, _), idx in members.items()
+        for (uid, p, _, _), idx in members.items()
     ]

@@ -81,8 +81,14 @@ _VISION_3 = dict(
 _DEEPSTACK = dict(deepstack_visual_indexes=[0])
 
 
+# Their special tokens inside the matrix's vocabulary (the released ids lie beyond it); text rows never draw them
+# (``IMAGE_TOKEN`` and above: ``tests/integration/test_engine_images.py``)
+IMAGE_TOKEN = 120
+_VLM_TOKENS = dict(image_token_id=IMAGE_TOKEN, video_token_id=121, vision_start_token_id=122, vision_end_token_id=123)
+
+
 def _vlm(vision: dict, **text) -> dict:
-    return dict(text_config={"head_dim": 8, "rope_parameters": _MROPE, **text}, vision_config=vision)
+    return dict(text_config={"head_dim": 8, "rope_parameters": _MROPE, **text}, vision_config=vision, **_VLM_TOKENS)
 
 
 ABSENT = object()  # a family's kwarg of this value drops that size of ``_SHAPE``: its config has no such attribute

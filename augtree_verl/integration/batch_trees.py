@@ -7,14 +7,21 @@ Samples of a group on another rank form that rank's own tree. Rows are numbered 
 in order (``Tree.samples``). Each row carries the length of the call verl's stock engine runs it in
 (``Tree.call_lens``): its micro-batch's longest row, as the stock engine packs a micro-batch's rows into one
 call (positions restarting at each row), which is what a length-dependent rope sees (``replay.rope``).
+
+A row whose ``multi_modal_inputs`` hold images (``pixel_values``, ``image_grid_thw``) carries them with its prompt's
+M-RoPE position ids from the batch (``groups.Vision``); rows of one uid and prompt whose images or positions differ
+become separate trees (``vision_splits`` counts them). Its response positions must continue the prompt's on every
+axis, which is what the replay computes for them (``replay.vlm.span_positions``).
 """
 
 from __future__ import annotations
 
 import torch
 from tensordict import TensorDict
+from verl.utils import tensordict_utils as tu
 
-from augtree_verl.groups import MROPE_AXES, Tree, find_trees
+from augtree_verl.groups import MROPE_AXES, Tree, Vision, find_trees
+from augtree_verl.replay.memory import STOCK_ENGINE
 
 
 def sequence_lengths(micro_batch: TensorDict) -> tuple[list[int], list[int]]:
@@ -35,10 +42,12 @@ def build_trees(micro_batches: list[TensorDict]) -> list[Tree]:
     response_lens: list[int] = []
     sequences: list[torch.Tensor] = []
     call_lens: list[int] = []
+    visions: list[Vision | None] = []
     for m, mb in enumerate(micro_batches):
         mb_uids = [str(u) for u in mb["uid"]]
         mb_prompt_lens, mb_response_lens = sequence_lengths(mb)
         call_lens += [max(p + r for p, r in zip(mb_prompt_lens, mb_response_lens))] * len(mb_uids)
+        inputs = tu.get(mb, "multi_modal_inputs", default=None) or [None] * len(mb_uids)
         for k, (seq, pos) in enumerate(zip(mb["input_ids"].unbind(), mb["position_ids"].unbind())):
             p, r = mb_prompt_lens[k], mb_response_lens[k]
             where = f"micro-batch {m} row {k} (uid {mb_uids[k]!r})"
@@ -46,7 +55,8 @@ def build_trees(micro_batches: list[TensorDict]) -> list[Tree]:
                 raise ValueError(f"{where}: input_ids has shape {tuple(seq.shape)} but prompt + response is {p} + {r}")
             if p < 1 or r < 1:
                 raise ValueError(f"{where}: prompt length {p} and response length {r} must both be >= 1")
-            if not _text_positions(pos, p + r):
+            vision = _vision(inputs[k], pos, p, r, where, seq.device)
+            if vision is None and not _text_positions(pos, p + r):
                 raise ValueError(
                     f"{where}: position_ids must be 0..{p + r - 1} (text-only, unpadded sequences; a vision-language "
                     f"model's [{MROPE_AXES}, L] M-RoPE positions 0..{p + r - 1} on every axis), got shape "
@@ -56,7 +66,43 @@ def build_trees(micro_batches: list[TensorDict]) -> list[Tree]:
             prompt_lens.append(p)
             response_lens.append(r)
             sequences.append(seq)
-    return find_trees(uids, prompt_lens, response_lens, sequences, call_lens)
+            visions.append(vision)
+    return find_trees(uids, prompt_lens, response_lens, sequences, call_lens, visions)
+
+
+def vision_splits(trees: list[Tree]) -> int:
+    """How many of ``trees`` (``build_trees``') with images are a second or later tree of one uid and prompt, split
+    from the first because their images (or positions) differ."""
+    prompts = {(tree.uid, tree.prompt.cpu().numpy().tobytes()) for tree in trees if tree.vision is not None}
+    return sum(tree.vision is not None for tree in trees) - len(prompts)
+
+
+def _vision(inputs: dict | None, positions: torch.Tensor, p: int, r: int, where: str, device) -> Vision | None:
+    """A row's images (``groups.Vision``, on ``device``) from its ``multi_modal_inputs`` and position ids [MROPE_AXES,
+    p + r]; None for a text row (verl's agent loop gives one an empty dict). ``ValueError`` naming the row (``where``)
+    for videos, other inputs, or positions that are not M-RoPE ones continuing the prompt's through the response."""
+    if not inputs:
+        return None
+    if set(inputs) != {"pixel_values", "image_grid_thw"}:
+        raise ValueError(
+            f"{where}: multi_modal_inputs with {', '.join(sorted(inputs))}; the augtree engine replays images "
+            f"(pixel_values, image_grid_thw) only; train videos and other inputs on verl's stock engine: {STOCK_ENGINE}"
+        )
+    if positions.dim() != 2 or positions.shape[0] != MROPE_AXES:
+        raise ValueError(
+            f"{where}: a row with images needs [{MROPE_AXES}, L] position ids, got {tuple(positions.shape)}"
+        )
+    vision = Vision(inputs["pixel_values"].to(device), inputs["image_grid_thw"].to(device), positions[:, :p])
+    text = torch.arange(p, p + r, device=positions.device)
+    want = torch.stack([text] + [text + vision.shift] * (MROPE_AXES - 1))
+    if not torch.equal(positions[0, :p], torch.arange(p, device=positions.device)) or not torch.equal(
+        positions[:, p:], want
+    ):
+        raise ValueError(
+            f"{where}: position_ids must be 0..{p + r - 1} on the text axis and continue the prompt's M-RoPE positions "
+            f"(from {p + vision.shift}) through the response on every axis, as verl's agent loop builds them"
+        )
+    return vision
 
 
 def _text_positions(positions: torch.Tensor, length: int) -> bool:

@@ -22,7 +22,8 @@ calls (``replay.lockstep``: phases by CP degree, padding with dummy calls), so F
 layer and reduce-scatters gradients per backward, as the stock engine does (ZeRO-3). Reported losses and
 metrics are verl's, per verl micro-batch, evaluated on the detached outputs. A vision-language checkpoint's
 text-only rows run on its text decoder and LM head, with verl's zero-weighted dummy vision forward once per
-training step (``integration.vlm``); image and video rows are refused at the first batch, naming them.
+training step (``integration.vlm``); a prompt with images runs its vision tower once per tree, inside its prefill
+(``replay.vlm``); video rows are refused at the first batch, naming them.
 
 Context parallelism (``cp_degrees`` above 1): ranks form CP groups of C = max(cp_degrees) (``cp.mesh``);
 the engine reports data-parallel rank and size = world / C to verl, so every rank of a CP group gets the
@@ -49,7 +50,7 @@ from verl.workers.engine.utils import postprocess_batch_func, prepare_micro_batc
 
 from augtree_verl.cp.mesh import CPMesh
 from augtree_verl.integration import verl_compat
-from augtree_verl.integration.batch_trees import build_trees, sequence_lengths
+from augtree_verl.integration.batch_trees import build_trees, sequence_lengths, vision_splits
 from augtree_verl.integration.config import FSDP_STRATEGY, AugTreeEngineConfig
 from augtree_verl.integration.fsdp_model import FSDPReplayModel
 from augtree_verl.integration.loss_calls import adjoint_loss, coupling, micro_batch_adjoints
@@ -219,6 +220,7 @@ class AugTreeEngine(FSDPEngineWithLMHead):
         train = not forward_only
         dp_group = self.get_data_parallel_group()
         trees = build_trees(micro_batches)
+        step.stats.vision_splits += vision_splits(trees)
         world = torch.distributed.get_world_size()
         # The trainer's plans (``use_planner`` says only where the trainer got them); none without them.
         entries = [e for mb in micro_batches for e in mb[PLAN_FIELD]] if PLAN_FIELD in micro_batches[0].keys() else None
@@ -347,20 +349,6 @@ def _check_supported(data: TensorDict) -> None:
     for flag in UNSUPPORTED_FLAGS:
         if tu.get_non_tensor_data(data=data, key=flag, default=False):
             raise ValueError(f"the augtree engine does not support {flag}=True")
-    # verl's agent loop writes multi_modal_inputs for every sample, an empty dict for text: only a non-empty
-    # one means multimodal input.
-    uid = tu.get(data, "uid", default=None)
-    rows = [
-        f"row {row} (uid {uid[row] if uid is not None else '?'!r}: {', '.join(sorted(inputs))})"
-        for row, inputs in enumerate(tu.get(data, "multi_modal_inputs", default=None) or [])
-        if inputs
-    ]
-    if rows:
-        raise ValueError(
-            f"image/video prompts are not yet replayed by augtree (it replays the text-only rows of a vision-language "
-            f"model); {len(rows)} row(s) carry multi_modal_inputs: {'; '.join(rows)}. Train image or video data on "
-            f"verl's stock engine: {STOCK_ENGINE}"
-        )
 
 
 def _temperature(data: TensorDict) -> float:

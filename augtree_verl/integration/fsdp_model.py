@@ -21,10 +21,11 @@ from collections.abc import Callable
 
 import torch
 
-from augtree_verl.integration.vlm import trains_vision_tower, vision_dummy_loss
+from augtree_verl.integration.vlm import trains_vision_tower
 from augtree_verl.model_shape import text_config
 from augtree_verl.replay.adapters import causal_lm
 from augtree_verl.replay.logits import batched_family_logits, unbatched
+from augtree_verl.replay.vlm import ImagePrefill, dummy_tower, is_text_vlm
 
 
 class _Box:
@@ -81,10 +82,16 @@ class FSDPReplayModel:
     def logits_head(self):
         return unbatched(_ThroughRoot(self._root, batched_family_logits(causal_lm(self._root))))
 
+    def image_prefill(self) -> ImagePrefill | None:
+        """A vision-language model's prefill with its vision tower (``replay.vlm.ImagePrefill``), through the root
+        (the tower's own parameters are the root's); None for other models."""
+        model = causal_lm(self._root)
+        return ImagePrefill(model, route=lambda fn: _ThroughRoot(self._root, fn)) if is_text_vlm(model) else None
+
     def vision_dummy_backward(self) -> None:
         """A vision-language model's zero-weighted dummy vision forward and its backward, through the root, as
-        verl's forward runs it on a text-only batch (``integration.vlm.vision_dummy_loss``); nothing for other models
-        or a frozen vision tower. Every rank calls it once per training step."""
+        verl's forward runs it on a text-only batch (``replay.vlm.dummy_tower``); nothing for other models or a
+        frozen vision tower. Every rank calls it once per training step."""
         model = causal_lm(self._root)
         if trains_vision_tower(model):
-            _ThroughRoot(self._root, vision_dummy_loss)(model).backward()
+            _ThroughRoot(self._root, dummy_tower)(model).backward()

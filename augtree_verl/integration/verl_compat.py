@@ -63,6 +63,10 @@ VERL_NAMES = {
         "verl.tools.schemas.OpenAIFunctionToolSchema",
         "verl.tools.schemas.ToolResponse",
     ),
+    "integration/batch_trees.py": (
+        "verl.utils.tensordict_utils",
+        "verl.utils.tensordict_utils.get",
+    ),
     "integration/config.py": ("verl.workers.config.FSDPEngineConfig",),
     "integration/cpu_platform.py": (
         "verl.plugin.platform.PlatformBase",
@@ -75,7 +79,6 @@ VERL_NAMES = {
         "verl.utils.tensordict_utils",
         "verl.utils.tensordict_utils.assign_non_tensor",
         "verl.utils.tensordict_utils.concat_tensordict",
-        "verl.utils.tensordict_utils.get",
         "verl.utils.tensordict_utils.get_non_tensor_data",
         "verl.utils.tensordict_utils.index_select_tensor_dict",
         "verl.workers.engine.fsdp.transformer_impl.FSDPEngineWithLMHead",

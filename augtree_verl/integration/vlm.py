@@ -3,7 +3,8 @@
 verl's patched forward runs a dummy 16-patch vision forward on every text-only micro-batch and adds ``0.0 *`` its
 mean, so that every rank gathers the vision tower's FSDP units alike and its parameters get zero (not absent)
 gradients, which weight decay and the optimizer state see; the engine mirrors it with one such call per training
-step (``vision_dummy_loss``).
+step (``replay.vlm.dummy_tower``, through the FSDP2 root: ``integration.fsdp_model``), and the replay with one in
+each lock-step slot where some rank's prompt has images (``replay.vlm``).
 
 verl 0.9.1 patches some of these classes' forwards process-wide when it builds a model (``apply_monkey_patch``):
 Qwen3.5's decoder layer and Gated DeltaNet (for packed rows; the patched linear attention never continues from
@@ -35,8 +36,6 @@ PATCHED_BY_VERL = {
 }
 # The classes whose text-only forward in verl 0.9.1 reads the vision tower's output as a tensor
 VISION_OUTPUT_READ_AS_TENSOR = frozenset({"Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration"})
-# verl's dummy vision input on a text-only batch: 16 zero patches on a 1 x 4 x 4 grid
-DUMMY_GRID_THW = (1, 4, 4)
 
 
 def _transformers_forwards() -> dict[str, types.FunctionType]:
@@ -87,17 +86,3 @@ def vision_output_as_tensor(model: Any) -> None:
 def trains_vision_tower(model: Any) -> bool:
     """Whether ``model`` is a ``TEXT_VLMS`` model with a vision tower that has trainable parameters."""
     return is_text_vlm(model) and any(p.requires_grad for p in model.model.visual.parameters())
-
-
-def vision_dummy_loss(model: Any) -> torch.Tensor:
-    """verl's dummy vision forward on a text-only batch, weighted 0.0 as verl weights it (its main output and, for
-    Qwen3-VL, each deepstack output): a scalar 0 whose backward gives the vision parameters zero gradients.
-    ``model``: a ``TEXT_VLMS`` causal LM (under FSDP2 call it through the root, ``integration.fsdp_model``)."""
-    visual = model.model.visual
-    config = model.config.vision_config
-    patch_dim = config.in_channels * config.temporal_patch_size * config.patch_size**2
-    t, h, w = DUMMY_GRID_THW
-    device = model.get_input_embeddings().weight.device
-    pixels = torch.zeros((t * h * w, patch_dim), dtype=visual.dtype, device=device)
-    embeds, deepstack = unpack_visual_output(visual(pixels, grid_thw=torch.tensor([DUMMY_GRID_THW], device=device)))
-    return sum((0.0 * e.mean() for e in deepstack or []), 0.0 * embeds.mean())

@@ -17,6 +17,7 @@ from augtree_verl.replay.linear_state import MIN_CALL_TOKENS, has_linear_attenti
 from augtree_verl.replay.logits import family_logits
 from augtree_verl.replay.prompt_kv import PromptKV
 from augtree_verl.replay.scoring import EntropyFn, token_scores
+from augtree_verl.replay.vlm import ImagePrefill, is_text_vlm
 
 PAD_ID = 0  # token of padded positions and of the lock-step dummy calls (any id of the vocabulary)
 
@@ -28,6 +29,17 @@ def logits_head(model):
     return own() if own is not None else family_logits(causal_lm(model))
 
 
+def image_prefill(model) -> ImagePrefill | None:
+    """``model``'s prefill with its vision tower (``vlm.ImagePrefill``; None: not a vision-language model); a
+    wrapper that must route the call (``integration.fsdp_model``) gives its own through an ``image_prefill()``
+    method."""
+    own = getattr(model, "image_prefill", None)
+    if own is not None:
+        return own()
+    lm = causal_lm(model)
+    return ImagePrefill(lm) if is_text_vlm(lm) else None
+
+
 class ModelCalls:
     """``model``'s decoder and its logits head (the family's forward tail: LM head and any transform after
     it) as the tree runs call them; ``micro_batch_loss`` None: forward only."""
@@ -35,7 +47,7 @@ class ModelCalls:
     def __init__(
         self, model, *, temperature: float, stats, entropy_fn: EntropyFn | None, micro_batch_loss, offload=None
     ):
-        self.base, self.head = model.get_decoder(), logits_head(model)
+        self.base, self.head, self.images = model.get_decoder(), logits_head(model), image_prefill(model)
         self.temperature, self.stats, self.entropy_fn = temperature, stats, entropy_fn
         self.loss, self.train = micro_batch_loss, micro_batch_loss is not None
         self.offload = offload if self.train else None  # forward only: no graph to keep, nothing to move
@@ -52,6 +64,16 @@ class ModelCalls:
             input_ids=ids, position_ids=positions, attention_mask=None, use_cache=False, augtree_ctx=ctx
         ).last_hidden_state
 
+    def tower_decoder(self, ids: torch.Tensor, positions: torch.Tensor, tree, ctx) -> torch.Tensor:
+        """``decoder`` of one prompt, ids [1, P], through the vision tower: ``tree``'s images (``groups.Tree`` with
+        ``vision``), or (``tree`` None or without images) the zero-weighted dummy tower call (``vlm.dummy_tower``)."""
+        self.stats.executed_tokens += ids.numel()
+        if tree is not None and tree.vision is not None:
+            self.stats.tower_calls += 1
+        else:
+            self.stats.tower_dummies += 1
+        return self.images.forward(ids, positions, tree, ctx)
+
     def scores(self, states: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """states [N, H], targets [N] -> [N] or [N, 2] (``scoring.token_scores``), one LM-head call."""
         return token_scores(self.head, states, targets, self.temperature, self.entropy_fn)
@@ -59,13 +81,14 @@ class ModelCalls:
     def _pad(self) -> torch.Tensor:
         return torch.full((1, 1), PAD_ID, dtype=torch.long, device=self.device)
 
-    def dummy_prompt(self, scored: bool = False) -> PromptKV:
+    def dummy_prompt(self, scored: bool = False, tower: bool = False) -> PromptKV:
         """A dummy prefill: one local token (no prompt-K/V consumer; its backward sends zeros); with ``scored``,
-        one LM-head call on it too (a trie node's scores, see ``lockstep.Shape``)."""
+        one LM-head call on it too (a trie node's scores), with ``tower`` the dummy tower call (``lockstep.Shape``)."""
 
         def prefill():
             ctx = PrefillContext()
-            hidden = self.decoder(self._pad(), torch.zeros_like(self._pad()), ctx)[0]
+            pad, at = self._pad(), torch.zeros_like(self._pad())
+            hidden = (self.tower_decoder(pad, at, None, ctx) if tower else self.decoder(pad, at, ctx))[0]
             scores = self.scores(hidden, self._pad()[0]) if scored else None
             return [ctx.kv[layer] for layer in range(len(ctx.kv))], hidden, None, scores
 

@@ -37,17 +37,19 @@ from augtree_verl.replay.trie import StepTrie, TrieNode
 
 @dataclass(frozen=True)
 class Shape:
-    """A trie node's lock-step shape: its prefill (with an LM-head call when ``scored``), ``calls`` leaf calls,
-    then each of ``children``' shapes."""
+    """A trie node's lock-step shape: its prefill (with an LM-head call when ``scored``, through the vision tower
+    when ``tower``: a prompt's images or, where another rank's has them, the dummy tower call, ``replay.vlm``),
+    ``calls`` leaf calls, then each of ``children``' shapes."""
 
     scored: bool = False
     calls: int = 0
     children: tuple[Shape, ...] = ()
+    tower: bool = False
 
     @classmethod
-    def of(cls, node: TrieNode) -> Shape:
-        """``node``'s own shape (its ``micro_batches`` set)."""
-        return cls(node.score_from is not None, len(node.micro_batches), tuple(cls.of(c) for c in node.inner))
+    def of(cls, node: TrieNode, *, tower: bool = False) -> Shape:
+        """``node``'s own shape (its ``micro_batches`` set); ``tower``: its prefill runs a prompt's images."""
+        return cls(node.score_from is not None, len(node.micro_batches), tuple(cls.of(c) for c in node.inner), tower)
 
     def union(self, other: Shape) -> Shape:
         """The smallest shape both fit in (children matched by position)."""
@@ -58,7 +60,7 @@ class Shape:
             )
             for j in range(n)
         ]
-        return Shape(self.scored or other.scored, max(self.calls, other.calls), tuple(kids))
+        return Shape(self.scored or other.scored, max(self.calls, other.calls), tuple(kids), self.tower or other.tower)
 
     @property
     def total_calls(self) -> int:
@@ -173,7 +175,10 @@ def lockstep_slots(
                 for t in range(len(trees))
                 if degrees[t] == 1 and t not in in_cp_trie and (mesh is None or subgroups[t] == mesh.cp_rank)
             ]
-            tries = [TrieSlot(root, Shape.of(root)) for root in trie.of(mine)]
+            tries = [
+                TrieSlot(root, Shape.of(root, tower=trees[root.trees()[0]].vision is not None))
+                for root in trie.of(mine)
+            ]
             tries.sort(key=lambda s: (-s.shape.total_calls, s.trees[0]))
             phases.append((1, True, tries))
             continue

@@ -22,7 +22,7 @@ import torch
 
 from augtree_verl.cp.comm import Meter
 from augtree_verl.replay.attention import use_augtree_attention
-from augtree_verl.replay.calls import ModelCalls
+from augtree_verl.replay.calls import ModelCalls, image_prefill
 from augtree_verl.replay.cp_tree import SCORE_EXCHANGE, CPTreeRun, exchange_scores
 from augtree_verl.replay.cp_trie import CPTrieRun
 from augtree_verl.replay.linear_state import refuse_cp_plans
@@ -70,6 +70,7 @@ def replay(
     vocab = model.get_input_embeddings().num_embeddings
     for t, tree in enumerate(trees):
         tree.check_tokens(t, vocab, device)
+    check_images(model, trees)
     refuse_cp_plans(model.config, step_plan.plans)
     mesh, stats = step_plan.mesh, options.stats
     dropout = getattr(model.config, "attention_dropout", None)
@@ -78,6 +79,7 @@ def replay(
     if mesh is None or mesh.cp_rank == 0:  # the plan's demotions; every rank of a CP group decides alike: one counts
         stats.trie_demoted += step_plan.trie_demoted
         stats.rope_splits += step_plan.rope_splits
+        stats.vision_cp_demoted += step_plan.vision_cp_demoted
     calls = ModelCalls(
         model,
         temperature=options.temperature,
@@ -111,6 +113,7 @@ def replay(
             for t in mine:  # counted on one rank per tree
                 stats.logical_tokens += sum(trees[t].prompt_len + r for r in trees[t].response_lens)
                 stats.trees += 1
+                stats.vision_trees += trees[t].vision is not None
                 stats.plans[step_plan.plans[t].primitive if step_plan.plans[t] else "single"] += 1
     for (t, i), value in trie_run.scores.items():
         if scores[t] is None:
@@ -121,6 +124,22 @@ def replay(
     owned = {(t, i) for t in reported for i in range(len(trees[t].responses))} | set(trie_run.scores)
     shared = _share(step_plan, scores, owned, device, stats, width=None if options.entropy_fn is None else 2)
     return in_caller_trees(shared, step_plan.origin)
+
+
+def check_images(model, trees) -> None:
+    """``ValueError`` naming the first of ``trees`` with images that ``model`` cannot run (``vlm.ImagePrefill.check``:
+    not a vision-language model of ``vlm.IMAGE_VLMS``, or image tokens that are not its grids' merged patches)."""
+    images = [(t, tree) for t, tree in enumerate(trees) if tree.vision is not None]
+    if not images:
+        return
+    prefill = image_prefill(model)
+    for t, tree in images:
+        if prefill is None:
+            raise ValueError(
+                f"tree {t} (uid {tree.uid!r}, batch rows {list(tree.samples)}) has images, but the model is not a "
+                "vision-language model"
+            )
+        prefill.check(t, tree)
 
 
 def per_response(loss_fn: LossFn) -> MicroBatchLossFn:

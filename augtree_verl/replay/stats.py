@@ -78,6 +78,14 @@ class ReplayStats:
     cp_roots: int = counter("trie/cp_roots")  # tries whose root ran context-parallel (``replay.cp_trie``)
     # trees split into one per regime of a length-dependent rope, each prefilling its prompt (``replay.rope``)
     rope_splits: int = counter("rope/split_trees")
+    # trees whose prompt has images (``replay.vlm``), each its own trie; their vision tower forwards (one a tree),
+    # the lock-step's zero-weighted dummy tower calls, their context-parallel plans run on one device, and the trees
+    # of a uid and prompt split by their images (``integration.batch_trees``)
+    vision_trees: int = counter("vision/trees")
+    tower_calls: int = counter("vision/tower_calls")
+    tower_dummies: int = counter("vision/dummy_tower_calls")
+    vision_cp_demoted: int = counter("vision/cp_demoted")
+    vision_splits: int = counter("vision/split_trees")
     micro_batches: int = counter()
     offloaded_bytes: int = counter("offload/offloaded_bytes")  # prompt activations held on the host (``Offload``)
     prefetched_bytes: int = counter("offload/prefetched_bytes")  # of those, copied back ahead of their use

@@ -13,7 +13,7 @@ the trainer's plan field) takes the trees of the step and fixes
   degree, or its trie's root's; a CP rank for degree 1), chosen by ``assign_subgroups`` unless given;
 - the lock-step shape: this rank's slots (``replay.lockstep``: one type per kind of slot), agreed over
   ``lockstep_group``;
-- the demotions, by cause (``fallbacks``, ``cp_demoted``, ``trie_demoted``, ``rope_splits``).
+- the demotions, by cause (``fallbacks``, ``cp_demoted``, ``trie_demoted``, ``rope_splits``, ``vision_cp_demoted``).
 
 It holds the decision only (frozen): how to run it (temperature, entropy, offload, where to count) is the
 ``replay.options.ReplayOptions`` that ``replay(model, step_plan, loss, options)`` takes. Every rank of a CP group
@@ -40,6 +40,7 @@ from augtree_verl.replay.memory import ReplayMemory, check_memory
 from augtree_verl.replay.microbatch import DEFAULT_MICRO_BATCH_TOKENS
 from augtree_verl.replay.rope import Origin, RopeRegimes, split_regimes
 from augtree_verl.replay.trie import MIN_SHARED_TOKENS, StepTrie, TrieNode
+from augtree_verl.replay.vlm import demote_image_plans
 
 
 @dataclass(frozen=True)
@@ -52,7 +53,8 @@ class StepPlan:
     could not apply here (``plan_field.tree_plans``); ``cp_demoted``: trees whose context-parallel plan runs on
     one device because the model cannot run it (``linear_state.demote_cp_plans``); ``cp_roots``: (root,
     degree) of the tries whose root runs context-parallel (their trees' plans are not run); ``rope``: the
-    model's rope regimes the trees were split by (``rope.split_regimes``); ``origin``: where a tree was split,
+    model's rope regimes the trees were split by (``rope.split_regimes``); ``vision_cp_demoted``: trees with images
+    whose context-parallel plan runs on one device (``vlm.demote_image_plans``); ``origin``: where a tree was split,
     each tree's (given tree, its responses), which ``replay`` reports scores and calls losses by.
     """
 
@@ -66,6 +68,7 @@ class StepPlan:
     cp_demoted: int = 0
     trie_demoted: int = 0
     rope_splits: int = 0
+    vision_cp_demoted: int = 0
     rope: RopeRegimes | None = None
     origin: Origin | None = None
 
@@ -122,7 +125,7 @@ class StepPlan:
             raise ValueError(f"micro_batch_tokens must be >= 1, got {micro_batch_tokens}")
         if min_shared_tokens < 0:
             raise ValueError(f"min_shared_tokens must be >= 0, got {min_shared_tokens}")
-        plans = _check_plans(plans, trees)
+        plans, vision_cp_demoted = demote_image_plans(trees, _check_plans(plans, trees))
         trees, plans, origin, rope_splits = split_regimes(trees, plans, rope)
         if trie is None:
             trie = StepTrie(trees, min_shared_tokens=min_shared_tokens, micro_batch_tokens=micro_batch_tokens)
@@ -172,6 +175,7 @@ class StepPlan:
             subgroups=subgroups,
             trie_demoted=shared,
             rope_splits=rope_splits,
+            vision_cp_demoted=vision_cp_demoted,
             rope=rope,
             origin=origin,
         )
@@ -251,7 +255,7 @@ def shared_root_plans(
         members = root.trees()
         degree = max(p.degree if (p := plans[t]) is not None else 1 for t in members)
         alone = len(members) == 1 and root.depth() == 1 and root.end == trees[members[0]].prompt_len
-        if alone or (degree == 1 and (cost is None or max(degrees) == 1)):
+        if alone or trees[members[0]].vision is not None or (degree == 1 and (cost is None or max(degrees) == 1)):
             continue
         if cp_trie_refusal(root) is not None:
             chosen = 1

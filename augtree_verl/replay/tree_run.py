@@ -32,6 +32,7 @@ from augtree_verl.replay.calls import PAD_ID, ModelCalls
 from augtree_verl.replay.lockstep import DummySlot, Shape, TrieSlot
 from augtree_verl.replay.prompt_kv import PromptKV
 from augtree_verl.replay.trie import Row, TrieNode, row_scores
+from augtree_verl.replay.vlm import span_positions
 
 
 class NodeState(Protocol):
@@ -66,7 +67,11 @@ class TrieRun:
     def node(self, node: TrieNode | None, shape: Shape, path: Path) -> None:
         calls, stats = self.calls, self.calls.stats
         start = stats.start_timer(calls.device)
-        prompt = calls.dummy_prompt(shape.scored) if node is None else self._prefill(node, path, shape.scored)
+        prompt = (
+            calls.dummy_prompt(shape.scored, shape.tower)
+            if node is None
+            else self._prefill(node, path, shape.scored, shape.tower)
+        )
         stats.stop_timer("prefill_s", start)
         if node is not None:
             stats.nodes += 1
@@ -87,15 +92,20 @@ class TrieRun:
                 loss.backward()
         calls.delayed_backward(prompt)
 
-    def _prefill(self, node: TrieNode, path: Path, scored: bool) -> PromptKV:
+    def _prefill(self, node: TrieNode, path: Path, scored: bool, tower: bool) -> PromptKV:
         """``node``'s tokens through the decoder, attending to ``path``; with ``scored``, one LM-head call on
-        the positions from ``node.score_from`` (a dummy row where it scores none)."""
+        the positions from ``node.score_from`` (a dummy row where it scores none); with ``tower``, through the
+        vision tower (a root prompt's images, else the dummy tower call)."""
         calls, tokens = self.calls, node.tokens
+        tree = self.trees[node.rows[0][0]]  # a node of a tree with images is that tree's alone (``trie``)
 
         def prefill():
             ctx = PrefillContext([state.kv for _, state in path])
-            positions = torch.arange(node.start, node.end, device=tokens.device)[None]
-            hidden = calls.decoder(tokens[None], positions, ctx)[0]
+            positions = span_positions(tree, node.start, node.end, 1)
+            if tower:
+                hidden = calls.tower_decoder(tokens[None], positions, tree if node.start == 0 else None, ctx)[0]
+            else:
+                hidden = calls.decoder(tokens[None], positions, ctx)[0]
             kv = [ctx.kv[layer] for layer in range(len(ctx.kv))]
             if not scored:
                 # a copy of the last row: a view would keep all rows of ``hidden`` alive until the delayed backward
@@ -116,7 +126,7 @@ class TrieRun:
         ids = torch.full((len(leaves), rq), PAD_ID, dtype=node.sequence.dtype, device=node.sequence.device)
         for b, leaf in enumerate(leaves):
             ids[b, : lengths[b] - 1] = leaf.tokens[:-1]
-        positions = torch.arange(node.end, node.end + rq, device=ids.device)[None].expand(len(leaves), -1)
+        positions = span_positions(self.trees[node.rows[0][0]], node.end, node.end + rq, len(leaves))
         hid = calls.decoder(ids, positions, ResponseContext([state.kv for _, state in path]))
         last = path[-1][1].last
         states = torch.cat([torch.cat([last[None], hid[b, : n - 1]]) for b, n in enumerate(lengths)])

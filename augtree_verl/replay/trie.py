@@ -17,7 +17,8 @@ linear-attention state, and a one-token continuation takes the layers' in-place 
 (``linear_state``).
 
 Rows of trees whose model calls run at different rope lengths (``Tree.rope_len``: the regime of a
-length-dependent rope, ``replay.rope``) never share a node: their K/V differ.
+length-dependent rope, ``replay.rope``) never share a node: their K/V differ. Nor do the rows of a tree whose
+prompt has images (``Tree.vision``) with any other tree's: equal tokens there may stand for other images.
 
 Inner nodes run as one prefill each (attending to their ancestors' K/V); leaves (the rows' own suffixes;
 identical rows share one) run as padded micro-batches of their parent's leaves. A node scores the tokens
@@ -179,9 +180,9 @@ class StepTrie:
         return self._build([r for r in self._rows if r[0] in chosen])
 
     def _build(self, rows: list[Row]) -> list[TrieNode]:
-        regimes: dict[int | None, list[Row]] = {}
-        for r in rows:
-            regimes.setdefault(self.trees[r[0]].rope_len, []).append(r)
+        regimes: dict[tuple[int | None, int | None], list[Row]] = {}
+        for r in rows:  # a tree with images shares with no other: its own key
+            regimes.setdefault((self.trees[r[0]].rope_len, r[0] if self.trees[r[0]].vision else None), []).append(r)
         groups = [group for regime in regimes.values() for group in _by_token(regime, self._arrays, 0)]
         return self._simplify([self._node(group, 0) for group in groups], top=True)
 

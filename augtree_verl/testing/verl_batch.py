@@ -22,10 +22,11 @@ def rows_to_batch(
     ``old_log_probs``: one [R_k] tensor per row (zeros if omitted). ``extra[key]``: one non-tensor value per row
     (e.g. the trainer's plan entries). ``mrope``: position ids [4, L] per row, as verl's agent loop builds them for
     a text-only row on an M-RoPE vision-language model (its text positions on the three M-RoPE axes of
-    ``get_rope_index``, all 0..L-1 without images); else [L]. ``settings``: the non-tensor knobs verl's engine
-    and loss read
-    (``temperature``, ``use_dynamic_bsz``, ``micro_batch_size_per_gpu`` or ``max_token_len_per_gpu``,
-    ``calculate_entropy``, ...), over defaults for remove-padding, unfused kernels, temperature 1.
+    ``get_rope_index``, all 0..L-1 without images); else [L]; a row's own ``positions`` ([4, L]: a row with images,
+    ``get_rope_index``'s as verl's agent loop stacks them) replace those. ``settings``: the non-tensor knobs verl's
+    engine and loss read (``temperature``, ``use_dynamic_bsz``, ``micro_batch_size_per_gpu`` or
+    ``max_token_len_per_gpu``, ``calculate_entropy``, ...), over defaults for remove-padding, unfused kernels,
+    temperature 1.
     """
     from verl.utils import tensordict_utils as tu
 
@@ -33,7 +34,10 @@ def rows_to_batch(
         return torch.nested.as_nested_tensor(tensors, layout=torch.jagged)
 
     seqs = [torch.cat([row["prompt"], row["response"]]) for row in rows]
-    positions = [torch.arange(len(s)).expand(MROPE_AXES, -1) if mrope else torch.arange(len(s)) for s in seqs]
+    positions = [
+        row.get("positions", torch.arange(len(s)).expand(MROPE_AXES, -1) if mrope else torch.arange(len(s)))
+        for row, s in zip(rows, seqs)
+    ]
     responses = [row["response"] for row in rows]
     olds = old_log_probs if old_log_probs is not None else [torch.zeros(len(r)) for r in responses]
     return tu.get_tensordict(

@@ -32,8 +32,6 @@ def _rank_main(
     H.use_cpu_platform()  # a spawned process: select verl's CPU platform before building engines
     from verl.utils import tensordict_utils as tu
 
-    from tests.integration.test_engine_parity import _assert_close, _assert_params_match, _infer, _train
-
     H.init_process_group(rank=rank, world_size=WORLD, port=port)
     stock, stock_loss = H.build_engine("fsdp2", model_path, **(build or {}))
     if prepare_stock is not None:
@@ -48,22 +46,30 @@ def _rank_main(
         tu.assign_non_tensor(
             batch, global_batch_size=len(rows) * WORLD, use_remove_padding=stock.model_config.use_remove_padding
         )
-        want, got = _infer(stock, batch, entropy=True), _infer(ours, batch, entropy=True)
-        for key in ("log_probs", "entropy"):
-            for row, (g, w) in enumerate(zip(H.response_logps(got, batch, key), H.response_logps(want, batch, key))):
-                _assert_close(f"rank {rank} step {step} {key} row {row}", g, w)
-        H.set_old_log_probs(batch, H.response_logps(want, batch), seed=step)
-        out_stock, out_ours = _train(stock, stock_loss, batch), _train(ours, our_loss, batch)
-        _assert_close(
-            f"rank {rank} step {step} loss", torch.tensor(sum(out_ours["loss"])), torch.tensor(sum(out_stock["loss"]))
-        )
-        _assert_close(
-            f"rank {rank} step {step} grad norm",
-            torch.tensor(out_ours["metrics"]["grad_norm"]),
-            torch.tensor(out_stock["metrics"]["grad_norm"]),
-        )
-        _assert_params_match(ours, stock, step)
+        compare_step((stock, stock_loss), (ours, our_loss), batch, f"rank {rank} step {step}", step)
     torch.distributed.destroy_process_group()
+
+
+def compare_step(stock: tuple, ours: tuple, batch, where: str, step: int) -> dict:
+    """One step of both engines (``(engine, loss_fn)`` each) on ``batch``: log-probs and entropies, then old log-probs
+    set (``H.set_old_log_probs``, seeded by ``step``) and a training step, whose losses, grad norms and weights must
+    agree; returns our engine's training output. ``where``: names the step in a failure."""
+    from tests.integration.test_engine_parity import _assert_close, _assert_params_match, _infer, _train
+
+    want, got = _infer(stock[0], batch, entropy=True), _infer(ours[0], batch, entropy=True)
+    for key in ("log_probs", "entropy"):
+        for row, (g, w) in enumerate(zip(H.response_logps(got, batch, key), H.response_logps(want, batch, key))):
+            _assert_close(f"{where} {key} row {row}", g, w)
+    H.set_old_log_probs(batch, H.response_logps(want, batch), seed=step)
+    out_stock, out_ours = _train(*stock, batch), _train(*ours, batch)
+    _assert_close(f"{where} loss", torch.tensor(sum(out_ours["loss"])), torch.tensor(sum(out_stock["loss"])))
+    _assert_close(
+        f"{where} grad norm",
+        torch.tensor(out_ours["metrics"]["grad_norm"]),
+        torch.tensor(out_stock["metrics"]["grad_norm"]),
+    )
+    _assert_params_match(ours[0], stock[0], step)
+    return out_ours
 
 
 @pytest.mark.timeout(420)

@@ -36,19 +36,27 @@ def test_empty_multi_modal_inputs_are_a_text_batch(engine):
         assert rel_err(g, w) <= RTOL, f"row {row}"
 
 
-def test_real_multimodal_input_is_refused_naming_the_samples(engine):
+def test_videos_are_refused_naming_the_row(engine):
+    rows = H.group_rows(GROUPS)
+    inputs = [{} for _ in rows]
+    inputs[5] = {"pixel_values_videos": torch.zeros(4, 8), "video_grid_thw": torch.tensor([[1, 2, 2]])}
+    batch = H.rows_to_batch(rows, extra={"multi_modal_inputs": inputs})
+    with pytest.raises(
+        ValueError,
+        match=r"micro-batch 2 row 1 \(uid 'group-1'\): multi_modal_inputs with pixel_values_videos, video_grid_thw; "
+        r"the augtree engine replays images .*strategy=fsdp2",
+    ):
+        _logps(engine, batch)
+
+
+def test_images_on_a_text_model_are_refused_naming_the_tree(engine):
+    """Images (tests/integration/test_engine_images.py) run on the vision-language models of ``IMAGE_VLMS`` only."""
     rows = H.group_rows(GROUPS)
     inputs = [{} for _ in rows]
     inputs[3] = {"pixel_values": torch.zeros(4, 8), "image_grid_thw": torch.tensor([[1, 2, 2]])}
-    inputs[5] = {"pixel_values_videos": torch.zeros(4, 8), "video_grid_thw": torch.tensor([[1, 2, 2]])}
-    batch = H.rows_to_batch(rows, extra={"multi_modal_inputs": inputs})
+    batch = H.rows_to_batch(rows, extra={"multi_modal_inputs": inputs}, mrope=True)
     assert tu.get(batch, "uid")[3] == "group-1"
-    with pytest.raises(
-        ValueError,
-        match=r"image/video prompts are not yet replayed by augtree.*2 row\(s\).*"
-        r"row 3 \(uid 'group-1': image_grid_thw, pixel_values\); "
-        r"row 5 \(uid 'group-1': pixel_values_videos, video_grid_thw\).*strategy=fsdp2",
-    ):
+    with pytest.raises(ValueError, match=r"\(uid 'group-1', batch rows \[3\]\) has images, but the model is not a"):
         _logps(engine, batch)
 
 

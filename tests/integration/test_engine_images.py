@@ -1,0 +1,157 @@
+"""Rows with images against verl's stock engine: a vision-language checkpoint of ``replay.vlm.IMAGE_VLMS`` trains two
+optimizer steps on 2 gloo ranks with the augtree engine and with verl's stock fsdp2 engine in float32, on a batch as
+verl's agent loop writes it (per-row ``multi_modal_inputs`` with ``pixel_values`` and ``image_grid_thw``, position ids
+[4, L] from ``get_rope_index``, packed [4, 1, nnz] where the family runs with remove-padding): images of several
+sizes, text-only groups beside them, a group whose rows sit on one rank only (the other pads the slot with the dummy
+tower call) and a uid whose rows carry two different images (two trees). Log-probs, entropies, losses, grad norms and
+every weight, the vision tower's included, must agree, and the tower must run once per tree."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from augtree_verl.groups import Tree, Vision
+from augtree_verl.replay import Offload, ReplayOptions, ReplayStats, StepPlan, per_response, replay
+from augtree_verl.replay.rope import RopeRegimes
+from augtree_verl.testing import harness as H
+from tests.families import IMAGE_TOKEN, family_model
+from tests.integration.test_engine_families import VLM_REMOVE_PADDING, VLM_WEIGHT_DECAY, _save, _vision_output_as_tensor
+from tests.integration.test_engine_parity_dp2 import compare_step
+from tests.parity import assert_grads_match
+
+pytestmark = pytest.mark.slow  # spawns process groups and builds verl engines
+
+WORLD = 2
+STEPS = 2
+# uid -> (text tokens before the image, its (t, h, w) patch grid or None for a text prompt, text tokens after it,
+# per row the response length and which of the uid's images it carries). Rows are dealt round-robin to the ranks:
+# "one" sits on rank 1 alone; "two" carries two images under one prompt (each rank splits it into two trees).
+GROUPS = {
+    "big": (3, (1, 4, 4), 2, [(3, 0), (5, 0), (4, 0), (2, 0)]),
+    "small": (2, (1, 2, 4), 3, [(4, 0), (2, 0), (3, 0)]),
+    "text": (6, None, 0, [(4, 0), (2, 0), (3, 0), (1, 0)]),
+    "one": (1, (1, 4, 8), 1, [(3, 0)]),
+    "two": (2, (1, 2, 4), 2, [(2, 0), (3, 0), (2, 1), (4, 1)]),
+}
+
+
+def image_rows(model, seed: int) -> list[dict]:
+    """``GROUPS``' rows for ``model`` (a tiny ``IMAGE_VLMS`` model: its vision config, ``get_rope_index``): each row's
+    ``multi_modal_inputs`` (its own copy, as verl repeats a sample's) and position ids [4, L] as verl's agent loop
+    builds them; text tokens are drawn below ``IMAGE_TOKEN``."""
+    g = torch.Generator().manual_seed(seed)
+    vision = model.config.vision_config
+    patch_dim = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
+    merge = vision.spatial_merge_size**2
+    rows = []
+    for uid, (before, grid, after, responses) in GROUPS.items():
+        text = lambda n: torch.randint(3, IMAGE_TOKEN, (n,), generator=g)
+        tokens = [] if grid is None else [IMAGE_TOKEN] * (grid[0] * grid[1] * grid[2] // merge)
+        prompt = torch.cat([text(before), torch.tensor(tokens, dtype=torch.long), text(after)])
+        images = [torch.randn(grid[0] * grid[1] * grid[2], patch_dim, generator=g) for _ in range(2)] if grid else []
+        for length, image in responses:
+            row = dict(uid=uid, prompt=prompt, response=text(length), advantage=float(torch.randn(1, generator=g)))
+            sequence = torch.cat([row["prompt"], row["response"]])[None]
+            inputs = {}
+            if grid is not None:
+                inputs = {"pixel_values": images[image].clone(), "image_grid_thw": torch.tensor([grid])}
+                mrope, _ = model.model.get_rope_index(
+                    sequence, (sequence == IMAGE_TOKEN).int(), image_grid_thw=inputs["image_grid_thw"]
+                )
+                row["positions"] = torch.cat([torch.arange(sequence.shape[1])[None], mrope[:, 0]])
+            row["multi_modal_inputs"] = inputs
+            rows.append(row)
+    return rows
+
+
+def _image_trees(rows: list[dict]) -> int:
+    """Trees with images among ``rows`` (one rank's): one per uid and image."""
+    return len(
+        {
+            (row["uid"], row["multi_modal_inputs"]["pixel_values"].sum().item())
+            for row in rows
+            if row["multi_modal_inputs"]
+        }
+    )
+
+
+def _rank_main(rank: int, port: int, name: str, path: str) -> None:
+    H.use_cpu_platform()
+    from verl.utils import tensordict_utils as tu
+
+    H.init_process_group(rank=rank, world_size=WORLD, port=port)
+    build = dict(weight_decay=VLM_WEIGHT_DECAY, model_settings={"use_remove_padding": VLM_REMOVE_PADDING[name]})
+    stock, stock_loss = H.build_engine("fsdp2", path, **build)
+    _vision_output_as_tensor(stock)
+    ours, our_loss = H.build_engine("augtree", path, engine_knobs={"micro_batch_tokens": 8}, **build)
+    model = family_model(name)
+    for step in range(STEPS):
+        all_rows = image_rows(model, seed=step)
+        rows = all_rows[rank::WORLD]
+        batch = H.rows_to_batch(
+            rows, extra={"multi_modal_inputs": [row["multi_modal_inputs"] for row in rows]}, mrope=True
+        )
+        tu.assign_non_tensor(
+            batch, global_batch_size=len(all_rows), use_remove_padding=stock.model_config.use_remove_padding
+        )
+        out_ours = compare_step((stock, stock_loss), (ours, our_loss), batch, f"rank {rank} step {step}", step)
+        metrics = {k: v.aggregate() for k, v in out_ours["metrics"].items() if k.startswith("augtree/vision/")}
+        trees = _image_trees(rows)
+        # once per tree: G rows of one image -> one tower forward, not G (verl's: one per micro-batch with images)
+        assert metrics["augtree/vision/tower_calls"] == metrics["augtree/vision/trees"] == trees, (rank, metrics)
+        assert metrics["augtree/vision/split_trees"] == 1, (rank, metrics)  # "two": two images, two trees
+        assert trees < sum(bool(row["multi_modal_inputs"]) for row in rows)
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name", ["qwen2.5-vl", "qwen3-vl"])
+def test_image_rows_match_stock_engine(name, tmp_path):
+    H.spawn(_rank_main, (H.free_port(), name, _save(name, tmp_path / name)), nprocs=WORLD, timeout_s=540)
+
+
+def test_image_tokens_not_matching_the_grid_are_refused_naming_the_tree():
+    """The replay checks each tree's image tokens against its ``image_grid_thw`` before any model call."""
+    model = family_model("qwen2.5-vl")
+    row = next(row for row in image_rows(model, seed=0) if row["uid"] == "small")
+    prompt = torch.cat([row["prompt"], torch.tensor([IMAGE_TOKEN])])  # one image token too many
+    inputs = row["multi_modal_inputs"]
+    vision = Vision(inputs["pixel_values"], inputs["image_grid_thw"], row["positions"][:, : len(prompt)])
+    tree = Tree.of_tokens(prompt, [row["response"]], uid="small", samples=[4], vision=vision)
+    with pytest.raises(ValueError, match=r"tree 0 \(uid 'small', batch rows \[4\]\): 3 image tokens .*\[\[1, 2, 4\]\]"):
+        replay(model, StepPlan.build([tree], rope=RopeRegimes.of(model.config)))
+
+
+def _replay_grads(model, tree: Tree, offload: Offload | None) -> dict[str, torch.Tensor]:
+    """Every parameter's gradient of one training replay of ``tree`` (loss: the sum of its log-probs)."""
+    model.zero_grad(set_to_none=True)
+    plan = StepPlan.build([tree], rope=RopeRegimes.of(model.config))
+    replay(model, plan, per_response(lambda t, i, logp: logp.sum()), ReplayOptions(offload=offload))
+    return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+def test_offload_moves_the_vision_tower_activations_and_stays_exact():
+    """The tower runs inside the prompt's prefill, so prompt offload moves what it saves too (counted in
+    ``offloaded_bytes``, more than the same tokens without images), and the gradients, the tower's included, stay
+    those of the replay without offload."""
+    model = family_model("qwen2.5-vl")
+    rows = [row for row in image_rows(model, seed=0) if row["uid"] == "big"]
+    prompt, inputs = rows[0]["prompt"], rows[0]["multi_modal_inputs"]
+    vision = Vision(inputs["pixel_values"], inputs["image_grid_thw"], rows[0]["positions"][:, : len(prompt)])
+    tree = Tree.of_tokens(prompt, [row["response"] for row in rows], uid="big", vision=vision)
+    want = _replay_grads(model, tree, None)
+    assert any(name.startswith("model.visual.") for name in want)
+    moved = {}
+    for images in (True, False):
+        stats = ReplayStats()
+        got = _replay_grads(
+            model, tree if images else dataclasses.replace(tree, vision=None), Offload(stats, min_bytes=0)
+        )
+        moved[images] = stats.offloaded_bytes
+        if images:
+            assert got.keys() == want.keys()
+            assert_grads_match(got, want)
+    assert moved[True] > moved[False] > 0
