@@ -39,6 +39,13 @@ CHAT_TEMPLATE = (
 )
 
 
+def require_positive(config, names: tuple[str, ...]) -> None:
+    """Refuse a size below 1 among ``names`` of ``config``, naming it."""
+    for name in names:
+        if getattr(config, name) < 1:
+            raise ValueError(f"{name} must be at least 1, got {getattr(config, name)}")
+
+
 @dataclass(frozen=True)
 class TaskConfig:
     """Sizes of the generated model and data; validated on construction."""
@@ -54,9 +61,7 @@ class TaskConfig:
     seed: int = 0
 
     def __post_init__(self):
-        for name in ("train_rows", "test_rows", "min_words", "hidden_size", "num_layers"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        require_positive(self, ("train_rows", "test_rows", "min_words", "hidden_size", "num_layers"))
         if self.system_words < 0:
             raise ValueError(f"system_words must be >= 0, got {self.system_words}")
         if self.max_words < self.min_words:

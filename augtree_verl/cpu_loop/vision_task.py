@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from augtree_verl.cpu_loop.reward import SHAPES_DATA_SOURCE
-from augtree_verl.cpu_loop.task import write_splits
+from augtree_verl.cpu_loop.task import require_positive, write_splits
 
 COLOURS = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 80, 220), "yellow": (230, 200, 30)}
 COUNTS = ("one", "two", "three")
@@ -78,9 +78,7 @@ class VisionTaskConfig:
     seed: int = 0
 
     def __post_init__(self):
-        for name in ("train_rows", "test_rows", "hidden_size", "num_layers"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        require_positive(self, ("train_rows", "test_rows", "hidden_size", "num_layers"))
         if self.hidden_size % 32:
             raise ValueError(f"hidden_size must be a multiple of 32 (4 heads, mrope over 8k), got {self.hidden_size}")
 
