@@ -28,14 +28,18 @@ import pandas as pd
 DATA_SOURCE = "searchR1_musique"
 INSTRUCTION = (
     "Answer the question using the documents below. Think step by step if needed, then give only the final "
-    "answer, as short as possible, between <answer> and </answer>.")
+    "answer, as short as possible, between <answer> and </answer>."
+)
 
 
 def load_records(path: str) -> list[dict]:
     """MuSiQue records from a JSON list or a JSON-lines file; only answerable questions are kept."""
     text = Path(path).expanduser().read_text()
-    records = json.loads(text) if text.lstrip().startswith("[") else [json.loads(line) for line in text.splitlines()
-                                                                     if line.strip()]
+    records = (
+        json.loads(text)
+        if text.lstrip().startswith("[")
+        else [json.loads(line) for line in text.splitlines() if line.strip()]
+    )
     for i, rec in enumerate(records):
         missing = {"id", "paragraphs", "question", "answer"} - rec.keys()
         if missing:
@@ -46,8 +50,9 @@ def load_records(path: str) -> list[dict]:
 def build_prompt(record: dict, distractors: list[dict], rng: random.Random) -> str:
     paragraphs = list(record["paragraphs"]) + distractors
     rng.shuffle(paragraphs)
-    documents = "\n\n".join(f"Document {k + 1} (Title: {p['title']})\n{p['paragraph_text']}"
-                            for k, p in enumerate(paragraphs))
+    documents = "\n\n".join(
+        f"Document {k + 1} (Title: {p['title']})\n{p['paragraph_text']}" for k, p in enumerate(paragraphs)
+    )
     return f"{INSTRUCTION}\n\n{documents}\n\nQuestion: {record['question']}"
 
 
@@ -58,17 +63,26 @@ def build_rows(records: list[dict], total_paragraphs: int, split: str, seed: int
     rows = []
     for index, record in enumerate(records):
         need = max(total_paragraphs - len(record["paragraphs"]), 0)
-        others = [p for rid, p in rng.sample(pool, min(len(pool), need + len(record["paragraphs"])))
-                  if rid != record["id"]][:need]
-        rows.append({
-            "data_source": DATA_SOURCE,
-            "prompt": [{"role": "user", "content": build_prompt(record, others, rng)}],
-            "ability": "long_context_qa",
-            "reward_model": {"style": "rule",
-                             "ground_truth": {"target": [record["answer"], *record.get("answer_aliases", [])]}},
-            "extra_info": {"split": split, "index": index, "id": record["id"],
-                           "num_paragraphs": len(record["paragraphs"]) + len(others)},
-        })
+        others = [
+            p for rid, p in rng.sample(pool, min(len(pool), need + len(record["paragraphs"]))) if rid != record["id"]
+        ][:need]
+        rows.append(
+            {
+                "data_source": DATA_SOURCE,
+                "prompt": [{"role": "user", "content": build_prompt(record, others, rng)}],
+                "ability": "long_context_qa",
+                "reward_model": {
+                    "style": "rule",
+                    "ground_truth": {"target": [record["answer"], *record.get("answer_aliases", [])]},
+                },
+                "extra_info": {
+                    "split": split,
+                    "index": index,
+                    "id": record["id"],
+                    "num_paragraphs": len(record["paragraphs"]) + len(others),
+                },
+            }
+        )
     return rows
 
 
@@ -76,8 +90,12 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--input", required=True, help="MuSiQue-Ans records (JSON lines or a JSON list)")
     parser.add_argument("--output", default="~/data/musique_longctx", help="folder for train/test parquet")
-    parser.add_argument("--total-paragraphs", type=int, default=200,
-                        help="paragraphs per prompt, own 20 included (200 ~ 23k Qwen2.5 tokens)")
+    parser.add_argument(
+        "--total-paragraphs",
+        type=int,
+        default=200,
+        help="paragraphs per prompt, own 20 included (200 ~ 23k Qwen2.5 tokens)",
+    )
     parser.add_argument("--test-fraction", type=float, default=0.05)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)

@@ -4,8 +4,15 @@
 #   bash examples/run_cpu.sh                                   # GRPO, AugTree engine, 2 steps
 #   STRATEGY=fsdp2 bash examples/run_cpu.sh                    # the same recipe on verl's stock fsdp2 engine
 #   RECIPE=dapo_augtree STEPS=5 bash examples/run_cpu.sh trainer.logger=[console,wandb]
+#   TASK=vision STRATEGY=fsdp2 bash examples/run_cpu.sh        # GRPO on images: a tiny vision-language model
 #
 # Environment:
+#   TASK        text (default) or vision: a tiny random Qwen2.5-VL and a shape task (an image of drawn shapes, "what
+#               colour is the shape?" / "how many shapes are there?", the answer checked exactly), generated in
+#               ASSETS_DIR (default ~/.cache/augtree-verl/cpu_loop_vision) by python -m augtree_verl.cpu_loop.vision_task
+#               with the Qwen2.5 tokenizer in TOKENIZER (default tests/data/qwen2_5_tokenizer); its images are read by
+#               the package's PIL-only dataset (no torchvision on CPU) and the model's processor is remote code
+#               (trust_remote_code). The augtree engine refuses image rows (by name, at the first batch) for now.
 #   RECIPE      grpo_augtree (default) or dapo_augtree
 #   STRATEGY    augtree (default) or fsdp2 (the recipe's stock-engine variant, recipes/<name>_fsdp2.yaml)
 #   MODEL_PATH  a Hugging Face causal LM directory with its tokenizer (default: a tiny random Llama-architecture model)
@@ -33,7 +40,7 @@ RECIPE="${RECIPE:-grpo_augtree}"
 STRATEGY="${STRATEGY:-augtree}"
 STEPS="${STEPS:-2}"
 NPROC="${NPROC:-2}"
-ASSETS_DIR="${ASSETS_DIR:-$HOME/.cache/augtree-verl/cpu_loop}"
+TASK="${TASK:-text}"
 PYTHON="${PYTHON:-python}"
 ROLLOUT_TP="$NPROC"
 ROLLOUT_GPUS=0
@@ -57,8 +64,27 @@ case "$STRATEGY" in
     fsdp2) CONFIG_NAME="${RECIPE%_augtree}_fsdp2"; ENGINE_ARGS=() ;;
     *) echo "STRATEGY must be augtree or fsdp2, got '$STRATEGY'" >&2; exit 2 ;;
 esac
+case "$TASK" in
+    text)
+        ASSETS_DIR="${ASSETS_DIR:-$HOME/.cache/augtree-verl/cpu_loop}"
+        TASK_MODULE=(augtree_verl.cpu_loop.task)
+        # long prompts of a few hundred words
+        TASK_ARGS=(data.max_prompt_length=1024) BATCH=2 ;;
+    vision)
+        ASSETS_DIR="${ASSETS_DIR:-$HOME/.cache/augtree-verl/cpu_loop_vision}"
+        TASK_MODULE=(augtree_verl.cpu_loop.vision_task --tokenizer "${TOKENIZER:-$REPO/tests/data/qwen2_5_tokenizer}")
+        # a prompt is about 50 tokens: the chat tokens, 16 image tokens and the question
+        # verl packs vision-language rows (remove padding) with flash-attn only: padded rows on CPU
+        TASK_ARGS=(data.max_prompt_length=128 data.image_key=images actor_rollout_ref.model.trust_remote_code=true
+                   actor_rollout_ref.model.use_remove_padding=false
+                   data.custom_cls.path=pkg://augtree_verl.cpu_loop.image_dataset data.custom_cls.name=ImageRLHFDataset)
+        # 4 prompts: an untrained model answers about one sample in eight right, so most batches of 4 x 4 samples
+        # have a group whose scores differ (a GRPO gradient) at step 1
+        BATCH=4 ;;
+    *) echo "TASK must be text or vision, got '$TASK'" >&2; exit 2 ;;
+esac
 if [[ -z "${MODEL_PATH:-}" || -z "${TRAIN_FILE:-}" || -z "${VAL_FILE:-}" ]] && [[ ! -f "$ASSETS_DIR/data/test.parquet" ]]; then
-    "$PYTHON" -m augtree_verl.cpu_loop.task --out "$ASSETS_DIR"
+    "$PYTHON" -m "${TASK_MODULE[@]}" --out "$ASSETS_DIR"
 fi
 MODEL_PATH="${MODEL_PATH:-$ASSETS_DIR/model}"
 TRAIN_FILE="${TRAIN_FILE:-$ASSETS_DIR/data/train.parquet}"
@@ -86,9 +112,9 @@ exec "$PYTHON" -m verl.trainer.main_ppo \
     +actor_rollout_ref.model.override_config.attn_implementation=sdpa \
     actor_rollout_ref.model.enable_gradient_checkpointing=false \
     data.train_files="$TRAIN_FILE" data.val_files="$VAL_FILE" \
-    data.max_prompt_length=1024 data.max_response_length=16 \
-    data.train_batch_size=2 data.dataloader_num_workers=0 \
-    actor_rollout_ref.actor.ppo_mini_batch_size=2 \
+    "${TASK_ARGS[@]}" data.max_response_length=16 \
+    data.train_batch_size="$BATCH" data.dataloader_num_workers=0 \
+    actor_rollout_ref.actor.ppo_mini_batch_size="$BATCH" \
     actor_rollout_ref.actor.ppo_max_token_len_per_gpu=8192 \
     actor_rollout_ref.actor.use_torch_compile=false \
     actor_rollout_ref.actor.fsdp_config.use_torch_compile=false \

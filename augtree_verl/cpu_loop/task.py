@@ -39,6 +39,13 @@ CHAT_TEMPLATE = (
 )
 
 
+def require_positive(config, names: tuple[str, ...]) -> None:
+    """Refuse a size below 1 among ``names`` of ``config``, naming it."""
+    for name in names:
+        if getattr(config, name) < 1:
+            raise ValueError(f"{name} must be at least 1, got {getattr(config, name)}")
+
+
 @dataclass(frozen=True)
 class TaskConfig:
     """Sizes of the generated model and data; validated on construction."""
@@ -54,9 +61,7 @@ class TaskConfig:
     seed: int = 0
 
     def __post_init__(self):
-        for name in ("train_rows", "test_rows", "min_words", "hidden_size", "num_layers"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        require_positive(self, ("train_rows", "test_rows", "min_words", "hidden_size", "num_layers"))
         if self.system_words < 0:
             raise ValueError(f"system_words must be >= 0, got {self.system_words}")
         if self.max_words < self.min_words:
@@ -147,17 +152,25 @@ def task_rows(num_rows: int, config: TaskConfig, *, split: str, seed: int) -> li
     return rows
 
 
-def write_task(out: Path, config: TaskConfig = TaskConfig()) -> tuple[Path, Path]:
-    """Write ``out/model`` and ``out/data/{train,test}.parquet``; returns (model dir, data dir)."""
+def write_splits(data_dir: Path, splits: dict[str, list[dict]]) -> Path:
+    """Each split's rows as verl-format parquet, ``data_dir/<split>.parquet``; returns ``data_dir``."""
     import pandas as pd
 
+    data_dir.mkdir(parents=True, exist_ok=True)
+    for split, rows in splits.items():
+        pd.DataFrame(rows).to_parquet(data_dir / f"{split}.parquet")
+    return data_dir
+
+
+def write_task(out: Path, config: TaskConfig = TaskConfig()) -> tuple[Path, Path]:
+    """Write ``out/model`` and ``out/data/{train,test}.parquet``; returns (model dir, data dir)."""
     out = Path(out)
     model_dir = save_model(out / "model", config)
-    data_dir = out / "data"
-    data_dir.mkdir(parents=True, exist_ok=True)
-    for split, rows, seed in (("train", config.train_rows, config.seed), ("test", config.test_rows, config.seed + 1)):
-        pd.DataFrame(task_rows(rows, config, split=split, seed=seed)).to_parquet(data_dir / f"{split}.parquet")
-    return model_dir, data_dir
+    splits = {
+        "train": task_rows(config.train_rows, config, split="train", seed=config.seed),
+        "test": task_rows(config.test_rows, config, split="test", seed=config.seed + 1),
+    }
+    return model_dir, write_splits(out / "data", splits)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -41,6 +41,9 @@ PRIVATE_OVERRIDES = {
     "puts one session's samples into the TransferQueue: PlannerFeedWorker records their "
     "lengths and reports the group to the planner once its n sessions are in; it "
     "stores a branching loop's leaves as sessions of their own",
+    "_process_multi_modal_info": "verl/utils/dataset/rl_dataset.py RLHFDataset._process_multi_modal_info reads a "
+    "row's images (for the overlong filter and the agent loop) with qwen_vl_utils, which imports torchvision: "
+    "cpu_loop.image_dataset.ImageRLHFDataset reads them with PIL alone",
     "_handle_generating_state": "verl/experimental/agent_loop/tool_agent_loop.py ToolAgentLoop."
     "_handle_generating_state runs one assistant turn: BranchingAgentLoop lets its "
     "environment reply where verl would end the trajectory",
@@ -119,7 +122,10 @@ VERL_NAMES = {
         "verl.utils.config.omega_conf_to_dataclass",
         "verl.workers.config.HFModelConfig",
         "verl.workers.rollout.replica.TokenOutput",
+        "verl.utils.model.get_hf_auto_model_class",
     ),
+    "rollout/multimodal.py": ("verl.utils.tokenizer.get_processor_token_id",),
+    "cpu_loop/image_dataset.py": ("verl.utils.dataset.rl_dataset.RLHFDataset",),
     "rollout/planner_config.py": ("verl.utils.config.omega_conf_to_dataclass",),
     "testing/harness.py": (
         "verl",

@@ -5,16 +5,20 @@ contract in verl 0.9.1): ``generate(prompt_ids, sampling_params, request_id, ...
 ``extra_fields["global_steps"]``, the version of the weights that produced it, and the memory calls
 (``wake_up``, ``sleep``, KV-cache release/resume, abort/resume, profiling) as no-ops: the model stays in
 host memory and requests run one at a time. Weights arrive with ``load_weights`` from the trainer side
-(``hf.HFServerAdapter``).
+(``hf.HFServerAdapter``). The model is loaded with the auto class verl's trainer uses for it, so a
+vision-language checkpoint is its ``*ForConditionalGeneration`` (the trainer's weight names); its requests may
+carry images (``image_data``), which the model's processor turns into its inputs (``multimodal``); videos and
+audio are refused, naming the request.
 
 Sampling is reproducible: each request's generator is seeded from the rollout seed, the weights' version,
-the prompt and how many requests for that prompt this server has seen at that version. So a group's G
+the prompt (its ids and its images' digest) and how many requests for that prompt this server has seen at that
+version. So a group's G
 responses are the same set on every run with the same seed and weights (their order within the group may
 differ); ``rollout.temperature=0`` decodes greedily.
 
 A group's prompt is prefilled once, as vLLM's prefix caching does: verl's agent loop sends a group's n
 requests one by one, each with the full prompt ids, so the server keeps each prompt's prefill
-(``PrefixCache``, keyed by the prompt ids) and decodes every response from a copy of it; the tokens are
+(``PrefixCache``, keyed by the prompt ids and images) and decodes every response from a copy of it; the tokens are
 those of a prefill per request. An entry leaves when its group's n requests are served, when it is the
 least recently used beyond ``PREFIX_CACHE_ENTRIES``, or when new weights arrive; all counted
 (``prefix_cache_stats``).
@@ -27,11 +31,12 @@ import hashlib
 from collections import Counter, OrderedDict
 
 import torch
-from transformers import AutoModelForCausalLM
 from verl.utils.config import omega_conf_to_dataclass
+from verl.utils.model import get_hf_auto_model_class
 from verl.workers.config import HFModelConfig
 from verl.workers.rollout.replica import TokenOutput
 
+from augtree_verl.rollout.multimodal import PromptInputs, prompt_inputs
 from augtree_verl.rollout.sampling import Prefix, SamplingConfig, decode, prefill
 
 # Prompts whose prefill the server keeps at once. verl's agent loop issues every prompt of a batch
@@ -50,14 +55,15 @@ def _stop_ids(model_config: HFModelConfig) -> set[int]:
     return ids
 
 
-def request_seed(seed: int, global_steps: int, prompt_ids: list[int], index: int) -> int:
-    """A 63-bit seed for the ``index``-th request for ``prompt_ids`` at weight version ``global_steps``."""
-    key = f"{seed}/{global_steps}/{index}/" + ",".join(map(str, prompt_ids))
+def request_seed(seed: int, global_steps: int, prompt_ids: list[int], index: int, media: str = "") -> int:
+    """A 63-bit seed for the ``index``-th request for ``prompt_ids`` (with images of digest ``media``, "" for
+    none) at weight version ``global_steps``."""
+    key = f"{seed}/{global_steps}/{index}/" + ",".join(map(str, prompt_ids)) + (f"/{media}" if media else "")
     return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "little") >> 1
 
 
 class PrefixCache:
-    """Prefilled prompts of the loaded weights, keyed by the prompt ids, least recently used first.
+    """Prefilled prompts of the loaded weights, keyed by the prompt ids and images, least recently used first.
 
     ``get`` returns a prompt's ``Prefix`` (prefilling it on a miss); after ``group_size`` uses (a group's n
     requests) the entry leaves. ``max_entries`` >= 1 bounds the entries; ``clear`` drops them all (new
@@ -70,16 +76,17 @@ class PrefixCache:
         if group_size < 1:
             raise ValueError(f"group_size must be at least 1, got {group_size}")
         self.max_entries, self.group_size = max_entries, group_size
-        self._entries: OrderedDict[tuple[int, ...], tuple[Prefix, int]] = OrderedDict()
+        self._entries: OrderedDict[tuple[tuple[int, ...], str], tuple[Prefix, int]] = OrderedDict()
         self.counts: Counter = Counter()
 
-    def get(self, model, prompt_ids: list[int]) -> Prefix:
-        """The prefill of ``prompt_ids`` (a non-empty list of ids) under ``model``, from the cache when present."""
-        key = tuple(prompt_ids)
+    def get(self, model, prompt_ids: list[int], inputs: PromptInputs | None = None) -> Prefix:
+        """The prefill of ``prompt_ids`` (a non-empty list of ids, with their ``inputs``) under ``model``, from the
+        cache when present."""
+        key = (tuple(prompt_ids), inputs.digest if inputs is not None else "")
         entry = self._entries.pop(key, None)
         if entry is None:
             self.counts["misses"] += 1
-            entry = (prefill(model, prompt_ids), 0)
+            entry = (prefill(model, prompt_ids, inputs), 0)
         else:
             self.counts["hits"] += 1
         prefix, uses = entry[0], entry[1] + 1
@@ -106,7 +113,8 @@ class HFRolloutServer:
         self.config = omega_conf_to_dataclass(config)
         self.model_config: HFModelConfig = omega_conf_to_dataclass(model_config, dataclass_type=HFModelConfig)
         self.replica_rank = replica_rank
-        self.model = AutoModelForCausalLM.from_pretrained(
+        model_class = get_hf_auto_model_class(self.model_config.hf_config)  # the trainer's: its weight names
+        self.model = model_class.from_pretrained(
             self.model_config.local_path,
             dtype=torch.float32,
             attn_implementation="sdpa",
@@ -154,17 +162,27 @@ class HFRolloutServer:
         mm_processor_kwargs=None,
         **kwargs,
     ) -> TokenOutput:
-        if image_data or video_data or audio_data:
-            raise ValueError(f"the hf rollout generates text only; request {request_id} has images, video or audio")
         prompt_ids = [int(t) for t in prompt_ids]
         config = self._sampling_config(len(prompt_ids), sampling_params)
+        inputs = await asyncio.to_thread(
+            prompt_inputs,
+            self.model_config.processor,
+            prompt_ids,
+            request_id,
+            image_data=image_data,
+            video_data=video_data,
+            audio_data=audio_data,
+            **(mm_processor_kwargs or {}),
+        )
+        media = inputs.digest if inputs is not None else ""
         global_steps = self.global_steps
-        key = (global_steps, tuple(prompt_ids))
+        key = (global_steps, tuple(prompt_ids), media)
         index = self._requests_per_prompt[key]
         self._requests_per_prompt[key] += 1
-        generator = torch.Generator().manual_seed(request_seed(self.config.seed, global_steps, prompt_ids, index))
+        seed = request_seed(self.config.seed, global_steps, prompt_ids, index, media)
+        generator = torch.Generator().manual_seed(seed)
         async with self._lock:
-            tokens, logps = await asyncio.to_thread(self._sample, prompt_ids, config, generator)
+            tokens, logps = await asyncio.to_thread(self._sample, prompt_ids, inputs, config, generator)
         return TokenOutput(
             token_ids=tokens,
             log_probs=logps if sampling_params.get("logprobs") else None,
@@ -173,10 +191,10 @@ class HFRolloutServer:
         )
 
     def _sample(
-        self, prompt_ids: list[int], config: SamplingConfig, generator: torch.Generator
+        self, prompt_ids: list[int], inputs: PromptInputs | None, config: SamplingConfig, generator: torch.Generator
     ) -> tuple[list[int], list[float]]:
         """One response from the prompt's shared prefill (see ``PrefixCache``); runs under the server's lock."""
-        prefix = self.prefixes.get(self.model, prompt_ids)
+        prefix = self.prefixes.get(self.model, prompt_ids, inputs)
         return decode(self.model, prefix, config, stop_ids=self.stop_ids, generator=generator)
 
     async def prefix_cache_stats(self) -> dict[str, int]:

@@ -5,7 +5,10 @@ vLLM's sampling parameters as verl's agent loop sends them: ``temperature`` (0 =
 seeded generator gives the same tokens on every run.
 
 ``prefill`` runs a prompt once and ``decode`` samples one response from a copy of its cache, so a group's
-responses share one prefill (what vLLM's prefix caching does) and give the same tokens as a prefill each.
+responses share one prefill (what vLLM's prefix caching does) and give the same tokens as a prefill each. A
+vision-language model's prompt comes with its ``multimodal.PromptInputs`` (image features, rope positions): the
+prefill runs the vision tower once, and every decoded token gets its multimodal positions explicitly (the
+model's own would come from state its last prefill left, another prompt's when prefills interleave).
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 from transformers import Cache
+
+from augtree_verl.rollout.multimodal import PromptInputs, decode_positions
 
 
 @dataclass(frozen=True)
@@ -58,20 +63,24 @@ def _pick(logits: torch.Tensor, config: SamplingConfig, generator: torch.Generat
 
 @dataclass(frozen=True)
 class Prefix:
-    """A prompt's prefill: its K/V cache (never written: each response decodes from a copy) and the logits [V]
-    of its last position (float32), which score the first response token."""
+    """A prompt's prefill: its K/V cache (never written: each response decodes from a copy), the logits [V]
+    of its last position (float32), which score the first response token, and the prompt's inputs beside its ids
+    (None for a text model)."""
 
     cache: Cache
     last_logits: torch.Tensor
+    inputs: PromptInputs | None = None
 
 
 @torch.no_grad()
-def prefill(model, prompt_ids: list[int]) -> Prefix:
-    """Run ``prompt_ids`` (a non-empty list of ids) through ``model`` once, keeping its K/V cache."""
+def prefill(model, prompt_ids: list[int], inputs: PromptInputs | None = None) -> Prefix:
+    """Run ``prompt_ids`` (a non-empty list of ids, with their ``inputs``) through ``model`` once, keeping its
+    K/V cache."""
     if not prompt_ids:
         raise ValueError("prefill needs a non-empty prompt")
-    out = model(input_ids=torch.tensor([prompt_ids]), use_cache=True)
-    return Prefix(cache=out.past_key_values, last_logits=out.logits[0, -1].float())
+    extra = {} if inputs is None else {**inputs.model_inputs, "position_ids": inputs.positions}
+    out = model(input_ids=torch.tensor([prompt_ids]), use_cache=True, **extra)
+    return Prefix(cache=out.past_key_values, last_logits=out.logits[0, -1].float(), inputs=inputs)
 
 
 @torch.no_grad()
@@ -94,5 +103,6 @@ def decode(
         logps.append(logp)
         if token in stop_ids or len(tokens) == config.max_tokens:
             return tokens, logps
-        out = model(input_ids=torch.tensor([[token]]), past_key_values=cache, use_cache=True)
+        positions = decode_positions(prefix.inputs, cache.get_seq_length())
+        out = model(input_ids=torch.tensor([[token]]), past_key_values=cache, use_cache=True, position_ids=positions)
         logits = out.logits[0, -1].float()

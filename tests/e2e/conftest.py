@@ -34,7 +34,8 @@ def _run_fixture(fixture: str, run: str):
 
 # One session fixture per run: ``compared`` is OUT_DIR of ``examples/compare_engines.sh`` (<engine>.jsonl,
 # compare.png, wandb/, checkpoints/<engine>/, log.txt), ``*_async_run`` a ``Run``, ``resumed_*`` step 2's metrics
-# of a resumed run, ``agent_runs`` OUT_DIR of ``examples/train_agent.sh``, ``dapo_steps`` the DAPO run's steps.
+# of a resumed run, ``agent_runs`` OUT_DIR of ``examples/train_agent.sh``, ``dapo_steps`` the DAPO run's steps,
+# ``vision_steps`` each vision engine's steps.
 for _fixture, _run in RUN_OF_FIXTURE.items():
     globals()[f"_{_fixture}"] = _run_fixture(_fixture, _run)
 

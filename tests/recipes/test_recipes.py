@@ -21,6 +21,7 @@ REPO = Path(__file__).resolve().parents[2]
 RECIPES = REPO / "recipes"
 PRIMARY = sorted(p.stem for p in RECIPES.glob("*.yaml"))
 AUGTREE = ["dapo_augtree", "grpo_augtree"]
+VISION = "grpo_vl_augtree"
 ENGINE_TARGET = "augtree_verl.integration.config.AugTreeEngineConfig"
 STOCK_TARGET = "verl.workers.config.FSDPEngineConfig"
 # What base/augtree_engine.yaml sets, the only difference between a recipe and its stock-engine variant.
@@ -35,7 +36,7 @@ def compose_recipe(name, overrides=()):
 
 
 def test_the_recipes_are_grpo_and_dapo_each_with_a_stock_engine_variant():
-    assert PRIMARY == ["dapo_augtree", "dapo_fsdp2", "grpo_augtree", "grpo_fsdp2"]
+    assert PRIMARY == ["dapo_augtree", "dapo_fsdp2", "grpo_augtree", "grpo_fsdp2", "grpo_vl_augtree", "grpo_vl_fsdp2"]
 
 
 @pytest.mark.parametrize("name", AUGTREE)
@@ -88,7 +89,7 @@ def _without_engine_keys(cfg) -> dict:
     return out
 
 
-@pytest.mark.parametrize("name", AUGTREE)
+@pytest.mark.parametrize("name", [*AUGTREE, VISION])
 def test_stock_variant_is_the_same_recipe_on_verls_fsdp2_engine(name):
     stock_name = name.replace("_augtree", "_fsdp2")
     ours, stock = compose_recipe(name), compose_recipe(stock_name)
@@ -126,6 +127,22 @@ def test_dapo_recipe_is_verls_dapo():
     assert overlong.enable and overlong.len == 2048 and overlong.penalty_factor == 1.0
     OmegaConf.resolve(cfg)
     assert cfg.reward.reward_kwargs.max_resp_len == cfg.data.max_response_length == 8192
+
+
+def test_vision_recipe_is_verls_qwen2_5_vl_geo3k_run_on_our_engine():
+    """verl's examples/grpo_trainer/run_qwen2_5_vl-7b.sh on Geo3K as verl's geo3k.py prepares it."""
+    cfg = compose_recipe(VISION)
+    actor, ref = cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.ref
+    assert actor.strategy == ref.strategy == "augtree" and cfg.trainer.v1.trainer_mode == "augtree_sync"
+    assert cfg.actor_rollout_ref.model.path == "Qwen/Qwen2.5-VL-7B-Instruct"
+    assert cfg.data.image_key == "images" and cfg.data.train_files == "~/data/geo3k/train.parquet"
+    assert (cfg.data.max_prompt_length, cfg.data.max_response_length, cfg.data.train_batch_size) == (1024, 2048, 512)
+    assert cfg.actor_rollout_ref.rollout.n == 5 and actor.ppo_mini_batch_size == 128
+    assert actor.use_kl_loss and actor.kl_loss_coef == 0.01 and actor.kl_loss_type == "low_var_kl"
+    OmegaConf.resolve(cfg)
+    actor_engine = omega_conf_to_dataclass(actor.fsdp_config)
+    assert type(actor_engine) is AugTreeEngineConfig and actor_engine.probe_prompt_tokens == 1024
+    validate_config(config=cfg, use_reference_policy=need_reference_policy(cfg), use_critic=need_critic(cfg))
 
 
 def test_overrides_work_as_on_any_verl_config():

@@ -115,6 +115,6 @@ def test_sampling_it_cannot_apply_is_refused(server):
         _generate(server, repetition_penalty=1.2)
 
 
-def test_multimodal_requests_are_refused(server):
-    with pytest.raises(ValueError, match="text only"):
+def test_images_for_a_text_model_are_refused(server):
+    with pytest.raises(ValueError, match="request img has images but the model has no processor"):
         ray.get(server.generate.remote(prompt_ids=PROMPT, sampling_params={}, request_id="img", image_data=["x"]))
