@@ -83,7 +83,7 @@ def _vision(inputs: dict | None, positions: torch.Tensor, p: int, r: int, where:
     for videos, other inputs, or positions that are not M-RoPE ones continuing the prompt's through the response."""
     if not inputs:
         return None
-    if set(inputs) != {"pixel_values", "image_grid_thw"}:
+    if set(inputs) - {"images_seqlens"} != {"pixel_values", "image_grid_thw"}:
         raise ValueError(
             f"{where}: multi_modal_inputs with {', '.join(sorted(inputs))}; the augtree engine replays images "
             f"(pixel_values, image_grid_thw) only; train videos and other inputs on verl's stock engine: {STOCK_ENGINE}"
@@ -92,7 +92,14 @@ def _vision(inputs: dict | None, positions: torch.Tensor, p: int, r: int, where:
         raise ValueError(
             f"{where}: a row with images needs [{MROPE_AXES}, L] position ids, got {tuple(positions.shape)}"
         )
-    vision = Vision(inputs["pixel_values"].to(device), inputs["image_grid_thw"].to(device), positions[:, :p])
+    # verl's agent loop adds each image frame's patch count (its MFU metric reads them): the grid's, or a bad row.
+    grid = inputs["image_grid_thw"]
+    if "images_seqlens" in inputs and not torch.equal(
+        torch.as_tensor(inputs["images_seqlens"]).cpu(),
+        torch.repeat_interleave(grid[:, 1] * grid[:, 2], grid[:, 0]).cpu(),
+    ):
+        raise ValueError(f"{where}: images_seqlens {inputs['images_seqlens']} do not match image_grid_thw {grid}")
+    vision = Vision(inputs["pixel_values"].to(device), grid.to(device), positions[:, :p])
     text = torch.arange(p, p + r, device=positions.device)
     want = torch.stack([text] + [text + vision.shift] * (MROPE_AXES - 1))
     if not torch.equal(positions[0, :p], torch.arange(p, device=positions.device)) or not torch.equal(

@@ -27,9 +27,8 @@ from tests.e2e.runs import AGENT_SIZES, LR, REPO, SAVE_EVERY_STEP, read_steps, r
 LAUNCH_TIMEOUT_S = 1100
 # Launches at once while the session is in tests/e2e: two use the 2 cores (one launch is about one core's work).
 E2E_WIDTH = 2
-# The engines the vision run trains, one launch each. augtree refuses image rows today (at the first batch, naming
-# the rows); once it replays them, add it here and test_vision compares its step 1 with fsdp2's.
-VISION_ENGINES = ("fsdp2",)
+# The engines the vision run trains, one launch each (test_vision compares their step 1).
+VISION_ENGINES = ("fsdp2", "augtree")
 
 
 @dataclass(frozen=True)

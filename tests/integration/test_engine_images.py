@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from augtree_verl.groups import Tree, Vision
+from augtree_verl.integration.batch_trees import _vision
 from augtree_verl.replay import Offload, ReplayOptions, ReplayStats, StepPlan, per_response, replay
 from augtree_verl.replay.rope import RopeRegimes
 from augtree_verl.testing import harness as H
@@ -62,6 +63,9 @@ def image_rows(model, seed: int) -> list[dict]:
                     sequence, (sequence == IMAGE_TOKEN).int(), image_grid_thw=inputs["image_grid_thw"]
                 )
                 row["positions"] = torch.cat([torch.arange(sequence.shape[1])[None], mrope[:, 0]])
+                # each image frame's patch count, as verl's agent loop adds it (its MFU metric reads it)
+                t, h, w = grid
+                inputs["images_seqlens"] = torch.full((t,), h * w)
             row["multi_modal_inputs"] = inputs
             rows.append(row)
     return rows
@@ -155,3 +159,15 @@ def test_offload_moves_the_vision_tower_activations_and_stays_exact():
             assert got.keys() == want.keys()
             assert_grads_match(got, want)
     assert moved[True] > moved[False] > 0
+
+
+def test_images_seqlens_not_matching_the_grid_are_refused_naming_the_row():
+    """verl's agent loop adds each image frame's patch count (``images_seqlens``); the engine reads the grid, so a
+    count that disagrees with it is bad input, named, not ignored."""
+    model = family_model("qwen2.5-vl")
+    row = next(row for row in image_rows(model, seed=0) if row["uid"] == "small")
+    p, r = len(row["prompt"]), len(row["response"])
+    assert _vision(row["multi_modal_inputs"], row["positions"], p, r, "row 4", "cpu") is not None
+    bad = {**row["multi_modal_inputs"], "images_seqlens": row["multi_modal_inputs"]["images_seqlens"] + 1}
+    with pytest.raises(ValueError, match=r"row 4: images_seqlens .* do not match image_grid_thw"):
+        _vision(bad, row["positions"], p, r, "row 4", "cpu")
