@@ -93,7 +93,6 @@ VERL_NAMES = {
         "verl.utils.tensordict_utils.get",
         "verl.workers.utils.losses.ppo_loss",
     ),
-    "integration/vlm.py": ("verl.utils.transformers_compat.unpack_visual_output",),
     "integration/metrics.py": (
         "verl.utils.metric.AggregationType",
         "verl.utils.metric.Metric",

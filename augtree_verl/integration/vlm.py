@@ -23,9 +23,8 @@ import types
 from typing import Any
 
 import torch
-from verl.utils.transformers_compat import unpack_visual_output
 
-from augtree_verl.replay.vlm import is_text_vlm
+from augtree_verl.replay.vlm import is_text_vlm, tower_output
 
 # transformers' modules and classes whose forward verl 0.9.1 replaces for these models (module docstring).
 PATCHED_BY_VERL = {
@@ -77,10 +76,11 @@ def verl_reads_vision_output_as_tensor(model: torch.nn.Module) -> bool:
 
 def vision_output_as_tensor(model: Any) -> None:
     """Make the vision tower of ``model`` (a ``TEXT_VLMS`` model) return its merged embeddings (the first of
-    verl's ``unpack_visual_output``) rather than transformers 5's output object: what verl's image path takes of
-    it anyway, and what verl 0.9.1's text-only dummy forward for Qwen2(.5)-VL reads (it calls ``.mean()`` on the
-    output, an AttributeError on the object: neither engine could run a text-only batch)."""
-    model.model.visual.register_forward_hook(lambda module, args, output: unpack_visual_output(output)[0])
+    ``replay.vlm.tower_output``, as of verl's ``unpack_visual_output``) rather than transformers 5's output object:
+    what verl's image path takes of it anyway, and what verl 0.9.1's text-only dummy forward for Qwen2(.5)-VL reads
+    (it calls ``.mean()`` on the output, an AttributeError on the object: neither engine could run a text-only
+    batch)."""
+    model.model.visual.register_forward_hook(lambda module, args, output: tower_output(output)[0])
 
 
 def trains_vision_tower(model: Any) -> bool:
