@@ -7,8 +7,9 @@ Compute is measured on the profile's model shapes (call ``with_model`` first), w
   tokens adds to a replay after a prompt of p tokens is n A / F + n^2 / 2 B / F_causal + n p B / F_attention,
   A and B the cost model's dense FLOPs per token and FLOPs per (query, key) pair of a pass. Three such times
   (responses of both ``DENSE_TOKENS`` lengths after the tiny prompt, the shorter after a prompt of the longer
-  length) give F (every kernel of the model's layers per token: norms, activations, RoPE cost as much as the
-  matmuls on a small model), F_causal and F_attention where the replay runs them: its own attention calls
+  length; both shorter where attention is too small a share of them to be seen, ``_dense_lengths``) give F
+  (every kernel of the model's layers per token: norms, activations, RoPE cost as much as the matmuls on a
+  small model), F_causal and F_attention where the replay runs them: its own attention calls
   (the varlen kernel for a call's own tokens, blocks against a prompt's K/V) at the lengths of long calls.
   A flash kernel's causal throughput grows with the sequence (its diagonal tiles, computed whole, are a
   shrinking share), and the replay's own calls (varlen blocks, blocks against a prompt) are not the
@@ -89,6 +90,13 @@ OVERHEAD_PROMPT, OVERHEAD_CALLS = 8, 4  # the tiny trees' prompt tokens, and the
 # The response and prompt lengths whose replay times give the model's throughputs (``_replay_throughputs``):
 # the shorter as long as a typical response call, the longer where attention is a large share.
 DENSE_TOKENS = {"cpu": (512, 2048), "cuda": (4096, 8192)}
+# Where attention is under MIN_ATTENTION_SHARE of the longer probe's FLOPs (a big vocabulary's LM head on a narrow
+# model: a 64-wide model with Qwen2.5's 151,665 tokens does 78 MFLOP a token in forward + backward and 2 kFLOP per
+# (query, key) pair, so attention is 2.6% of a 2,048-token probe), the replay's times cannot see it: the probes
+# shrink UNSEEN_ATTENTION_SHRINK-fold (seconds instead of minutes on a CPU) and the attention figures stay the
+# microbenchmarks' (``_replay_throughputs``).
+MIN_ATTENTION_SHARE = 0.05
+UNSEEN_ATTENTION_SHRINK = 8
 MIN_DENSE_SHARE = 0.1  # the dense share of the shorter response's time is taken as at least this (noise guard)
 COMM_BYTES = {"cpu": 4 << 20, "cuda": 256 << 20}
 REPEATS = 7
@@ -236,6 +244,22 @@ def _attention_step(q, k, v, dout, causal: bool):
     return step
 
 
+def _attention_share(profile, tokens: int) -> float:
+    """Attention's share of the FLOPs of a ``tokens``-token response after a tiny prompt: its causal pairs
+    against the dense work per token."""
+    pairs = tokens * profile.attention_pair_flops / 2
+    return pairs / (pairs + profile.linear_flops + profile.head_flops)
+
+
+def _dense_lengths(profile, device: torch.device) -> tuple[int, int]:
+    """The (shorter, longer) response lengths whose replay times give the throughputs: ``DENSE_TOKENS``, shrunk
+    ``UNSEEN_ATTENTION_SHRINK``-fold where attention is under ``MIN_ATTENTION_SHARE`` of the longer one."""
+    short, long = DENSE_TOKENS.get(device.type, DENSE_TOKENS["cpu"])
+    if _attention_share(profile, long) >= MIN_ATTENTION_SHARE:
+        return short, long
+    return short // UNSEEN_ATTENTION_SHRINK, long // UNSEEN_ATTENTION_SHRINK
+
+
 def _replay_costs(model, profile, device: torch.device, lockstep_group, cp_world: int) -> dict:
     """The throughputs (``_replay_throughputs``) and the fixed costs (``FIXED_COSTS``) of ``replay`` on ``model``
     (the module docstring); ``profile`` has the microbenchmarks' attention throughputs and the bandwidths;
@@ -243,7 +267,7 @@ def _replay_costs(model, profile, device: torch.device, lockstep_group, cp_world
     gen = torch.Generator().manual_seed(0)
     ids = lambda n: torch.randint(0, model.get_input_embeddings().num_embeddings, (n,), generator=gen).to(device)
     prompt = ids(OVERHEAD_PROMPT)
-    lengths = DENSE_TOKENS.get(device.type, DENSE_TOKENS["cpu"])
+    lengths = _dense_lengths(profile, device)
     loss = per_response(lambda t, i, scores: scores.sum())
     params = [p for p in model.parameters() if p.requires_grad] if hasattr(model, "parameters") else []
     saved = [p.grad for p in params]
@@ -301,7 +325,9 @@ def _replay_costs(model, profile, device: torch.device, lockstep_group, cp_world
 def _replay_throughputs(profile, lengths: tuple[int, int], added: list[float]) -> dict:
     """flops_per_s, causal_attention_flops_per_s and attention_flops_per_s from the seconds ``added`` to a
     replay by a response of ``lengths[0]`` and of ``lengths[1]`` tokens after ``OVERHEAD_PROMPT`` prompt
-    tokens, and of ``lengths[0]`` tokens after ``lengths[1]`` (the module docstring)."""
+    tokens, and of ``lengths[0]`` tokens after ``lengths[1]`` (the module docstring). Where attention is under
+    ``MIN_ATTENTION_SHARE`` of the longer response's FLOPs, ``profile``'s attention figures (the
+    microbenchmarks') stand and only the dense one is measured."""
     p = profile
     dense, pair = (p.train_factor * f for f in (p.linear_flops + p.head_flops, p.attention_pair_flops))
     short, long = lengths
@@ -312,9 +338,11 @@ def _replay_throughputs(profile, lengths: tuple[int, int], added: list[float]) -
             for n, context in ((short, OVERHEAD_PROMPT), (long, OVERHEAD_PROMPT), (short, long))
         ]
     )
-    inverse = np.linalg.solve(work, np.array(added, dtype=np.float64))
-    full = 1.0 / inverse[2] if inverse[2] > 0 else p.attention_flops_per_s
-    causal = min(1.0 / inverse[1] if inverse[1] > 0 else p.causal_attention_flops_per_s, full)
+    full, causal = p.attention_flops_per_s, p.causal_attention_flops_per_s
+    if _attention_share(p, long) >= MIN_ATTENTION_SHARE:
+        inverse = np.linalg.solve(work, np.array(added, dtype=np.float64))
+        full = 1.0 / inverse[2] if inverse[2] > 0 else full
+        causal = min(1.0 / inverse[1] if inverse[1] > 0 else causal, full)
     out = {"causal_attention_flops_per_s": float(causal), "attention_flops_per_s": float(full)}
     if added[0] > 0:  # else the load outran the shorter response: the caller's matmul figure stands
         dense_s = max(added[0] - work[0, 1] / causal - work[0, 2] / full, MIN_DENSE_SHARE * added[0])

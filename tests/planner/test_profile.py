@@ -1,3 +1,4 @@
+import copy
 import dataclasses
 
 import pytest
@@ -12,6 +13,7 @@ from augtree_verl.planner.calibrate import (
     MIN_OVERHEAD_S,
     OVERHEAD_CALLS,
     OVERHEAD_PROMPT,
+    _dense_lengths,
     _fit_fixed_costs,
     _replay_throughputs,
     _tiny_trees,
@@ -234,6 +236,40 @@ def test_a_non_positive_shorter_response_leaves_the_dense_figure_to_the_matmuls(
     fitted = _replay_throughputs(p, (512, 2048), [-added[0], added[1], added[2]])
     assert "flops_per_s" not in fitted
     assert all(v > 0 for v in fitted.values())
+
+
+@pytest.mark.parametrize(
+    "vocab, device, expected",
+    [
+        (256, "cpu", (512, 2048)),  # attention is seen: the full probes
+        (32_000, "cpu", (512, 2048)),  # 17 MFLOP a token, attention still 11% of the longer probe
+        (151_665, "cpu", (64, 256)),  # Qwen2.5's vocabulary on a 64-wide model: attention 2.6%, unseen
+        (151_665, "cuda", (4096, 8192)),  # attention 10% of a GPU's 8,192-token probe: seen
+    ],
+)
+def test_the_throughput_probes_shrink_where_attention_is_unseen(vocab, device, expected):
+    config = copy.deepcopy(TINY_CFG)
+    config.vocab_size = vocab
+    assert _dense_lengths(ClusterProfile.default().with_model(config), torch.device(device)) == expected
+
+
+def test_unseen_attention_keeps_the_microbenchmarks_figures_and_fits_the_dense_one():
+    """A 64-wide model with a 151,665-token vocabulary: its probes' times, exact for given figures, give the
+    dense figure back; the attention figures are the microbenchmarks' (the replay cannot see them)."""
+    config = copy.deepcopy(TINY_CFG)
+    config.vocab_size = 151_665
+    p = dataclasses.replace(
+        ClusterProfile.default().with_model(config), activation_checkpointing=False, **MICROBENCHMARKS
+    )
+    lengths = _dense_lengths(p, torch.device("cpu"))
+    added = [
+        _added_seconds(p, n, context, 4e10, 3e10, 5e10)
+        for n, context in ((lengths[0], OVERHEAD_PROMPT), (lengths[1], OVERHEAD_PROMPT), lengths[::-1])
+    ]
+    fitted = _replay_throughputs(p, lengths, added)
+    assert fitted["attention_flops_per_s"] == 2e10 and fitted["causal_attention_flops_per_s"] == 1e10
+    assert _added_seconds(p, lengths[0], OVERHEAD_PROMPT, fitted["flops_per_s"], 1e10, 2e10) == pytest.approx(added[0])
+    assert fitted["flops_per_s"] == pytest.approx(4e10, rel=0.05)  # off by the unseen attention's few percent
 
 
 def _calibrate_worker(rank, world, port, results):
