@@ -31,8 +31,7 @@ from augtree_verl.bench.workloads import SHARED_WORKLOADS, Workload, build_workl
 from augtree_verl.cp.mesh import CPMesh
 from augtree_verl.models import load_model, vocab_size
 from augtree_verl.planner import ClusterProfile
-from augtree_verl.planner.calibrate import calibrate
-from augtree_verl.planner.startup import RunProfile
+from augtree_verl.planner.startup import startup_profile
 from augtree_verl.replay import ReplayOptions, ReplayStats, StepPlan, Tree, per_response, replay
 from augtree_verl.replay.baseline import flattened_replay
 from augtree_verl.replay.flops import step_flops, trie_flops
@@ -117,20 +116,23 @@ def run_benchmark(cfg: BenchConfig, rank: int = 0, world: int = 1, device: str =
     model = load_model(cfg.model, device=device, dtype=dtype, seed=cfg.seed)
     methods = {name: methods_for(world, device, depth1=name in SHARED_WORKLOADS) for name in cfg.workloads}
     every = max(methods.values(), key=len)
-    # The planner's cost model, measured on this machine and process group (collective: every rank calls it and
-    # gets the same figures, so the ranks of a CP group plan alike); on one device it only predicts the AugTree
-    # step times (``predicted_s``).
-    profile = calibrate(
+    # The planner's cost model for this machine and process group, as a training run gets it: this model's,
+    # device's and world's cache file (``planner.startup``: ``$AUGTREE_PROFILE_CACHE``), else calibrated now
+    # (collective: every rank calls it and gets the same figures, so the ranks of a CP group plan alike) and
+    # cached; on one device it only predicts the AugTree step times (``predicted_s``).
+    run_profile = startup_profile(
         replace(
             ClusterProfile.default().with_model(model.config),
             activation_checkpointing=False,
             dtype_bytes=dtype.itemsize,
         ),
-        device=device,
+        user_file=None,
+        device=torch.device(device),
         model=model,
     )
+    profile = run_profile.profile
     if rank == 0:
-        print(RunProfile(profile, f"calibrated now on {world} {device} rank(s)").describe([world]), flush=True)
+        print(run_profile.describe([world]), flush=True)
     bar = tqdm(
         total=sum((cfg.repeats + 1) * len(m) + (world > 1) for m in methods.values()),
         disable=rank != 0,

@@ -32,6 +32,7 @@ def test_the_console_script_runs_every_method_exactly_on_two_ranks(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "MegaN" in proc.stdout and "AugTree" in proc.stdout and "ideal FLOP-count speedup" in proc.stdout
     assert "augtree bench" in proc.stderr  # the progress bar
+    assert "planner profile from " in proc.stdout  # this model's cached profile, or calibrated now
     assert png.read_bytes()[:4] == b"\x89PNG"
     rows = json.loads(out.read_text())["results"]
     assert all(r["status"] == "ok" for r in rows)
