@@ -12,7 +12,7 @@
 #               ASSETS_DIR (default ~/.cache/augtree-verl/cpu_loop_vision) by python -m augtree_verl.cpu_loop.vision_task
 #               with the Qwen2.5 tokenizer in TOKENIZER (default tests/data/qwen2_5_tokenizer); its images are read by
 #               the package's PIL-only dataset (no torchvision on CPU) and the model's processor is remote code
-#               (trust_remote_code). The augtree engine refuses image rows (by name, at the first batch) for now.
+#               (trust_remote_code). Both engines train it (tests/e2e/test_vision.py: the same step 1).
 #   RECIPE      grpo_augtree (default) or dapo_augtree
 #   STRATEGY    augtree (default) or fsdp2 (the recipe's stock-engine variant, recipes/<name>_fsdp2.yaml)
 #   MODEL_PATH  a Hugging Face causal LM directory with its tokenizer (default: a tiny random Llama-architecture model)
