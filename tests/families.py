@@ -282,7 +282,7 @@ REFUSED = {
         dict(n_embd=32, n_layer=2, n_head=4, resid_pdrop=0.1),
         r"'gpt2'.*layers 0-1: dropout in training .*p=0.1",
     ),
-    # a vision-language model outside ``replay.vlm.TEXT_VLMS``
+    # a vision-language model outside ``replay.vlm.VLMS``
     "glm4v": (
         tf.Glm4vConfig,
         tf.Glm4vForConditionalGeneration,

@@ -25,7 +25,7 @@ from augtree_verl.integration.vlm import trains_vision_tower
 from augtree_verl.model_shape import text_config
 from augtree_verl.replay.adapters import causal_lm
 from augtree_verl.replay.logits import batched_family_logits, unbatched
-from augtree_verl.replay.vlm import ImagePrefill, dummy_tower, is_text_vlm
+from augtree_verl.replay.vlm import ImagePrefill, dummy_tower, is_vlm
 
 
 class _Box:
@@ -86,7 +86,7 @@ class FSDPReplayModel:
         """A vision-language model's prefill with its vision tower (``replay.vlm.ImagePrefill``), through the root
         (the tower's own parameters are the root's); None for other models."""
         model = causal_lm(self._root)
-        return ImagePrefill(model, route=lambda fn: _ThroughRoot(self._root, fn)) if is_text_vlm(model) else None
+        return ImagePrefill(model, route=lambda fn: _ThroughRoot(self._root, fn)) if is_vlm(model) else None
 
     def vision_dummy_backward(self) -> None:
         """A vision-language model's zero-weighted dummy vision forward and its backward, through the root, as

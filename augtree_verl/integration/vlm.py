@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from augtree_verl.replay.vlm import is_text_vlm, tower_output
+from augtree_verl.replay.vlm import is_vlm, tower_output
 
 # transformers' modules and classes whose forward verl 0.9.1 replaces for these models (module docstring).
 PATCHED_BY_VERL = {
@@ -75,7 +75,7 @@ def verl_reads_vision_output_as_tensor(model: torch.nn.Module) -> bool:
 
 
 def vision_output_as_tensor(model: Any) -> None:
-    """Make the vision tower of ``model`` (a ``TEXT_VLMS`` model) return its merged embeddings (the first of
+    """Make the vision tower of ``model`` (a ``VLMS`` model) return its merged embeddings (the first of
     ``replay.vlm.tower_output``, as of verl's ``unpack_visual_output``) rather than transformers 5's output object:
     what verl's image path takes of it anyway, and what verl 0.9.1's text-only dummy forward for Qwen2(.5)-VL reads
     (it calls ``.mean()`` on the output, an AttributeError on the object: neither engine could run a text-only
@@ -84,5 +84,5 @@ def vision_output_as_tensor(model: Any) -> None:
 
 
 def trains_vision_tower(model: Any) -> bool:
-    """Whether ``model`` is a ``TEXT_VLMS`` model with a vision tower that has trainable parameters."""
-    return is_text_vlm(model) and any(p.requires_grad for p in model.model.visual.parameters())
+    """Whether ``model`` is a ``VLMS`` model with a vision tower that has trainable parameters."""
+    return is_vlm(model) and any(p.requires_grad for p in model.model.visual.parameters())

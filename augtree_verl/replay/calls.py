@@ -17,7 +17,7 @@ from augtree_verl.replay.linear_state import MIN_CALL_TOKENS, has_linear_attenti
 from augtree_verl.replay.logits import family_logits
 from augtree_verl.replay.prompt_kv import PromptKV
 from augtree_verl.replay.scoring import EntropyFn, token_scores
-from augtree_verl.replay.vlm import ImagePrefill, is_text_vlm
+from augtree_verl.replay.vlm import ImagePrefill, is_vlm
 
 PAD_ID = 0  # token of padded positions and of the lock-step dummy calls (any id of the vocabulary)
 
@@ -37,7 +37,7 @@ def image_prefill(model) -> ImagePrefill | None:
     if own is not None:
         return own()
     lm = causal_lm(model)
-    return ImagePrefill(lm) if is_text_vlm(lm) else None
+    return ImagePrefill(lm) if is_vlm(lm) else None
 
 
 class ModelCalls:

@@ -20,7 +20,7 @@ from collections.abc import Callable
 import torch
 from transformers.modeling_outputs import MoeModelOutputWithPast
 
-from augtree_verl.replay.vlm import is_text_vlm
+from augtree_verl.replay.vlm import is_vlm
 
 
 @dataclasses.dataclass
@@ -45,8 +45,8 @@ def batched_family_logits(causal_lm: torch.nn.Module) -> Callable[[torch.Tensor]
     """hidden [1, N, H] (final hidden states, after the decoder's last norm) -> logits [1, N, V], as
     ``causal_lm``'s class forward returns them. ``causal_lm``: a transformers ``*ForCausalLM`` (its
     ``forward`` is read from the class, so an instance-level swap, e.g. FSDP's root call, does not matter), or a
-    vision-language model of ``vlm.TEXT_VLMS``, whose forward's tail is its LM head alone (called as the module)."""
-    if is_text_vlm(causal_lm):
+    vision-language model of ``vlm.VLMS``, whose forward's tail is its LM head alone (called as the module)."""
+    if is_vlm(causal_lm):
         return causal_lm.get_output_embeddings()
     forward, decoder = type(causal_lm).forward, causal_lm.get_decoder()
 

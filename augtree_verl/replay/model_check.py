@@ -6,8 +6,9 @@ settings, and the setting that trains the model on verl's stock engine instead (
 
 - what the replay cannot call: a forward without ``logits_to_keep``, a ``get_decoder()`` that returns the model
   itself (Llama 4's text model), a multimodal model (a vision, audio or other non-text sub-config, or modules of
-  the base model around the text decoder) other than the vision-language classes whose text decoder and LM head
-  the replay runs on text-only rows (``vlm.TEXT_VLMS``: their vision tower is the one module allowed around it);
+  the base model around the text decoder) other than the vision-language classes whose text decoder, LM head and
+  vision tower the replay runs, on text-only rows and rows with images (``vlm.VLMS``: their vision tower is the one
+  module allowed around it);
 - attention the replay's hook does not compute: attention modules that do not dispatch through transformers'
   attention interface (Falcon, MPT, Bloom's ALiBi...), layer types other than full attention and the Gated
   DeltaNet layers of ``linear_state`` (sliding windows, chunked attention, Mamba...), a sliding window on every
@@ -49,7 +50,7 @@ from augtree_verl.replay.memory import STOCK_ENGINE, ReplayMemory
 from augtree_verl.replay.rope import RopeRegimes, rope_parameters, stateful_ropes
 from augtree_verl.replay.run import per_response, replay
 from augtree_verl.replay.step_plan import StepPlan
-from augtree_verl.replay.vlm import TEXT_VLMS, is_text_vlm
+from augtree_verl.replay.vlm import VLMS, is_vlm
 
 # ``config.layer_types`` entries and what the replay would need to implement for them.
 LAYER_TYPE_FEATURES = {
@@ -191,9 +192,9 @@ KEY_SELECTION = {
 }
 # The name every transformers attention module dispatches through ("augtree" is one of its entries)
 ATTENTION_INTERFACE = "ALL_ATTENTION_FUNCTIONS"
-# The class-name suffix of the ``TEXT_VLMS`` (a refusal names them without it)
+# The class-name suffix of the ``VLMS`` (a refusal names them without it)
 VLM_SUFFIX = "ForConditionalGeneration"
-# The vision tower's name in a ``TEXT_VLMS`` model's base model
+# The vision tower's name in a ``VLMS`` model's base model
 VISION_TOWER = "visual"
 # Words in a sub-config's name that mark an input other than text.
 MODALITIES = ("vision", "visual", "image", "video", "audio", "speech", "vq", "perceiver", "qformer", "protein", "vlm")
@@ -215,12 +216,12 @@ def _check_structure(model, add):
     scores through a forward taking ``logits_to_keep``. Returns the decoder; None where there is no text decoder
     the replay could call."""
     cls = type(model)
-    vlm = is_text_vlm(model)  # scored through its LM head alone (``replay.vlm``)
+    vlm = is_vlm(model)  # scored through its LM head alone (``replay.vlm``)
     inputs = _modalities(model.config)
     if inputs and not vlm:
         add(
-            "a multimodal model (the replay runs text-only rows on the text decoder and LM head of the vision-language "
-            f"models {', '.join(sorted(c.removesuffix(VLM_SUFFIX) for c in TEXT_VLMS))}, and no other multimodal "
+            "a multimodal model (the replay runs the text decoder, LM head and vision tower of the vision-language "
+            f"models {', '.join(sorted(c.removesuffix(VLM_SUFFIX) for c in VLMS))}, and no other multimodal "
             "model's forward)",
             None,
             f"{cls.__name__}: {', '.join(inputs)}",
@@ -460,7 +461,7 @@ def probe_exactness(
             for p in params:
                 p.grad = None
             with original_attention(forward_model):
-                want = flattened_replay(forward_model, trees, loss, mrope=is_text_vlm(causal_lm(forward_model)))
+                want = flattened_replay(forward_model, trees, loss, mrope=is_vlm(causal_lm(forward_model)))
             want_grads = [_local(p.grad) for p in params]
     finally:
         for p, g in zip(params, saved):

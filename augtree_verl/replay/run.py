@@ -128,7 +128,7 @@ def replay(
 
 def check_images(model, trees) -> None:
     """``ValueError`` naming the first of ``trees`` with images that ``model`` cannot run (``vlm.ImagePrefill.check``:
-    not a vision-language model of ``vlm.IMAGE_VLMS``, or image tokens that are not its grids' merged patches)."""
+    not a vision-language model of ``vlm.VLMS``, or image tokens that are not its grids' merged patches)."""
     images = [(t, tree) for t, tree in enumerate(trees) if tree.vision is not None]
     if not images:
         return

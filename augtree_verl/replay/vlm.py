@@ -1,17 +1,16 @@
-"""Vision-language checkpoints (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5: ``*ForConditionalGeneration``): the replay
-runs their text decoder and LM head, and a prompt with images through their vision tower once per tree
-(docs/design.md, "Vision-language checkpoints").
+"""Vision-language checkpoints (Qwen2-VL, Qwen2.5-VL, Qwen3-VL(-MoE), Qwen3.5(-MoE): ``*ForConditionalGeneration``,
+``VLMS``): the replay runs their text decoder and LM head, and a prompt with images through their vision tower once
+per tree (docs/design.md, "Vision-language checkpoints").
 
 verl loads these checkpoints with their vision tower even for text data. On a text-only row the model's forward
 is its text decoder (``model.model.language_model``, config ``config.get_text_config()``) on the token
 embeddings, then the outer class's ``lm_head`` (no logit transform), with M-RoPE positions that verl's agent
-loop builds as 0..L-1 on every axis (``get_rope_index`` without images). The replay calls exactly these
-(``TEXT_VLMS``).
+loop builds as 0..L-1 on every axis (``get_rope_index`` without images). The replay calls exactly these.
 
-A prompt with images (``groups.Vision``; the classes of ``IMAGE_VLMS``) is prefilled as verl's forward
-(``_get_input_embeds`` in ``verl/models/transformers/qwen2_vl.py``, ``qwen3_vl.py``) computes it: the vision tower
+A prompt with images (``groups.Vision``) is prefilled as verl's forward (``_get_input_embeds`` in
+``verl/models/transformers/qwen2_vl.py``, ``qwen3_vl.py``, ``qwen3_5.py``) computes it: the vision tower
 on the prompt's pixels, its merged embeddings scattered into the image-token positions of the token embeddings,
-Qwen3-VL's deepstack outputs added to the first decoder layers' hidden states at those positions, the text
+Qwen3-VL(-MoE)'s deepstack outputs added to the first decoder layers' hidden states at those positions, the text
 decoder at verl's own position ids (``ImagePrefill``). The tower runs inside the prompt's prefill, so the delayed
 prompt backward takes it the summed gradient of every response. The lock-step pads a rank's slot without images
 where another rank's has some with verl's dummy 16-patch tower call weighted 0.0 (``dummy_tower``), as verl's
@@ -28,8 +27,9 @@ import torch
 from augtree_verl.groups import MROPE_AXES, Tree
 from augtree_verl.plan import Plan
 
-# The vision-language classes whose text-only rows the replay runs.
-TEXT_VLMS = frozenset(
+# The vision-language classes whose rows, text-only and with images, the replay runs (each tested against verl's stock
+# engine: tests/integration/test_engine_families.py, tests/integration/test_engine_images.py)
+VLMS = frozenset(
     {
         "Qwen2VLForConditionalGeneration",
         "Qwen2_5_VLForConditionalGeneration",
@@ -39,21 +39,19 @@ TEXT_VLMS = frozenset(
         "Qwen3_5MoeForConditionalGeneration",
     }
 )
-# Those whose image prompts it runs too (tested against verl's stock engine, tests/integration/test_engine_images.py)
-IMAGE_VLMS = frozenset({"Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration"})
 # verl's dummy vision input on a batch without images: 16 zero patches on a 1 x 4 x 4 grid
 DUMMY_GRID_THW = (1, 4, 4)
 
 
-def is_text_vlm(model: torch.nn.Module) -> bool:
+def is_vlm(model: torch.nn.Module) -> bool:
     """Whether ``model`` (a causal LM, not a PEFT wrapper; FSDP2's subclass of one counts) is of a vision-language
-    class of ``TEXT_VLMS``."""
-    return any(k.__name__ in TEXT_VLMS for k in type(model).__mro__)
+    class of ``VLMS``."""
+    return any(k.__name__ in VLMS for k in type(model).__mro__)
 
 
 def tower_output(output) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
     """A vision tower's output -> (merged embeddings [n, H], deepstack embeddings [n, H] per injected layer or None):
-    transformers 5's output object (``pooler_output``, Qwen3-VL's ``deepstack_features``) or a tensor (a tower
+    transformers 5's output object (``pooler_output``, Qwen3-VL(-MoE)'s ``deepstack_features``) or a tensor (a tower
     made to return its merged embeddings, ``integration.vlm.vision_output_as_tensor``)."""
     if isinstance(output, torch.Tensor):
         return output, None
@@ -62,8 +60,8 @@ def tower_output(output) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
 
 def dummy_tower(model) -> torch.Tensor:
     """verl's dummy vision forward on a batch without images, weighted 0.0 as verl weights it (its main output and,
-    for Qwen3-VL, each deepstack output): a scalar 0 whose backward gives the vision parameters zero gradients.
-    ``model``: a ``TEXT_VLMS`` causal LM (under FSDP2 call it through the root, ``integration.fsdp_model``)."""
+    for Qwen3-VL(-MoE), each deepstack output): a scalar 0 whose backward gives the vision parameters zero gradients.
+    ``model``: a ``VLMS`` causal LM (under FSDP2 call it through the root, ``integration.fsdp_model``)."""
     visual = model.model.visual
     config = model.config.vision_config
     patch_dim = config.in_channels * config.temporal_patch_size * config.patch_size**2
@@ -89,7 +87,7 @@ def span_positions(tree: Tree, start: int, end: int, rows: int) -> torch.Tensor:
 
 
 class ImagePrefill:
-    """A prompt's prefill through a ``TEXT_VLMS`` causal LM ``model`` with its vision tower (the module docstring);
+    """A prompt's prefill through a ``VLMS`` causal LM ``model`` with its vision tower (the module docstring);
     ``route(fn)``: how a call reaches the model (``integration.fsdp_model`` routes it through the FSDP2 root)."""
 
     def __init__(self, model, route: Callable[[Callable], Callable] | None = None):
@@ -97,16 +95,10 @@ class ImagePrefill:
         self.forward = route(self._forward) if route is not None else self._forward
 
     def check(self, index: int, tree: Tree) -> None:
-        """``ValueError`` naming tree ``index`` (its uid and batch rows) where the model runs no images
-        (``IMAGE_VLMS``) or its prompt's image tokens are not the merged patches of its ``image_grid_thw``."""
+        """``ValueError`` naming tree ``index`` (its uid and batch rows) where its prompt's image tokens are not the
+        merged patches of its ``image_grid_thw`` (or its pixel rows not its patches)."""
         vision, config = tree.vision, self.model.config
         where = f"tree {index} (uid {tree.uid!r}, batch rows {list(tree.samples)})"
-        name = type(self.model).__name__
-        if not any(k.__name__ in IMAGE_VLMS for k in type(self.model).__mro__):
-            raise ValueError(
-                f"{where} has images, but the replay runs images on {', '.join(sorted(IMAGE_VLMS))} only, not {name} "
-                f"(its text-only rows it runs)"
-            )
         assert vision is not None
         grid = vision.grid_thw.tolist()
         patches = sum(t * h * w for t, h, w in grid)

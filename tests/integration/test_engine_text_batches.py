@@ -50,7 +50,8 @@ def test_videos_are_refused_naming_the_row(engine):
 
 
 def test_images_on_a_text_model_are_refused_naming_the_tree(engine):
-    """Images (tests/integration/test_engine_images.py) run on the vision-language models of ``IMAGE_VLMS`` only."""
+    """Images (tests/integration/test_engine_images.py) run on the vision-language models of ``replay.vlm.VLMS``
+    only."""
     rows = H.group_rows(GROUPS)
     inputs = [{} for _ in rows]
     inputs[3] = {"pixel_values": torch.zeros(4, 8), "image_grid_thw": torch.tensor([[1, 2, 2]])}
