@@ -9,7 +9,8 @@ rollout's (session, index) order) gets the actor's plan, computed while the roll
 (not reported, reported with other lengths, lost to a planner restart, the actor missing, dead or late,
 and the trees the caller does not ask about, e.g. padding) is planned here, logged and counted. The planner is
 deterministic, so both paths give the same plan for the same lengths, degrees, profile and ``force_primitive``;
-the client checks on first contact that the actor uses the same ones. ``PlannerClient(None, ...)`` has no
+the client checks on first contact that the actor uses the same ones. The actor's plans arrive as ``Plan``
+objects. ``PlannerClient(None, ...)`` has no
 actor: it plans every tree in-process (the engine config's ``use_planner=false``). A group no plan fits
 (``plan_tree`` raises: too large for every allowed degree) gets the one-device plan ``Plan()`` and is counted
 as unplannable, never raised.
@@ -36,6 +37,7 @@ from augtree_verl.groups import GroupLengths
 from augtree_verl.plan import PRIMITIVES, Plan
 from augtree_verl.planner.profile import ClusterProfile
 from augtree_verl.planner.search import plan_tree
+from augtree_verl.planner.service import plan_group
 
 logger = logging.getLogger(__name__)
 
@@ -104,7 +106,7 @@ class PlannerClient:
         for tree_id, (uid, lengths) in groups.items():
             result = received.get(uid) if tree_id in wanted else None
             if result is not None and "plan" in result:
-                plans[tree_id] = Plan.from_dict(result["plan"])
+                plans[tree_id] = result["plan"]
                 self._count_plan(plans[tree_id], result["solve_ms"])
                 self._counts["planner/plans_from_rollout"] += 1
                 self._leads.append(result["waited_s"])
@@ -160,17 +162,12 @@ class PlannerClient:
 
     # ---- internals -------------------------------------------------------------------------------
     def _plan_here(self, tree_id: str, uid: str, lengths: GroupLengths) -> Plan:
+        """The actor's own planning (``plan_group``), run here; the one-device plan where no plan fits."""
         start = time.perf_counter()
-        try:
-            plan = plan_tree(
-                lengths.prompt_len,
-                lengths.response_lens,
-                degrees=self.degrees,
-                profile=self.profile,
-                force_primitive=self.force_primitive,
-            )
-        except ValueError as err:
-            logger.warning("planner: tree %r (group %r) gets the one-device plan: %s", tree_id, uid, err)
+        result = plan_group(lengths, self.degrees, self.profile, self.force_primitive)
+        plan = result.get("plan")
+        if plan is None:
+            logger.warning("planner: tree %r (group %r) gets the one-device plan: %s", tree_id, uid, result["error"])
             self._counts["planner/unplannable"] += 1
             plan = Plan()
         self._counts["planner/plans_in_process"] += 1

@@ -12,8 +12,9 @@ oldest sent first, whatever order the reports ran in); both count as evicted.
 
 A second report of a uid replaces the first (a retried rollout; counted). Reports whose uid is not a
 non-empty string or whose lengths are not a ``GroupLengths`` are dropped and counted, never raised: a rollout
-worker must not see planner errors. Plans travel as dicts (``Plan.to_dict``), or ``{"error": message}`` where
-no plan fits the group.
+worker must not see planner errors. Plans travel as ``Plan`` objects (Ray pickles them), or
+``{"error": message}`` where no plan fits the group; only the batch's plan field holds them as dicts
+(``plan_field``).
 """
 
 from __future__ import annotations
@@ -40,13 +41,13 @@ DEFAULT_MAX_ENTRIES = 65536  # ~100 steps of 512 groups; an entry is a few hundr
 @dataclass
 class _Entry:
     lengths: GroupLengths
-    result: dict  # {"plan": Plan dict, "solve_ms": float} or {"error": message}
+    result: dict  # {"plan": Plan, "solve_ms": float} or {"error": message}
     arrived_s: float  # time.monotonic() when its plan was made (at report)
     sent_ns: int  # the reporter's time.time_ns() at sending: which of two reports is newer
 
 
 def plan_group(lengths: GroupLengths, degrees, profile: ClusterProfile, force_primitive: str | None = None) -> dict:
-    """``{"plan": Plan dict, "solve_ms": float}``, or ``{"error": message}`` when no plan fits the group."""
+    """``{"plan": Plan, "solve_ms": float}``, or ``{"error": message}`` when no plan fits the group."""
     start = time.perf_counter()
     try:
         plan = plan_tree(
@@ -58,7 +59,7 @@ def plan_group(lengths: GroupLengths, degrees, profile: ClusterProfile, force_pr
         )
     except ValueError as err:
         return {"error": str(err)}
-    return {"plan": plan.to_dict(), "solve_ms": (time.perf_counter() - start) * 1e3}
+    return {"plan": plan, "solve_ms": (time.perf_counter() - start) * 1e3}
 
 
 class PlannerService:
