@@ -4,12 +4,14 @@ One tree type for the trainer, the plan field, the engine and the replay. A tree
 ``tree_id(uid, prompt_len)`` = ``"<uid>|<prompt_len>"``: the trainer, which knows only lengths, plans under
 it, and the engine finds the trainer's plan under it. The trainer's trees carry lengths only; the engine's
 and the replay's also carry the token ids (``Tree.of_tokens``). Samples that share a uid but not a prompt
-length (e.g. multi-turn outputs) are separate trees of one group.
+length (e.g. multi-turn outputs) are separate trees of one group. ``GroupLengths`` is a tree's lengths alone,
+checked once: what the rollout reports, the planner plans and the trainer asks plans for (``Tree.lengths``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -46,6 +48,47 @@ class Vision:
         """Equal for equal images and positions, bit for bit (what a tree's rows must share)."""
         parts = (self.pixels, self.grid_thw, self.positions)
         return b"|".join(repr((x.dtype, tuple(x.shape))).encode() + x.cpu().numpy().tobytes() for x in parts)
+
+
+def positive_int(value, what: str) -> int:
+    """``value`` as an int if it is a positive integer (not a bool); ``ValueError`` naming ``what`` otherwise."""
+    if isinstance(value, bool):
+        raise ValueError(f"{what} must be a positive int, got {value!r}")
+    try:
+        value = operator.index(value)
+    except TypeError:
+        raise ValueError(f"{what} must be a positive int, got {value!r}") from None
+    if value < 1:
+        raise ValueError(f"{what} must be a positive int, got {value}")
+    return value
+
+
+@dataclass(frozen=True)
+class GroupLengths:
+    """The lengths of one tree (a group's prompt and its responses), the one form they take from the rollout
+    through the planner to the batch.
+
+    ``prompt_len``: P, the prompt's tokens; ``response_lens`` (G,): R_i, response i's tokens, in the order
+    the planner sees them (the rollout's (session, index) order; the batch's order of first appearance).
+    Checked once, here: P and every R_i positive ints (numpy ints too; not bools), G >= 1; ``ValueError``
+    names the bad value. Stored as ``int`` and a tuple of ``int``, so two records are equal when their lengths
+    are; frozen, hashable and pickled as is across Ray.
+    """
+
+    prompt_len: int
+    response_lens: tuple[int, ...]
+
+    def __post_init__(self):
+        object.__setattr__(self, "prompt_len", positive_int(self.prompt_len, "prompt_len"))
+        try:
+            lens = tuple(self.response_lens)
+        except TypeError:
+            raise ValueError(f"response_lens must be a sequence of positive ints, got {self.response_lens!r}") from None
+        if not lens:
+            raise ValueError("response_lens is empty: a tree needs at least one response")
+        object.__setattr__(
+            self, "response_lens", tuple(positive_int(r, f"response_lens[{i}]") for i, r in enumerate(lens))
+        )
 
 
 def tree_id(uid: str, prompt_len: int) -> str:
@@ -103,6 +146,14 @@ class Tree:
     @property
     def tree_id(self) -> str:
         return tree_id(self.uid, self.prompt_len)
+
+    @property
+    def lengths(self) -> GroupLengths:
+        """This tree's lengths (what the planner plans); ``ValueError`` naming the tree and the bad value."""
+        try:
+            return GroupLengths(self.prompt_len, self.response_lens)
+        except ValueError as err:
+            raise ValueError(f"tree {self.tree_id!r} (group {self.uid!r}): {err}") from None
 
     @property
     def row_call_lens(self) -> tuple[int, ...]:

@@ -71,6 +71,8 @@ class Plan:
             )
 
     def to_dict(self) -> dict:
+        """The plain-dict form, for the batch's plan field (``plan_field`` holds the one encode and decode of
+        plans: verl's non-tensor batch carries plain data). Ray carries ``Plan`` objects as they are."""
         return {
             "degree": self.degree,
             "primitive": self.primitive,

@@ -48,6 +48,7 @@ from pathlib import Path
 import ray
 
 from augtree_verl.bench.workloads import fit_group_size, load_table
+from augtree_verl.groups import GroupLengths
 from augtree_verl.planner import ClusterProfile
 from augtree_verl.planner.client import PlannerClient
 from augtree_verl.planner.feed import PlannerFeed
@@ -73,8 +74,8 @@ LEAD_METRICS = {
 
 def rollout_stream(
     num_groups: int, group_size: int, rollout_s: float, seed: int
-) -> list[tuple[float, str, int, list[int]]]:
-    """(finish time s, uid, prompt_len, response_lens) per group, in finish order."""
+) -> list[tuple[float, str, GroupLengths]]:
+    """(finish time s, uid, lengths) per group, in finish order."""
     rng = random.Random(seed)
     tables = [load_table(name) for name in WORKLOADS]
     groups = []
@@ -87,24 +88,24 @@ def rollout_stream(
         for _, p, rs in groups
     ]
     scale = rollout_s / max(cost)
-    return sorted((c * scale, uid, p, rs) for c, (uid, p, rs) in zip(cost, groups))
+    return sorted((c * scale, uid, GroupLengths(p, rs)) for c, (uid, p, rs) in zip(cost, groups))
 
 
 def run_stream(actor, feed: PlannerFeed, client: PlannerClient, stream) -> dict[str, float]:
     """Feed the groups at their finish times; once the actor has planned them, the trainer asks for every plan."""
     reported_before = ray.get(actor.state.remote())["reported"]
     start = time.monotonic()
-    for finish_s, uid, p, rs in stream:
+    for finish_s, uid, lengths in stream:
         delay = start + finish_s - time.monotonic()
         if delay > 0:
             time.sleep(delay)
-        feed.report(uid, p, rs)
+        feed.report(uid, lengths)
     last_finish = time.monotonic()
     while (state := ray.get(actor.state.remote()))["reported"] < reported_before + len(stream):
         time.sleep(0.001)
     ready_ms = (state["last_planned_s"] - last_finish) * 1e3
 
-    request = {f"{uid}|{p}": (uid, p, rs) for _, uid, p, rs in stream}
+    request = {f"{uid}|{lengths.prompt_len}": (uid, lengths) for _, uid, lengths in stream}
     fetch_start = time.perf_counter()
     client.plans(request, from_rollout=request)
     fetch_ms = (time.perf_counter() - fetch_start) * 1e3

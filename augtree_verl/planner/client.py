@@ -1,7 +1,7 @@
 """The trainer side of the planner service: the plans of a batch's groups, from the actor or in-process.
 
     client = PlannerClient("augtree_planner", degrees=(1, 2, 4, 8), profile=run_profile, timeout_s=2.0)
-    plans = client.plans({"uid-17|3000": ("uid-17", 3000, [40, 900, 15, 300]), ...},
+    plans = client.plans({"uid-17|3000": ("uid-17", GroupLengths(3000, (40, 900, 15, 300))), ...},
                          from_rollout={"uid-17|3000", ...})          # tree_id -> Plan
 
 A tree in ``from_rollout`` whose group the rollout reported with exactly these lengths (responses in the
@@ -9,7 +9,8 @@ rollout's (session, index) order) gets the actor's plan, computed while the roll
 (not reported, reported with other lengths, lost to a planner restart, the actor missing, dead or late,
 and the trees the caller does not ask about, e.g. padding) is planned here, logged and counted. The planner is
 deterministic, so both paths give the same plan for the same lengths, degrees, profile and ``force_primitive``;
-the client checks on first contact that the actor uses the same ones. ``PlannerClient(None, ...)`` has no
+the client checks on first contact that the actor uses the same ones. The actor's plans arrive as ``Plan``
+objects. ``PlannerClient(None, ...)`` has no
 actor: it plans every tree in-process (the engine config's ``use_planner=false``). A group no plan fits
 (``plan_tree`` raises: too large for every allowed degree) gets the one-device plan ``Plan()`` and is counted
 as unplannable, never raised.
@@ -32,9 +33,11 @@ from collections.abc import Collection, Mapping
 
 import ray
 
+from augtree_verl.groups import GroupLengths
 from augtree_verl.plan import PRIMITIVES, Plan
 from augtree_verl.planner.profile import ClusterProfile
-from augtree_verl.planner.search import check_tree_lengths, plan_tree
+from augtree_verl.planner.search import plan_tree
+from augtree_verl.planner.service import plan_group
 
 logger = logging.getLogger(__name__)
 
@@ -77,37 +80,33 @@ class PlannerClient:
         self._leads: list[float] = []  # waited_s of the actor's plans since the last reset
         self._queue_depth = 0.0
 
-    def plans(self, groups: Mapping[str, tuple], from_rollout: Collection[str] = ()) -> dict[str, Plan]:
-        """``tree_id -> Plan`` for ``groups`` (tree_id -> (uid, prompt_len, response_lens)), in their order.
+    def plans(
+        self, groups: Mapping[str, tuple[str, GroupLengths]], from_rollout: Collection[str] = ()
+    ) -> dict[str, Plan]:
+        """``tree_id -> Plan`` for ``groups`` (tree_id -> (uid, ``GroupLengths``); ``Tree.lengths`` names a tree
+        whose lengths are bad), in their order.
 
         ``from_rollout``: the tree ids to ask the actor for (at most one tree per uid; ignored without an
-        actor); ValueError names a tree whose lengths are not positive ints.
+        actor); ValueError names a tree whose value is not such a pair.
         """
         start = time.perf_counter()
-        clean = {}
         for tree_id, value in groups.items():
-            if not isinstance(value, (tuple, list)) or len(value) != 3:
-                raise ValueError(f"tree {tree_id!r}: expected (uid, prompt_len, response_lens), got {value!r}")
-            uid, prompt_len, response_lens = value
-            try:
-                P, lens = check_tree_lengths(prompt_len, response_lens)
-            except ValueError as err:
-                raise ValueError(f"tree {tree_id!r} (group {uid!r}): {err}") from None
-            clean[tree_id] = (uid, P, [int(r) for r in lens])
+            if not (isinstance(value, tuple) and len(value) == 2 and isinstance(value[1], GroupLengths)):
+                raise ValueError(f"tree {tree_id!r}: expected (uid, GroupLengths), got {value!r}")
         wanted = set(from_rollout) if self.name is not None else set()
-        asked = [t for t in clean if t in wanted]
-        uids = [clean[t][0] for t in asked]
+        asked = [t for t in groups if t in wanted]
+        uids = [groups[t][0] for t in asked]
         if len(set(uids)) != len(uids):
             raise ValueError(f"from_rollout holds several trees of one group: {sorted(asked)}")
-        received = self._take({clean[t][0]: clean[t][1:] for t in asked})
+        received = self._take(dict(groups[t] for t in asked))
         reached = received is not None
         received = received or {}
 
         plans = {}
-        for tree_id, (uid, P, R) in clean.items():
+        for tree_id, (uid, lengths) in groups.items():
             result = received.get(uid) if tree_id in wanted else None
             if result is not None and "plan" in result:
-                plans[tree_id] = Plan.from_dict(result["plan"])
+                plans[tree_id] = result["plan"]
                 self._count_plan(plans[tree_id], result["solve_ms"])
                 self._counts["planner/plans_from_rollout"] += 1
                 self._leads.append(result["waited_s"])
@@ -118,14 +117,12 @@ class PlannerClient:
                 elif "mismatch" in result:
                     self._counts["planner/mismatched"] += 1
                     logger.warning(
-                        "planner: group %r was reported with lengths %s but the batch has (%d, %s); "
-                        "planning it in-process",
+                        "planner: group %r was reported with lengths %s but the batch has %s; planning it in-process",
                         uid,
-                        tuple(result["mismatch"]),
-                        P,
-                        R,
+                        result["mismatch"],
+                        lengths,
                     )
-            plans[tree_id] = self._plan_here(tree_id, uid, P, R)
+            plans[tree_id] = self._plan_here(tree_id, uid, lengths)
         self._counts["planner/plan_wait_s"] += time.perf_counter() - start
         return plans
 
@@ -164,12 +161,13 @@ class PlannerClient:
         return out
 
     # ---- internals -------------------------------------------------------------------------------
-    def _plan_here(self, tree_id: str, uid: str, P: int, R: list[int]) -> Plan:
+    def _plan_here(self, tree_id: str, uid: str, lengths: GroupLengths) -> Plan:
+        """The actor's own planning (``plan_group``), run here; the one-device plan where no plan fits."""
         start = time.perf_counter()
-        try:
-            plan = plan_tree(P, R, degrees=self.degrees, profile=self.profile, force_primitive=self.force_primitive)
-        except ValueError as err:
-            logger.warning("planner: tree %r (group %r) gets the one-device plan: %s", tree_id, uid, err)
+        result = plan_group(lengths, self.degrees, self.profile, self.force_primitive)
+        plan = result.get("plan")
+        if plan is None:
+            logger.warning("planner: tree %r (group %r) gets the one-device plan: %s", tree_id, uid, result["error"])
             self._counts["planner/unplannable"] += 1
             plan = Plan()
         self._counts["planner/plans_in_process"] += 1
@@ -183,7 +181,7 @@ class PlannerClient:
         self._counts["planner/degree_total"] += plan.degree
 
     def _take(self, requests: dict) -> dict | None:
-        """The actor's results for ``requests`` (uid -> (P, R)); None when no actor answers in time."""
+        """The actor's results for ``requests`` (uid -> ``GroupLengths``); None when no actor answers in time."""
         if not requests:
             return {}
         actor = self._connect()

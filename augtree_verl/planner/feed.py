@@ -1,6 +1,6 @@
 """The rollout side of the planner service: report each finished group's lengths, fire and forget.
 
-``PlannerFeed(name).report(uid, prompt_len, response_lens)`` sends one ``PlannerService.report`` call and
+``PlannerFeed(name).report(uid, lengths)`` (a ``groups.GroupLengths``) sends one ``PlannerService.report`` call and
 returns at once: it never waits for the actor, and a missing or dead actor costs at most one name lookup per
 ``LOOKUP_RETRY_S`` (logged once), so a slow or dead planner never slows the rollout.
 """
@@ -11,6 +11,8 @@ import logging
 import time
 
 import ray
+
+from augtree_verl.groups import GroupLengths
 
 logger = logging.getLogger(__name__)
 
@@ -29,12 +31,12 @@ class PlannerFeed:
         self.sent = 0
         self.not_sent = 0
 
-    def report(self, uid: str, prompt_len: int, response_lens: list[int]) -> bool:
-        """Send one group (responses in (session, index) order); False if no actor could be reached."""
+    def report(self, uid: str, lengths: GroupLengths) -> bool:
+        """Send one group's lengths (responses in (session, index) order); False if no actor could be reached."""
         actor = self._lookup()
         if actor is not None:
             try:
-                actor.report.remote(uid, int(prompt_len), [int(r) for r in response_lens], time.time_ns())
+                actor.report.remote(uid, lengths, time.time_ns())
                 self.sent += 1
                 return True
             except ray.exceptions.RayError as err:  # the handle went bad: look the actor up again later

@@ -28,11 +28,11 @@ largest loads), valid before the lanes are assigned) and the visit stops once no
 from __future__ import annotations
 
 import math
-import operator
 from dataclasses import dataclass, replace
 
 import numpy as np
 
+from augtree_verl.groups import GroupLengths, positive_int
 from augtree_verl.plan import PRIMITIVES, Plan
 from augtree_verl.planner.cost import CostModel, cost_model
 from augtree_verl.planner.partition import balanced_lanes
@@ -70,9 +70,9 @@ def plan_tree(
     """The plan for one tree (a prompt of ``prompt_len`` tokens and responses of ``response_lens`` tokens).
 
     ``degrees``: the CP degrees it may use. ``force_primitive`` restricts the choice to one primitive.
-    Raises ``ValueError`` for bad input, or when no plan fits in a rank's memory.
+    Raises ``ValueError`` for bad input (lengths: ``GroupLengths``), or when no plan fits in a rank's memory.
     """
-    P, R = check_tree_lengths(prompt_len, response_lens)
+    lengths = GroupLengths(prompt_len, response_lens)
     degrees = _check_degrees(degrees)
     if force_primitive is not None and force_primitive not in PRIMITIVES:
         raise ValueError(f"force_primitive must be one of {PRIMITIVES} or None, got {force_primitive!r}")
@@ -80,7 +80,7 @@ def plan_tree(
         profile = _default_profile()
     elif not isinstance(profile, ClusterProfile):
         raise ValueError(f"profile must be a ClusterProfile or None, got {type(profile).__name__}")
-    search = _Search(cost_model(profile), P, R)
+    search = _Search(cost_model(profile), lengths)
     candidates = search.candidates(degrees, force_primitive)
     if not candidates:
         raise ValueError(
@@ -111,12 +111,11 @@ def estimate(
 ) -> Plan:
     """The plan of one candidate (``degree`` ranks, ``primitive``, ``lanes``; any memory) with its estimate,
     whether or not the planner would choose it; ``ValueError`` when no such candidate exists."""
-    P, R = check_tree_lengths(prompt_len, response_lens)
-    search = _Search(cost_model(profile), P, R)
+    search = _Search(cost_model(profile), GroupLengths(prompt_len, response_lens))
     found = [c for c in search.candidates((degree,), primitive) if c.lanes == lanes]
     if not found:
         raise ValueError(
-            f"no candidate {primitive}(d={degree}, lanes={lanes}) for {len(R)} responses with "
+            f"no candidate {primitive}(d={degree}, lanes={lanes}) for {search.G} responses with "
             f"ranks_per_node={profile.ranks_per_node}"
         )
     if found[0].parts is None:
@@ -131,31 +130,6 @@ def _default_profile() -> ClusterProfile:
     return _DEFAULT_PROFILE
 
 
-def _positive_int(value, what: str) -> int:
-    if isinstance(value, bool):
-        raise ValueError(f"{what} must be a positive int, got {value!r}")
-    try:
-        value = operator.index(value)
-    except TypeError:
-        raise ValueError(f"{what} must be a positive int, got {value!r}") from None
-    if value < 1:
-        raise ValueError(f"{what} must be a positive int, got {value}")
-    return value
-
-
-def check_tree_lengths(prompt_len, response_lens) -> tuple[int, np.ndarray]:
-    """(P, float64 R [G]) after checking a tree's lengths; ``ValueError`` naming the bad one."""
-    P = _positive_int(prompt_len, "prompt_len")
-    try:
-        lens = list(response_lens)
-    except TypeError:
-        raise ValueError(f"response_lens must be a sequence of positive ints, got {response_lens!r}") from None
-    if not lens:
-        raise ValueError("response_lens is empty: a tree needs at least one response")
-    R = np.array([_positive_int(r, f"response_lens[{i}]") for i, r in enumerate(lens)], dtype=np.float64)
-    return P, R
-
-
 def _check_degrees(degrees) -> tuple[int, ...]:
     try:
         values = list(degrees)
@@ -163,7 +137,7 @@ def _check_degrees(degrees) -> tuple[int, ...]:
         raise ValueError(f"degrees must be a sequence of positive ints, got {degrees!r}") from None
     if not values:
         raise ValueError("degrees is empty: give at least one CP degree")
-    return tuple(sorted({_positive_int(d, f"degrees[{i}]") for i, d in enumerate(values)}))
+    return tuple(sorted({positive_int(d, f"degrees[{i}]") for i, d in enumerate(values)}))
 
 
 def _node_aligned(ranks: int, ranks_per_node: int) -> bool:
@@ -179,7 +153,8 @@ class _Search:
     (K sizes x G responses); a candidate then costs a few scalar operations.
     """
 
-    def __init__(self, cost: CostModel, P: int, R: np.ndarray):
+    def __init__(self, cost: CostModel, lengths: GroupLengths):
+        P, R = lengths.prompt_len, np.array(lengths.response_lens, dtype=np.float64)  # R: float64 [G]
         self.cost, self.P, self.R = cost, P, R
         self.G = R.shape[0]
         self.R_max, self.R_sum = float(R.max()), float(R.sum())

@@ -1,18 +1,20 @@
 """The planner service: a named async Ray actor that plans each group as its rollout finishes, keyed by uid.
 
 Rollout side (``planner.feed.PlannerFeed``, in each agent-loop worker): when a group's n responses are done,
-``report(uid, prompt_len, response_lens)`` (fire and forget). The actor plans the group at once (about half a
+``report(uid, lengths)`` (a ``groups.GroupLengths``; fire and forget). The actor plans the group at once (about half a
 millisecond) and keeps the entry.
 
 Trainer side (``planner.client.PlannerClient``, in the batch balance): ``take(requests, wait_for, wait_s)``
-hands over the plans of the requested uids whose reported lengths equal the lengths the trainer sees, and
+hands over the plans of the requested uids whose reported ``GroupLengths`` equal the trainer's, and
 removes those entries (used once). Entries also leave by age (``ttl_s``: DAPO drops groups, async trainers
 train a group one or more steps later, a group may never be trained) and by a size bound (``max_entries``,
 oldest sent first, whatever order the reports ran in); both count as evicted.
 
-A second report of a uid replaces the first (a retried rollout; counted). Reports that are not a valid
-(prompt_len, response_lens) are dropped and counted, never raised: a rollout worker must not see planner
-errors. Plans travel as dicts (``Plan.to_dict``), or ``{"error": message}`` where no plan fits the group.
+A second report of a uid replaces the first (a retried rollout; counted). Reports whose uid is not a
+non-empty string or whose lengths are not a ``GroupLengths`` are dropped and counted, never raised: a rollout
+worker must not see planner errors. Plans travel as ``Plan`` objects (Ray pickles them), or
+``{"error": message}`` where no plan fits the group; only the batch's plan field holds them as dicts
+(``plan_field``).
 """
 
 from __future__ import annotations
@@ -26,8 +28,9 @@ from dataclasses import dataclass
 
 import ray
 
+from augtree_verl.groups import GroupLengths
 from augtree_verl.planner.profile import ClusterProfile
-from augtree_verl.planner.search import check_tree_lengths, plan_tree
+from augtree_verl.planner.search import plan_tree
 
 logger = logging.getLogger(__name__)
 
@@ -37,23 +40,26 @@ DEFAULT_MAX_ENTRIES = 65536  # ~100 steps of 512 groups; an entry is a few hundr
 
 @dataclass
 class _Entry:
-    prompt_len: int
-    response_lens: tuple[int, ...]
-    result: dict  # {"plan": Plan dict, "solve_ms": float} or {"error": message}
+    lengths: GroupLengths
+    result: dict  # {"plan": Plan, "solve_ms": float} or {"error": message}
     arrived_s: float  # time.monotonic() when its plan was made (at report)
     sent_ns: int  # the reporter's time.time_ns() at sending: which of two reports is newer
 
 
-def plan_group(
-    prompt_len: int, response_lens, degrees, profile: ClusterProfile, force_primitive: str | None = None
-) -> dict:
-    """``{"plan": Plan dict, "solve_ms": float}``, or ``{"error": message}`` when no plan fits the group."""
+def plan_group(lengths: GroupLengths, degrees, profile: ClusterProfile, force_primitive: str | None = None) -> dict:
+    """``{"plan": Plan, "solve_ms": float}``, or ``{"error": message}`` when no plan fits the group."""
     start = time.perf_counter()
     try:
-        plan = plan_tree(prompt_len, response_lens, degrees=degrees, profile=profile, force_primitive=force_primitive)
+        plan = plan_tree(
+            lengths.prompt_len,
+            lengths.response_lens,
+            degrees=degrees,
+            profile=profile,
+            force_primitive=force_primitive,
+        )
     except ValueError as err:
         return {"error": str(err)}
-    return {"plan": plan.to_dict(), "solve_ms": (time.perf_counter() - start) * 1e3}
+    return {"plan": plan, "solve_ms": (time.perf_counter() - start) * 1e3}
 
 
 class PlannerService:
@@ -91,8 +97,10 @@ class PlannerService:
             "force_primitive": self.force_primitive,
         }
 
-    async def report(self, uid: str, prompt_len, response_lens, sent_ns: int | None = None) -> None:
+    async def report(self, uid: str, lengths: GroupLengths, sent_ns: int | None = None) -> None:
         """A finished group's lengths, responses in (session, index) order; planned now, kept until taken.
+        A uid that is not a non-empty string, or ``lengths`` that are not a ``GroupLengths``, is dropped and
+        counted (``rejected``), never raised.
 
         ``sent_ns`` (the reporter's ``time.time_ns()``; default: arrival) orders two reports of one uid: an
         async actor runs calls in no guaranteed order, even from one caller, so the newer report is the one
@@ -100,12 +108,12 @@ class PlannerService:
         try:
             if not isinstance(uid, str) or not uid:
                 raise ValueError(f"uid must be a non-empty string, got {uid!r}")
-            P, R = check_tree_lengths(prompt_len, response_lens)
+            if not isinstance(lengths, GroupLengths):  # the record was checked where it was made
+                raise ValueError(f"lengths must be a GroupLengths, got {lengths!r}")
         except ValueError as err:
             self.counts["rejected"] += 1
             logger.warning("planner: dropped the report of group %r: %s", uid, err)
             return
-        lens = tuple(int(r) for r in R)
         sent_ns = time.time_ns() if sent_ns is None else int(sent_ns)
         self.counts["reported"] += 1
         if uid in self.entries:
@@ -113,8 +121,8 @@ class PlannerService:
             if self.entries[uid].sent_ns > sent_ns:  # an older report that ran late: the newer one stays
                 return
             del self.entries[uid]
-        result = plan_group(P, lens, self.degrees, self.profile, self.force_primitive)
-        self.entries[uid] = _Entry(P, lens, result, time.monotonic(), sent_ns)
+        result = plan_group(lengths, self.degrees, self.profile, self.force_primitive)
+        self.entries[uid] = _Entry(lengths, result, time.monotonic(), sent_ns)
         self._keep_sent_order(uid)
         self.last_planned_s = time.monotonic()
         self._evict()
@@ -122,14 +130,14 @@ class PlannerService:
         self.arrived = asyncio.Event()
 
     async def take(self, requests: dict, wait_for: list, wait_s: float) -> dict:
-        """Hand over the plans of ``requests`` (uid -> (prompt_len, response_lens) as the trainer sees them).
+        """Hand over the plans of ``requests`` (uid -> ``GroupLengths`` as the trainer sees them).
 
         Waits at most ``wait_s`` for the uids in ``wait_for`` that have not been reported yet (a report sent
         just before its group was marked finished may still be on its way: Ray orders calls per caller only).
         Returns ``{"results": {uid: result}, ...state}`` where result is the entry's ``{"plan", "solve_ms"}``
         or ``{"error"}``, with ``waited_s`` (how long its plan was ready before this call handed it over), if its
-        lengths equal the request, ``{"mismatch": (prompt_len, response_lens)}`` (the
-        reported lengths) if they differ, and absent if the uid was never reported (or already evicted).
+        lengths equal the request, ``{"mismatch": GroupLengths}`` (the reported lengths) if they differ, and
+        absent if the uid was never reported (or already evicted).
         Every requested entry is removed.
         """
         deadline = time.monotonic() + wait_s
@@ -144,14 +152,14 @@ class PlannerService:
         self._evict()
         now = time.monotonic()
         results = {}
-        for uid, (prompt_len, response_lens) in requests.items():
+        for uid, lengths in requests.items():
             entry = self.entries.pop(uid, None)
             if entry is None:
                 continue
-            if (entry.prompt_len, entry.response_lens) == (int(prompt_len), tuple(int(r) for r in response_lens)):
+            if entry.lengths == lengths:
                 results[uid] = {**entry.result, "waited_s": now - entry.arrived_s}
             else:
-                results[uid] = {"mismatch": (entry.prompt_len, list(entry.response_lens))}
+                results[uid] = {"mismatch": entry.lengths}
         return {"results": results, **self._state()}
 
     async def state(self) -> dict:

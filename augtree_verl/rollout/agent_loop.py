@@ -5,13 +5,13 @@ augtree_verl.rollout.agent_loop.PlannerFeedAgentLoopManager`` (our recipes set i
 TransferQueue manager (``AgentLoopManagerTQ``) with ``PlannerFeedWorker`` as its worker. verl's worker runs
 a prompt's n sessions in ``_run_prompt``, each ending in ``_agent_loop_postprocess`` (the samples go into
 the TransferQueue), waits for all of them, then marks the uid finished. ``PlannerFeedWorker`` records each
-session's (prompt, response) lengths as it is post-processed; when the n-th session is in, it reports
-(uid, prompt length, response lengths in (session, index) order) to the planner actor, before the group is
+session's (prompt, response) lengths as it is post-processed; when the n-th session is in, it reports the
+uid and its ``GroupLengths`` (responses in (session, index) order) to the planner actor, before the group is
 marked finished, so the plan is usually ready before the trainer samples the group. Fire and forget
 (``planner.feed``): a slow or dead planner never slows the rollout. Not reported: validation prompts, failed
 groups (a session raised: verl marks the group failed), groups whose outputs have several prompt lengths
-(multi-output agent loops: several trees), and everything without the planner service (the actor's
-engine is not AugTree's, or ``use_planner=false``).
+(multi-output agent loops: several trees) or a length no plan takes (an empty response; logged), and
+everything without the planner service (the actor's engine is not AugTree's, or ``use_planner=false``).
 
 A session whose agent loop returns ``Leaves`` (``rollout.branching``) stores leaf j as the sample of session
 ``session_id + j`` (key ``{uid}_{session_id + j}_0``), each scored on its own: verl takes a list of outputs
@@ -21,16 +21,20 @@ as one trajectory's steps (one reward, the last output's, and one GRPO sample pe
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import ray
 from verl.trainer.ppo.v1.agent_loop_tq import AgentLoopManagerTQ, AgentLoopWorkerTQ
 
+from augtree_verl.groups import GroupLengths
 from augtree_verl.integration import verl_compat
 from augtree_verl.planner.feed import PlannerFeed
 from augtree_verl.rollout.planner_config import planner_service_config
 
+logger = logging.getLogger(__name__)
 
-class GroupLengths:
+
+class OpenGroup:
     """The lengths of one group's sessions as they finish, until all ``n`` are in."""
 
     def __init__(self, n: int):
@@ -42,13 +46,18 @@ class GroupLengths:
         self.sessions[int(session)] = list(lengths)
         return len(self.sessions) == self.n
 
-    def report(self) -> tuple[int, list[int]] | None:
-        """(prompt_len, response lengths in (session, index) order); None unless one prompt length."""
+    def report(self) -> GroupLengths | None:
+        """The group's lengths, responses in (session, index) order; None unless one prompt length and
+        lengths a plan takes (logged: a rollout worker must not see planner errors)."""
         lengths = [pr for s in sorted(self.sessions) for pr in self.sessions[s]]
         prompt_lens = {p for p, _ in lengths}
         if len(prompt_lens) != 1:
             return None
-        return prompt_lens.pop(), [r for _, r in lengths]
+        try:
+            return GroupLengths(prompt_lens.pop(), tuple(r for _, r in lengths))
+        except ValueError as err:
+            logger.warning("planner feed: not reporting a group: %s", err)
+            return None
 
 
 class Leaves(list):
@@ -63,13 +72,13 @@ class PlannerFeedWorker(verl_compat.ray_actor_class(AgentLoopWorkerTQ)):  # type
         super().__init__(config, *args, **kwargs)
         engine_config = planner_service_config(config)
         self.planner_feed = PlannerFeed(engine_config.planner_name) if engine_config is not None else None
-        self.open_groups: dict[str, GroupLengths] = {}
+        self.open_groups: dict[str, OpenGroup] = {}
 
     async def _run_prompt(self, prompt: dict, sampling_params: dict, trajectory: dict, trace: bool = False) -> None:
         uid = prompt["uid"]
         if self.planner_feed is not None and not trajectory["validate"]:
             sessions = verl_compat.rollout_sessions(prompt, self.config.actor_rollout_ref.rollout.n)
-            self.open_groups[uid] = GroupLengths(sessions)
+            self.open_groups[uid] = OpenGroup(sessions)
         try:
             await super()._run_prompt(prompt, sampling_params, trajectory, trace)
         finally:
@@ -91,7 +100,7 @@ class PlannerFeedWorker(verl_compat.ray_actor_class(AgentLoopWorkerTQ)):  # type
         ):
             lengths = group.report()
             if lengths is not None:
-                self.planner_feed.report(kwargs["uid"], *lengths)
+                self.planner_feed.report(kwargs["uid"], lengths)
         return result
 
 

@@ -193,9 +193,7 @@ class AugTreeTrainerMixin:
                 for t in trees
                 if trees_per_uid[t.uid] == 1 and all(batch.keys[s] in sampled for s in t.samples)
             ]
-            plans = self.planner.plans(
-                {t.tree_id: (t.uid, t.prompt_len, list(t.response_lens)) for t in trees}, from_rollout=from_rollout
-            )
+            plans = self.planner.plans({t.tree_id: (t.uid, t.lengths) for t in trees}, from_rollout=from_rollout)
             entries = plan_entries(trees, plans, len(uids))
             # The client's counters since the last balance ("planner/plans_from_rollout", ...).
             metrics.update({f"augtree/{k}": v for k, v in self.planner.metrics(reset=True).items()})

@@ -10,10 +10,10 @@ import torch
 from augtree_verl.cp.bytes import AttentionShape
 from augtree_verl.cp.layout import ZigzagLayout
 from augtree_verl.cp.state_scan import scan_bytes as scan_bytes_of
-from augtree_verl.groups import Tree
+from augtree_verl.groups import GroupLengths, Tree
 from augtree_verl.planner import ClusterProfile, plan_tree
 from augtree_verl.planner.cost import CostModel, cost_model
-from augtree_verl.planner.search import _Search, check_tree_lengths
+from augtree_verl.planner.search import _Search
 from augtree_verl.replay.memory import ReplayMemory
 from augtree_verl.replay.microbatch import DEFAULT_MICRO_BATCH_TOKENS
 from augtree_verl.replay.trie import build_trie
@@ -82,7 +82,7 @@ def test_lanes_in_lock_step_pad_with_calls_and_share_their_scores():
     dummy call while the other lane replays its second response; one exchange shares the lanes' scores."""
     profile = dataclasses.replace(UNIT, call_overhead_s=0.25)
     R = [1000, 10, 10]
-    search = _Search(cost_model(profile), *check_tree_lengths(64, R))
+    search = _Search(cost_model(profile), GroupLengths(64, R))
     (two_lanes,) = [c for c in search.candidates([2], "tree_move_kv") if c.lanes == 2]
     search.exact(two_lanes)
     compute, comm = CostModel(profile).tree_responses(64, np.array(R, dtype=float), 1)

@@ -5,9 +5,10 @@ import numpy as np
 import pytest
 
 from augtree_verl import Plan
+from augtree_verl.groups import GroupLengths
 from augtree_verl.planner import ClusterProfile, plan_tree
 from augtree_verl.planner.cost import cost_model
-from augtree_verl.planner.search import _Search, check_tree_lengths
+from augtree_verl.planner.search import _Search
 
 NODE = (1, 2, 4, 8)
 CLUSTER = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -67,7 +68,7 @@ def test_tree_move_kv_lanes_are_balanced_and_longest_first():
 
 def exhaustive_choice(P, lens, degrees, profile):
     """Every candidate evaluated exactly, then the documented rule applied without pruning."""
-    search = _Search(cost_model(profile), *check_tree_lengths(P, lens))
+    search = _Search(cost_model(profile), GroupLengths(P, lens))
     cands = [c for c in search.candidates(degrees, None) if c.memory <= profile.memory_per_rank_bytes]
     for c in cands:
         if c.parts is None:

@@ -17,9 +17,10 @@ from hydra import compose, initialize_config_dir
 from tensordict import NonTensorData, NonTensorStack, TensorDict
 from transformers import Qwen2Config
 
+from augtree_verl.groups import GroupLengths
 from augtree_verl.planner import ClusterProfile
 from augtree_verl.planner.service import start_planner_service
-from augtree_verl.rollout.agent_loop import GroupLengths, PlannerFeedAgentLoopManager, PlannerFeedWorker
+from augtree_verl.rollout.agent_loop import OpenGroup, PlannerFeedAgentLoopManager, PlannerFeedWorker
 
 pytestmark = pytest.mark.slow  # spawns process groups, Ray, verl engines or subprocesses
 
@@ -91,13 +92,16 @@ def wait_until_settled(uids, partition, timeout_s=120):
 
 
 def test_group_lengths_report_in_session_then_index_order():
-    group = GroupLengths(2)
+    group = OpenGroup(2)
     assert not group.add(1, [(10, 7), (10, 3)])
     assert group.add(0, [(10, 5)])
-    assert group.report() == (10, [5, 7, 3])
-    multi = GroupLengths(1)
+    assert group.report() == GroupLengths(10, [5, 7, 3])
+    multi = OpenGroup(1)
     multi.add(0, [(10, 5), (15, 4)])
     assert multi.report() is None  # two prompt lengths: two trees, the trainer plans them
+    empty = OpenGroup(1)
+    empty.add(0, [(10, 5), (10, 0)])
+    assert empty.report() is None  # an empty response: no plan takes it (logged, not raised)
 
 
 def test_manager_runs_the_feed_worker():
@@ -124,7 +128,8 @@ def test_finished_training_groups_reach_the_planner_in_session_order(ray_tq, tmp
     state = ray.get(planner.state.remote(), timeout=30)
     assert state["reported"] == 2 and state["queue_depth"] == 2  # not the failed group, not validation
     ok = {u: g for u, g in groups.items() if u.startswith("ok")}
-    reply = ray.get(planner.take.remote(ok, [], 0.0), timeout=30)  # the lengths exactly as the rollout made them
+    requests = {u: GroupLengths(p, rs) for u, (p, rs) in ok.items()}
+    reply = ray.get(planner.take.remote(requests, [], 0.0), timeout=30)  # the lengths exactly as the rollout made them
     assert set(reply["results"]) == set(ok) and all("plan" in r for r in reply["results"].values())
     # the samples the trainer will read carry the same lengths, under keys {uid}_{session}_{index}
     for uid, (p, rs) in ok.items():
@@ -152,7 +157,7 @@ def test_a_branching_loops_leaves_are_samples_of_their_own_in_leaf_order(ray_tq,
     assert not [
         key for key in tq.kv_list(partition_id="train")["train"] if key.startswith(uid + "_") and key not in keys
     ]
-    reply = ray.get(planner.take.remote({uid: (200, [30 + j for j in range(N)])}, [], 0.0), timeout=30)
+    reply = ray.get(planner.take.remote({uid: GroupLengths(200, [30 + j for j in range(N)])}, [], 0.0), timeout=30)
     assert "plan" in reply["results"][uid]
     ray.kill(worker)
 

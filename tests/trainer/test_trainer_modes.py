@@ -29,7 +29,7 @@ from verl.utils.import_utils import load_class_from_fqn
 from verl.utils.transferqueue_utils import _meta_to_realdata, kv_batch_meta2batch_meta
 from verl.workers.config import RolloutConfig
 
-from augtree_verl.groups import find_trees
+from augtree_verl.groups import GroupLengths, find_trees
 from augtree_verl.plan_field import PLAN_FIELD, group_plan_entries
 from augtree_verl.planner import ClusterProfile
 from augtree_verl.planner.client import PlannerClient
@@ -179,7 +179,7 @@ def test_plans_made_during_the_rollout_reach_every_worker_and_survive_a_dead_pla
         if step == 1:
             ray.kill(ray.get_actor(trainer.planner.name))
         for uid, (p, rs) in step_groups.items():  # reported as each group finishes
-            feed.report(uid, p, rs)
+            feed.report(uid, GroupLengths(p, rs))
         if step == 0:
             wait_for_reports(trainer.planner.name, len(step_groups))
         batch = put_rollouts(step_groups, seed=step)
@@ -259,7 +259,7 @@ def test_force_primitive_pins_the_plans_of_the_service_and_of_the_trainer(ray_tq
     assert config["force_primitive"] == "ring"
     feed = PlannerFeed(trainer.planner.name)
     for uid in ("long", "mid"):  # planned by the service; "short" and padding here
-        feed.report(uid, *GROUPS[uid])
+        feed.report(uid, GroupLengths(*GROUPS[uid]))
     wait_for_reports(trainer.planner.name, 2)
     batch = put_rollouts(GROUPS, seed=5)
     metrics = {}
@@ -317,8 +317,8 @@ def test_padding_rows_and_unreported_groups_are_planned_by_the_trainer(ray_tq):
     trainer.planner = trainer._start_planner(PROFILE)
     ray.get(ray.get_actor(trainer.planner.name).config.remote(), timeout=240)
     feed = PlannerFeed(trainer.planner.name)
-    feed.report("long", *GROUPS["long"])
-    feed.report("mid", 700, [800, 20, 60])  # one sample of "mid" failed after the report
+    feed.report("long", GroupLengths(*GROUPS["long"]))
+    feed.report("mid", GroupLengths(700, [800, 20, 60]))  # one sample of "mid" failed after the report
     wait_for_reports(trainer.planner.name, 2)
     batch = put_rollouts(GROUPS, seed=3)  # "short" was never reported
     metrics = {}
