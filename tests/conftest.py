@@ -3,10 +3,17 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from augtree_verl.planner.startup import CACHE_ENV
 from augtree_verl.testing import harness
+
+# One intra-op thread per process, here and in every process the tests start: the suite's models are tiny (threads
+# add only overhead), and beside a background launch on the other core OpenMP's spinning threads made an in-process
+# test several times slower (tests/integration/test_engine_losses.py: 0.3 s a setting alone, 2.6 s in the suite).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 # verl resolves its device once per process, when something first imports verl.workers.engine; the suite runs
 # verl's engines and trainers on our CPU platform, so it is selected before any test module is collected.

@@ -96,13 +96,25 @@ def _loss(config, mode, agg, scale, entropy_coeff, use_kl):
     return functools.partial(ppo_loss, config=actor)  # as verl's worker binds it
 
 
-def _batch(stock, micro_batches: str, *, entropy: bool, use_kl: bool):
+def _rows() -> list:
     rows = H.group_rows(GROUPS, seed=3)
-    rows = [rows[k] for k in ORDER]
-    batch = H.rows_to_batch(rows)
-    tu.assign_non_tensor(batch, **MICRO_BATCHES[micro_batches], calculate_entropy=entropy)
+    return [rows[k] for k in ORDER]
+
+
+@pytest.fixture(scope="module")
+def current(engines) -> list[torch.Tensor]:
+    """The stock engine's log-probs of the rows (no setting takes an optimizer step, so one inference serves all:
+    the old log-probs near them, and the KL reference)."""
+    stock = engines[0]
+    batch = H.rows_to_batch(_rows())
+    tu.assign_non_tensor(batch, **MICRO_BATCHES["rows-2"], calculate_entropy=False)
     with stock.eval_mode():
-        current = H.response_logps(stock.infer_batch(batch.clone(), loss_function=None), batch)
+        return H.response_logps(stock.infer_batch(batch.clone(), loss_function=None), batch)
+
+
+def _batch(current: list[torch.Tensor], micro_batches: str, *, entropy: bool, use_kl: bool):
+    batch = H.rows_to_batch(_rows())
+    tu.assign_non_tensor(batch, **MICRO_BATCHES[micro_batches], calculate_entropy=entropy)
     H.set_old_log_probs(batch, current, seed=1)
     if use_kl:
         g = torch.Generator().manual_seed(2)
@@ -131,11 +143,11 @@ def _value(metric) -> float:
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("mode,agg,scale,micro_batches", CASES, ids=lambda v: str(v))
-def test_loss_setting_matches_stock_engine(engines, mode, agg, scale, micro_batches):
+def test_loss_setting_matches_stock_engine(engines, current, mode, agg, scale, micro_batches):
     stock, ours, config = engines
     entropy, use_kl = mode == "vanilla" and agg == "seq-mean-token-sum-norm", mode == "gspo"
     loss_fn = _loss(config, mode, agg, scale, 0.01 if entropy else 0.0, use_kl)
-    batch = _batch(stock, micro_batches, entropy=entropy, use_kl=use_kl)
+    batch = _batch(current, micro_batches, entropy=entropy, use_kl=use_kl)
     want, want_losses, want_metrics = _gradients(stock, loss_fn, batch)
     got, got_losses, got_metrics = _gradients(ours, loss_fn, batch)
     assert want.keys() == got.keys() and want
