@@ -220,14 +220,22 @@ def _agent(bg: Background, out: Path) -> Path:
 
 def _vision(bg: Background, out: Path) -> dict[str, list[dict]]:
     """``examples/run_cpu.sh`` with ``TASK=vision`` (the tiny vision-language model, the shape task) on each of
-    ``VISION_ENGINES``, 2 steps: each engine's steps."""
-    steps = {}
-    for strategy in VISION_ENGINES:
+    ``VISION_ENGINES``, 2 steps: each engine's steps. The launches share the task (written first) and run in
+    threads of their own, each taking a slot with this run's rank, so two slots run both at once."""
+    from augtree_verl.cpu_loop.vision_task import write_vision_task
+
+    write_vision_task(out / "assets", REPO / "tests" / "data" / "qwen2_5_tokenizer")  # as run_cpu.sh would
+    rank = bg._local.rank
+
+    def launch(strategy: str) -> list[dict]:
+        bg._local.rank = rank
         log = out / f"{strategy}.jsonl"
         env = run_env(out / "assets", out, TASK="vision", STRATEGY=strategy, VERL_FILE_LOGGER_PATH=str(log))
         bg.launch("run_cpu.sh", env, out, f"actor_rollout_ref.actor.optim.lr={LR}")
-        steps[strategy] = read_steps(log)
-    return steps
+        return read_steps(log)
+
+    with ThreadPoolExecutor(max_workers=len(VISION_ENGINES), thread_name_prefix="e2e-vision") as pool:
+        return dict(zip(VISION_ENGINES, pool.map(launch, VISION_ENGINES)))
 
 
 @dataclass(frozen=True)
