@@ -68,7 +68,7 @@ def _parser() -> argparse.ArgumentParser:
         help=f"update steps per method, median reported (default {BenchConfig.repeats}; --quick {QUICK['repeats']})",
     )
     bench.add_argument("--seed", type=int, help="seed for weights, token ids and rewards (default 0)")
-    bench.add_argument("--quick", action="store_true", help="a smaller run (about 2 minutes on 2 CPU cores)")
+    bench.add_argument("--quick", action="store_true", help="a smaller run (about 3 minutes on 2 CPU cores)")
     bench.add_argument("--json", metavar="PATH", help="write the results as JSON")
     bench.add_argument("--plot", metavar="PATH", help="write a PNG plot of step time and bytes moved")
     bench.add_argument("--wandb", action="store_true", help="log one W&B run per method (offline unless logged in)")
