@@ -127,6 +127,18 @@ class Background:
         assert proc.returncode == 0, f"{script} {' '.join(overrides)} exited {proc.returncode}:\n{output[-6000:]}"
         return output
 
+    def concurrently(self, fn: Callable, items) -> list:
+        """``fn`` over ``items``, each in a thread of its own whose launches wait for a slot with the calling
+        run's rank (two slots run two at once)."""
+        rank = self._local.rank
+
+        def call(item):
+            self._local.rank = rank
+            return fn(item)
+
+        with ThreadPoolExecutor(max_workers=len(items), thread_name_prefix="e2e-concurrent") as pool:
+            return list(pool.map(call, items))
+
     def stop(self) -> None:
         """End the launches still running (a session stopped early), start no other, and end the threads."""
         with self._gate:
@@ -220,22 +232,19 @@ def _agent(bg: Background, out: Path) -> Path:
 
 def _vision(bg: Background, out: Path) -> dict[str, list[dict]]:
     """``examples/run_cpu.sh`` with ``TASK=vision`` (the tiny vision-language model, the shape task) on each of
-    ``VISION_ENGINES``, 2 steps: each engine's steps. The launches share the task (written first) and run in
-    threads of their own, each taking a slot with this run's rank, so two slots run both at once."""
+    ``VISION_ENGINES``, 2 steps: each engine's steps. The launches share the task (written first) and run at
+    once (``Background.concurrently``)."""
     from augtree_verl.cpu_loop.vision_task import write_vision_task
 
     write_vision_task(out / "assets", REPO / "tests" / "data" / "qwen2_5_tokenizer")  # as run_cpu.sh would
-    rank = bg._local.rank
 
     def launch(strategy: str) -> list[dict]:
-        bg._local.rank = rank
         log = out / f"{strategy}.jsonl"
         env = run_env(out / "assets", out, TASK="vision", STRATEGY=strategy, VERL_FILE_LOGGER_PATH=str(log))
         bg.launch("run_cpu.sh", env, out, f"actor_rollout_ref.actor.optim.lr={LR}")
         return read_steps(log)
 
-    with ThreadPoolExecutor(max_workers=len(VISION_ENGINES), thread_name_prefix="e2e-vision") as pool:
-        return dict(zip(VISION_ENGINES, pool.map(launch, VISION_ENGINES)))
+    return dict(zip(VISION_ENGINES, bg.concurrently(launch, VISION_ENGINES)))
 
 
 @dataclass(frozen=True)
