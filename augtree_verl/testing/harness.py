@@ -10,6 +10,7 @@ import atexit
 import dataclasses
 import functools
 import os
+import random
 import shutil
 import socket
 import tempfile
@@ -70,10 +71,25 @@ def use_cpu_platform() -> None:
         )
 
 
+# The ports free_port picks from: below Linux's ephemeral range (ip_local_port_range, 32768-60999 by default), which
+# the kernel hands out as the local end of every outgoing connection, and above Ray's worker ports (10002-19999). A
+# port bind(0) picked came from the ephemeral range, and once a connection of a background launch took it before
+# the ranks bound it (EADDRINUSE in init_process_group).
+PORT_RANGE = (20000, 32768)
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A localhost TCP port free now, drawn from ``PORT_RANGE`` (no connection is given it meanwhile)."""
+    draw = random.SystemRandom()  # not the test's seeded ``random``: two draws in a session differ
+    for _ in range(1000):
+        port = draw.randrange(*PORT_RANGE)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError(f"no free port in {PORT_RANGE} after 1000 draws")
 
 
 # What a rank needs that takes seconds to import: ranks fork from one server process (multiprocessing's

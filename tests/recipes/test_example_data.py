@@ -49,7 +49,10 @@ def prepared(tmp_path_factory):
 @pytest.mark.timeout(300)
 def test_verls_dataset_loads_long_prompts_within_the_recipe_limit(prepared, tmp_path):
     with initialize_config_dir(config_dir=str(REPO / "recipes"), version_base=None):
-        data_config = compose(config_name="grpo_augtree", overrides=[f"+data.cache_dir={tmp_path}"]).data
+        # The filter in this process: verl's default (1 worker) forks a pool from the test process, whose threads
+        # (the background e2e runs, the tokenizer's) once left the forked worker hung for the test's 300 s.
+        overrides = [f"+data.cache_dir={tmp_path}", "data.filter_overlong_prompts_workers=0"]
+        data_config = compose(config_name="grpo_augtree", overrides=overrides).data
     tokenizer = AutoTokenizer.from_pretrained(TOKENIZER)
     train = RLHFDataset(str(prepared / "train.parquet"), tokenizer, data_config)
     test = RLHFDataset(str(prepared / "test.parquet"), tokenizer, data_config)
