@@ -4,8 +4,9 @@
 none) calls ``make_run_profile``: the model shape from the engine's Hugging Face config, the dtype its layers
 compute in (the start-up exactness probe's), activation checkpointing from verl's model config, and the
 hardware figures from ``planner_profile``, the cache or a calibration on this device and the world process
-group (``planner.startup``; every rank takes part and gets the same profile, with which its engine plans
-its steps: ``StepPlan.build``'s ``trie_cost``). The result stays in this worker process; the trainer
+group (its CP fixed costs fitted only where ``cp_degrees`` has a degree above 1; ``planner.startup``; every
+rank takes part and gets the same profile, with which its engine plans its steps: ``StepPlan.build``'s
+``trie_cost``). The result stays in this worker process; the trainer
 reads rank 0's with ``planner.startup.published_profile`` (run there through the worker group,
 ``verl_compat.run_on_rank_zero``), prints it once and plans with it: the planner service, its client and
 the plans the engine applies all come from that one profile.
@@ -46,6 +47,7 @@ def make_run_profile(engine) -> RunProfile:
                 group=group,
                 model=model,
                 lockstep_group=group,
+                context_parallel=max(engine.engine_config.cp_degrees) > 1,
             )
     finally:
         for p, g in zip(params, saved):

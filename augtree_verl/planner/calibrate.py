@@ -37,9 +37,9 @@ Compute is measured on the profile's model shapes (call ``with_model`` first), w
   profiles, so the counts are the model's own): non-negative least squares, relative to each time. So a
   CP step's fixed cost (its decoder call over a ring, the LM-head call, the exchange, the keep-alives, one
   block attention and merge per ring hop) is measured where it runs, not inferred from a one-device call
-  and a ping. Without a world group only the call and slot costs are fitted. The gradients of
-  ``model.parameters()`` are left as they were (a wrapper without ``parameters()``, verl's FSDP2 view,
-  leaves that to its caller). Without ``model`` the profile's fixed costs stay.
+  and a ping. Without a world group, or with ``context_parallel=False``, only the call and slot costs are
+  fitted. The gradients of ``model.parameters()`` are left as they were (a wrapper without ``parameters()``,
+  verl's FSDP2 view, leaves that to its caller). Without ``model`` the profile's fixed costs stay.
 With an initialised process group of more than one rank, communication too (medians over many repeats, so
 one descheduled step on a shared machine does not set the figure):
 - launch_latency_s, ring_hop_s, all_to_all_s (until the replay fits them): median of a one-element ring
@@ -151,19 +151,25 @@ def _dtype(profile, device: torch.device) -> torch.dtype:
     return {2: torch.bfloat16, 4: torch.float32}.get(profile.dtype_bytes, torch.bfloat16)
 
 
-def calibrate(profile: ClusterProfile, group=None, device=None, model=None, lockstep_group=None) -> ClusterProfile:
+def calibrate(
+    profile: ClusterProfile, group=None, device=None, model=None, lockstep_group=None, context_parallel: bool = True
+) -> ClusterProfile:
     """``profile`` with compute, bandwidth, latency (and, on CUDA, memory) measured here, on its model shapes;
     ``model`` (optional, what ``replay`` runs: a causal LM or ``integration.fsdp_model.FSDPReplayModel``)
-    sets the fixed costs from the replay itself (with a world process group, the CP ones too), its calls in
-    step over ``lockstep_group`` (an FSDP2-sharded model); see the module docstring.
+    sets the fixed costs from the replay itself (with a world process group and ``context_parallel``, the CP
+    ones too), its calls in step over ``lockstep_group`` (an FSDP2-sharded model); see the module docstring.
+    ``context_parallel=False`` (a run whose plans are all one-device: ``cp_degrees`` [1]) replays no CP tiny
+    trees, so the CP fixed costs (``ring_hop_s``, ``all_to_all_s``, ``launch_latency_s``) keep the ping's
+    figures: those trees are 10 of the 12, and over FSDP2 each replay all-gathers and reduce-scatters the model
+    (minutes on CPU for a model with a 151k-token vocabulary, whose embedding and head gloo moves every call).
 
     Collective: when ``torch.distributed`` is initialised with more than one rank, every rank of ``group``
     must call it, and all of them get the same profile back.
     """
-    return dataclasses.replace(profile, **_measure(profile, group, device, model, lockstep_group))
+    return dataclasses.replace(profile, **_measure(profile, group, device, model, lockstep_group, context_parallel))
 
 
-def _measure(profile, group, device, model, lockstep_group) -> dict:
+def _measure(profile, group, device, model, lockstep_group, context_parallel: bool) -> dict:
     """The measured ``ClusterProfile`` fields."""
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
@@ -182,9 +188,8 @@ def _measure(profile, group, device, model, lockstep_group) -> dict:
         measured["flops_per_s"] = _matmul_flops(profile, device, dtype)
     else:
         # CP plans run over the world (the replay's mesh without one), so only a world group fits them.
-        cp_world = (
-            dist.get_world_size(group) if distributed and dist.get_world_size(group) == dist.get_world_size() else 1
-        )
+        world_group = distributed and dist.get_world_size(group) == dist.get_world_size()
+        cp_world = dist.get_world_size(group) if world_group and context_parallel else 1
         measured.update(
             _replay_costs(model, dataclasses.replace(profile, **measured), device, lockstep_group, cp_world)
         )

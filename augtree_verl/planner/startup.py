@@ -8,7 +8,8 @@
 
 1. ``user_file`` (the engine knob ``planner_profile``): a profile JSON, e.g. a cache file of an earlier run;
 2. the cache: ``$AUGTREE_PROFILE_CACHE`` (default ``~/.cache/augtree-verl/profiles``) holds one file per
-   (model shape, dtype, checkpointing, device, world size, ranks per node), named by a hash of that key;
+   (model shape, dtype, checkpointing, device, world size, ranks per node, CP costs fitted or not), named by a
+   hash of that key; a run without CP (``context_parallel=False``) also takes a file with them fitted;
 3. ``calibrate.calibrate(base, group, device, model)`` on this device and process group (seconds), saved to the cache.
 
 A file whose model fields (``MODEL_FIELDS``) differ from the run's is refused by name (a user file) or
@@ -68,10 +69,22 @@ def device_name(device: torch.device) -> str:
     return f"{device.type}-{platform.machine()}-{os.cpu_count()}cores"
 
 
-def cache_file(profile: ClusterProfile, device: torch.device, world: int, cache_dir: Path | None = None) -> Path:
-    """The cache file of ``profile``'s model fields on ``device`` in a world of ``world`` ranks."""
+def cache_file(
+    profile: ClusterProfile,
+    device: torch.device,
+    world: int,
+    cache_dir: Path | None = None,
+    context_parallel: bool = True,
+) -> Path:
+    """The cache file of ``profile``'s model fields on ``device`` in a world of ``world`` ranks, its CP fixed costs
+    fitted or not (``context_parallel``, ``calibrate.calibrate``)."""
     key = {name: getattr(profile, name) for name in MODEL_FIELDS}
-    key.update(ranks_per_node=profile.ranks_per_node, device=device_name(device), world=world)
+    key.update(
+        ranks_per_node=profile.ranks_per_node,
+        device=device_name(device),
+        world=world,
+        context_parallel=context_parallel,
+    )
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     root = cache_dir if cache_dir is not None else Path(os.environ.get(CACHE_ENV) or DEFAULT_CACHE_DIR)
     slug = "".join(c if c.isalnum() else "-" for c in key["device"])
@@ -107,16 +120,20 @@ def startup_profile(
     model=None,
     lockstep_group=None,
     cache_dir: Path | None = None,
+    context_parallel: bool = True,
 ) -> RunProfile:
     """The run's profile (see the module docstring); ``model`` and ``lockstep_group``: what calibration
-    replays (``ClusterProfile.calibrate``; optional)."""
+    replays (``ClusterProfile.calibrate``; optional); ``context_parallel=False``: the run plans no CP (its
+    ``cp_degrees`` are [1]), so a calibration fits no CP fixed costs and a cache file of either kind serves."""
     device = torch.device(device)
     distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
     world = dist.get_world_size(group) if distributed else 1
-    path = cache_file(base, device, world, cache_dir)
+    path = cache_file(base, device, world, cache_dir, context_parallel)
+    # A run without CP also reads a file with the CP costs fitted (its other figures are the same measurements).
+    paths = [path] if context_parallel else [cache_file(base, device, world, cache_dir, True), path]
     found: list = [None]
     if not distributed or dist.get_rank(group) == 0:
-        found[0] = _read(base, user_file, path)
+        found[0] = _read(base, user_file, paths)
     if distributed:
         dist.broadcast_object_list(found, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
     kind, value = found[0]
@@ -131,9 +148,13 @@ def startup_profile(
             source,
         )
     start = time.perf_counter()
-    profile = calibrate(base, group=group, device=device, model=model, lockstep_group=lockstep_group)
+    profile = calibrate(
+        base, group=group, device=device, model=model, lockstep_group=lockstep_group, context_parallel=context_parallel
+    )
     seconds = time.perf_counter() - start
     note = f"calibrated now in {seconds:.1f} s on {device_name(device)}, world {world}"
+    if not context_parallel:
+        note += " (no CP costs fitted: one-device plans only)"
     if not distributed or dist.get_rank(group) == 0:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -146,8 +167,9 @@ def startup_profile(
     return RunProfile(profile, note)
 
 
-def _read(base: ClusterProfile, user_file: str | None, path: Path) -> tuple[str, object]:
-    """("found", (profile dict, source)), ("calibrate", None) or ("error", message), on rank 0."""
+def _read(base: ClusterProfile, user_file: str | None, paths: list[Path]) -> tuple[str, object]:
+    """("found", (profile dict, source)), ("calibrate", None) or ("error", message), on rank 0: the user's file,
+    else the first of the cache ``paths`` that holds a profile of ``base``'s model."""
     if user_file is not None:
         try:
             profile = ClusterProfile.load(user_file)
@@ -161,13 +183,14 @@ def _read(base: ClusterProfile, user_file: str | None, path: Path) -> tuple[str,
                 f"calibrate one"
             )
         return "found", (profile.to_dict(), f"the user's file {user_file}")
-    try:
-        profile = ClusterProfile.load(path)
-    except (OSError, ValueError, TypeError):
-        return "calibrate", None
-    if _model_mismatch(profile, base):
-        return "calibrate", None
-    return "found", (profile.to_dict(), f"cache file {path}")
+    for path in paths:
+        try:
+            profile = ClusterProfile.load(path)
+        except (OSError, ValueError, TypeError):
+            continue
+        if not _model_mismatch(profile, base):
+            return "found", (profile.to_dict(), f"cache file {path}")
+    return "calibrate", None
 
 
 def _model_mismatch(profile: ClusterProfile, run: ClusterProfile) -> str:

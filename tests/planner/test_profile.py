@@ -296,7 +296,7 @@ def test_calibrate_on_gloo_agrees_across_ranks():
     assert p0["launch_latency_s"] != base.launch_latency_s and 0 < p0["launch_latency_s"] < 1e-1
 
 
-def _calibrate_model_worker(rank, world, port, results):
+def _calibrate_model_worker(rank, world, port, context_parallel, results):
     torch.set_num_threads(1)  # the ranks share the cores
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
@@ -310,6 +310,7 @@ def _calibrate_model_worker(rank, world, port, results):
                 ClusterProfile.default().with_model(TINY_CFG), activation_checkpointing=False, dtype_bytes=4
             ),
             model=model,
+            context_parallel=context_parallel,
         )
         results[rank] = (profile.to_dict(), rows, all(p.grad is None for p in model.parameters()))
     finally:
@@ -318,14 +319,16 @@ def _calibrate_model_worker(rank, world, port, results):
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-def test_calibrate_with_a_model_on_gloo_fits_the_cp_fixed_costs_on_the_group():
+@pytest.mark.parametrize("context_parallel,trees", [(True, 12), (False, 2)])
+def test_calibrate_with_a_model_on_gloo_fits_the_cp_fixed_costs_on_the_group(context_parallel, trees):
     """With a world process group the fit runs over every CP primitive's tiny trees too (12 of them on 2
-    ranks), and the ranks agree on what it found; the model's gradients are left as they were."""
+    ranks; only the 2 one-device ones for a run without CP, whose CP costs keep the ping's figures), and the
+    ranks agree on what it found; the model's gradients are left as they were."""
     with mp.Manager() as manager:
         results = manager.dict()
-        harness.start_ranks(_calibrate_model_worker, (2, harness.free_port(), results), 2)
+        harness.start_ranks(_calibrate_model_worker, (2, harness.free_port(), context_parallel, results), 2)
         results = dict(results)
     (p0, rows0, clean0), (p1, rows1, clean1) = results[0], results[1]
-    assert p0 == p1 and rows0 == rows1 == [12] and clean0 and clean1
+    assert p0 == p1 and rows0 == rows1 == [trees] and clean0 and clean1
     for f in FIXED_COSTS:
         assert MIN_OVERHEAD_S <= p0[f] < 1.0, (f, p0[f])

@@ -35,7 +35,7 @@ def test_calibrates_once_then_reads_the_cache(tmp_path):
     assert again.profile == first.profile == ClusterProfile.load(path) and again.source == f"cache file {path}"
 
 
-def test_the_cache_key_is_model_shape_dtype_checkpointing_device_and_world(tmp_path):
+def test_the_cache_key_is_model_shape_dtype_checkpointing_device_world_and_cp(tmp_path):
     path = cache_file(BASE, CPU, 1, tmp_path)
     others = [
         cache_file(BASE, CPU, 2, tmp_path),
@@ -43,10 +43,24 @@ def test_the_cache_key_is_model_shape_dtype_checkpointing_device_and_world(tmp_p
         cache_file(dataclasses.replace(BASE, dtype_bytes=2), CPU, 1, tmp_path),
         cache_file(dataclasses.replace(BASE, activation_checkpointing=True), CPU, 1, tmp_path),
         cache_file(dataclasses.replace(BASE, ranks_per_node=8), CPU, 1, tmp_path),
+        cache_file(BASE, CPU, 1, tmp_path, context_parallel=False),
     ]
     assert path not in others and len(set(others)) == len(others)
     # hardware figures are not part of the key: they are what the file holds
     assert cache_file(dataclasses.replace(BASE, flops_per_s=1.0), CPU, 1, tmp_path) == path
+
+
+def test_a_run_without_cp_reads_a_file_with_cp_costs_but_not_the_other_way(tmp_path):
+    with_cp, without = (cache_file(BASE, CPU, 1, tmp_path, context_parallel=cp) for cp in (True, False))
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    dataclasses.replace(BASE, flops_per_s=1.25e12).save(with_cp)
+    run = startup_profile(BASE, user_file=None, device=CPU, cache_dir=tmp_path, context_parallel=False)
+    assert run.profile.flops_per_s == 1.25e12 and run.source == f"cache file {with_cp}" and not without.exists()
+    with_cp.unlink()
+    dataclasses.replace(BASE, flops_per_s=2.5e12).save(without)
+    run = startup_profile(BASE, user_file=None, device=CPU, cache_dir=tmp_path)
+    assert run.source.startswith("calibrated now") and str(with_cp) in run.source
+    assert ClusterProfile.load(without).flops_per_s == 2.5e12  # the other kind's file is left as it was
 
 
 def test_a_cache_file_of_another_model_is_calibrated_over(tmp_path):
