@@ -14,12 +14,16 @@ import contextlib
 import os
 import signal
 import subprocess
+import sys
+import tempfile
 import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from augtree_verl.testing.harness import free_port
 from augtree_verl.trainer.augtree_async import COLOCATE_ASYNC_MODE, SEPARATE_ASYNC_MODE
 from tests.e2e.runs import AGENT_SIZES, LR, REPO, SAVE_EVERY_STEP, read_steps, run_env, stopped_after
 
@@ -29,6 +33,9 @@ LAUNCH_TIMEOUT_S = 1100
 E2E_WIDTH = 2
 # The engines the vision run trains, one launch each (test_vision compares their step 1).
 VISION_ENGINES = ("fsdp2", "augtree")
+# How long the Ray head of the job run may take to answer ``ray job list``.
+HEAD_START_S = 120
+BIN = Path(sys.executable).parent
 
 
 @dataclass(frozen=True)
@@ -105,7 +112,8 @@ class Background:
                 self._gate.notify_all()
 
     def launch(self, script: str, env: dict, cwd: Path, *overrides: str) -> str:
-        """``examples/<script>`` with ``overrides``: its output (stdout and stderr) once it exited 0."""
+        """``examples/<script>`` with ``overrides``: its output (stdout and stderr) once it exited 0 (an
+        assertion error with its tail otherwise)."""
         with self.slot():
             proc = subprocess.Popen(
                 ["bash", str(REPO / "examples" / script), *overrides],
@@ -247,6 +255,108 @@ def _vision(bg: Background, out: Path) -> dict[str, list[dict]]:
     return dict(zip(VISION_ENGINES, bg.concurrently(launch, VISION_ENGINES)))
 
 
+def sync_run_of(compared: Path) -> Run:
+    """The augtree_sync run of the compare script (our engine; the recipes' default trainer mode)."""
+    return Run(
+        compared, (f"actor_rollout_ref.actor.optim.lr={LR}", *SAVE_EVERY_STEP), read_steps(compared / "augtree.jsonl")
+    )
+
+
+@dataclass(frozen=True)
+class RayJob:
+    """The job run: the submit script's output, the job's logs read back from the cluster, its steps' metrics."""
+
+    output: str
+    logs: str
+    steps: list[dict]
+
+
+@contextlib.contextmanager
+def _ray_head(out: Path) -> Iterator[tuple[str, dict]]:
+    """(dashboard address, environment for Ray's CLI) of ``ray start --head --block`` on 127.0.0.1 with its own
+    temp dir (so no other ray.init() here joins it) and ports; stopped at the end (only what it started)."""
+    temp_dir = tempfile.mkdtemp(prefix="rayhead-", dir="/tmp")  # short: Ray's socket paths have a length limit
+    dashboard = free_port()
+    ports = ("port", "dashboard-agent-listen-port", "dashboard-agent-grpc-port", "ray-client-server-port")
+    ports += ("metrics-export-port", "runtime-env-agent-port")
+    args = [
+        str(BIN / "ray"),
+        "start",
+        "--head",
+        "--block",
+        "--node-ip-address=127.0.0.1",
+        "--include-dashboard=true",
+        "--dashboard-host=127.0.0.1",
+        f"--dashboard-port={dashboard}",
+        *(f"--{name}={free_port()}" for name in ports),
+        f"--temp-dir={temp_dir}",
+        "--num-cpus=16",
+        "--num-gpus=2",
+        "--disable-usage-stats",
+    ]
+    # Ray 2.60 turns token authentication on for `ray start` when ~/.ray/auth_token exists but leaves its CLI
+    # clients off unless RAY_AUTH_MODE says so: set the mode explicitly (off: a head on 127.0.0.1 for a test).
+    env = dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ['PATH']}", RAY_AUTH_MODE="disabled")
+    env.pop("RAY_ADDRESS", None)
+    log = out / "head.log"
+    proc = subprocess.Popen(args, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+    address = f"http://127.0.0.1:{dashboard}"
+    try:
+        deadline = time.time() + HEAD_START_S
+        while (
+            subprocess.run(
+                [str(BIN / "ray"), "job", "list", "--address", address], env=env, capture_output=True, timeout=60
+            ).returncode
+            != 0
+        ):
+            assert proc.poll() is None and time.time() < deadline, log.read_text()[-3000:]
+            time.sleep(2)
+        yield address, env
+    finally:
+        # --block: on SIGINT the command stops the Ray processes it started, and only those.
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+
+
+def _ray_job(bg: Background, out: Path, compared: Path) -> RayJob:
+    """``examples/submit_cpu_job.sh`` against a Ray head started here: the compare script's augtree_sync run cut
+    after step 1 (``stopped_after``) and resumed as a job; the head's start-up waits for no slot (it idles)."""
+    sync_run = sync_run_of(compared)
+    stopped_after(sync_run.dir, 1, out)
+    checkpoints = next(out.glob("checkpoints/augtree"))
+    log = out / "metrics.jsonl"
+    with _ray_head(out) as (address, env):
+        env = dict(
+            run_env(bg.assets, out, VERL_FILE_LOGGER_PATH=str(log)),
+            RAY_ADDRESS=address,
+            PATH=env["PATH"],
+            RAY_AUTH_MODE=env["RAY_AUTH_MODE"],
+        )
+        # the job runs in Ray's copy of the repository: the checkpoint folder by its absolute path
+        output = bg.launch(
+            "submit_cpu_job.sh",
+            env,
+            out,
+            *sync_run.overrides,
+            f"trainer.default_local_dir={checkpoints}",
+            "trainer.resume_mode=auto",
+        )
+        submitted = [line for line in output.splitlines() if "submitted successfully" in line]
+        assert submitted, f"no job id in the submit script's output:\n{output[-6000:]}"
+        logs = subprocess.run(
+            [str(BIN / "ray"), "job", "logs", submitted[0].split("'")[1], "--address", address],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        ).stdout
+    return RayJob(output, logs, read_steps(log))
+
+
 @dataclass(frozen=True)
 class RunSpec:
     make: Callable  # (background, its folder, *the results of ``after``) -> its result
@@ -264,6 +374,7 @@ RUNS: dict[str, RunSpec] = {
     "resumed_colocate_async": RunSpec(_resumed, after=("colocate_async",)),
     "resumed_separate_async": RunSpec(_resumed, after=("separate_async",)),
     "compared": RunSpec(_compared),
+    "ray_job": RunSpec(_ray_job, after=("compared",)),
     "agent": RunSpec(_agent),
     "dapo": RunSpec(_dapo),
     "vision": RunSpec(_vision),
@@ -280,4 +391,5 @@ RUN_OF_FIXTURE = {
     "vision_steps": "vision",
     "resumed_colocate_async": "resumed_colocate_async",
     "resumed_separate_async": "resumed_separate_async",
+    "ray_job": "ray_job",
 }

@@ -8,8 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.background import E2E_WIDTH, RUN_OF_FIXTURE, Background, Run
-from tests.e2e.runs import LR, SAVE_EVERY_STEP, read_steps
+from tests.e2e.background import E2E_WIDTH, RUN_OF_FIXTURE, Background, Run, sync_run_of
 
 
 @pytest.fixture(scope="session", autouse=True)  # before the session fixtures that wait for a run
@@ -35,7 +34,7 @@ def _run_fixture(fixture: str, run: str):
 # One session fixture per run: ``compared`` is OUT_DIR of ``examples/compare_engines.sh`` (<engine>.jsonl,
 # compare.png, wandb/, checkpoints/<engine>/, log.txt), ``*_async_run`` a ``Run``, ``resumed_*`` step 2's metrics
 # of a resumed run, ``agent_runs`` OUT_DIR of ``examples/train_agent.sh``, ``dapo_steps`` the DAPO run's steps,
-# ``vision_steps`` each vision engine's steps.
+# ``vision_steps`` each vision engine's steps, ``ray_job`` a ``RayJob``.
 for _fixture, _run in RUN_OF_FIXTURE.items():
     globals()[f"_{_fixture}"] = _run_fixture(_fixture, _run)
 
@@ -43,6 +42,4 @@ for _fixture, _run in RUN_OF_FIXTURE.items():
 @pytest.fixture(scope="session")
 def sync_run(compared: Path) -> Run:
     """The augtree_sync run of the compare script (our engine; the recipes' default trainer mode)."""
-    return Run(
-        compared, (f"actor_rollout_ref.actor.optim.lr={LR}", *SAVE_EVERY_STEP), read_steps(compared / "augtree.jsonl")
-    )
+    return sync_run_of(compared)
