@@ -8,6 +8,11 @@ and OPT have no ``intermediate_size``; MoE layers run ``num_experts_per_tok`` ex
 attribute exists, and raises a ``ValueError`` naming the config and the size it cannot find where a size the
 replay needs (layers, hidden size, heads, vocabulary) has no name it knows. The MLP width is an estimate for
 costs and memory only (nothing exact depends on it): where no name it knows is set, 4 x hidden.
+
+``VisionShape.of(config)``: the sizes of a vision-language config's vision tower (``config.vision_config``; None
+without one) that the memory guard reads, the same way: Qwen2-VL's tower names its block width ``embed_dim`` (its
+``hidden_size`` is the merger's output, the LLM's width) and its MLP ``mlp_ratio`` x width; Qwen2.5-VL's,
+Qwen3-VL's and Qwen3.5's ``hidden_size`` and ``intermediate_size``.
 """
 
 from __future__ import annotations
@@ -39,6 +44,15 @@ LINEAR_SIZES = (
     "linear_conv_kernel_dim",
 )
 MLP_FALLBACK_FACTOR = 4  # GPT-2's and OPT's convention, where a config names no MLP width
+# A vision tower's sizes: the block width (Qwen2-VL's ``embed_dim`` first: its ``hidden_size`` is the LLM's), the MLP
+# width, or else its ratio to the block width (Qwen2-VL), and what makes a patch's pixel row (C x T x P^2 values).
+TOWER_DEPTH = ("depth", "num_hidden_layers")
+TOWER_WIDTH = ("embed_dim", "hidden_size")
+TOWER_MLP = ("intermediate_size",)
+TOWER_MLP_RATIO = "mlp_ratio"  # a float in some configs: int(ratio x width), as Qwen2-VL's block computes it
+TOWER_HEADS = ("num_heads", "num_attention_heads")
+PATCH_SIZES = ("in_channels", "temporal_patch_size", "patch_size")
+DEEPSTACK = "deepstack_visual_indexes"  # Qwen3-VL(-MoE): the blocks whose outputs an extra merger injects
 
 
 def text_config(config):
@@ -155,6 +169,61 @@ class ModelShape:
     def head_flops(self) -> int:
         """Forward FLOPs of the LM head per scored token."""
         return 2 * self.hidden_size * self.vocab_size
+
+
+@dataclass(frozen=True)
+class VisionShape:
+    """A vision tower of ``depth`` blocks of width ``width`` (W), an MLP of ``mlp_size`` (M) and ``heads`` attention
+    heads, on patches of ``patch_dim`` values (``pixel_values`` [patches, patch_dim]); ``mergers``: its patch
+    mergers (the output's and Qwen3-VL's deepstack ones)."""
+
+    model_type: str
+    depth: int
+    width: int
+    mlp_size: int
+    heads: int
+    patch_dim: int
+    mergers: int
+
+    @classmethod
+    def of(cls, config) -> VisionShape | None:
+        """The tower of ``config`` (a vision-language Hugging Face config: its ``vision_config``), None without one;
+        ``ValueError`` naming the model type and the size where a size has no known name."""
+        vision = getattr(config, "vision_config", None)
+        if vision is None:
+            return None
+        model_type = getattr(vision, "model_type", None) or type(vision).__name__
+        sizes = {}
+        for what, names in (
+            ("vision depth", TOWER_DEPTH),
+            ("vision width", TOWER_WIDTH),
+            ("vision heads", TOWER_HEADS),
+            *((f"vision {name}", (name,)) for name in PATCH_SIZES),
+        ):
+            sizes[what] = _first(vision, names)
+            if sizes[what] is None:
+                raise ValueError(
+                    f"vision config of model {model_type!r} has no {what} under a name augtree knows "
+                    f"({', '.join(names)})"
+                )
+        width, ratio = sizes["vision width"], getattr(vision, TOWER_MLP_RATIO, None)
+        ratio = ratio if isinstance(ratio, (int, float)) and not isinstance(ratio, bool) and ratio > 0 else None
+        mlp = _first(vision, TOWER_MLP) or (int(width * ratio) if ratio is not None else None)
+        if mlp is None:
+            raise ValueError(
+                f"vision config of model {model_type!r} has no vision MLP size under a name augtree knows "
+                f"({', '.join((*TOWER_MLP, TOWER_MLP_RATIO))})"
+            )
+        channels, frames, patch = (sizes[f"vision {name}"] for name in PATCH_SIZES)
+        return cls(
+            model_type=model_type,
+            depth=sizes["vision depth"],
+            width=width,
+            mlp_size=mlp,
+            heads=sizes["vision heads"],
+            patch_dim=channels * frames * patch**2,
+            mergers=1 + len(getattr(vision, DEEPSTACK, None) or ()),
+        )
 
 
 def _qk_parts(config) -> int | None:

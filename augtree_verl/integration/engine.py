@@ -313,7 +313,7 @@ class AugTreeEngine(FSDPEngineWithLMHead):
         if budget is None:
             return None
         return ReplayMemory.of(
-            text_config(self.module.config),
+            self.module.config,  # a vision-language model's whole config: its text sizes and its tower's
             dtype=self.exactness_probe.dtype,
             checkpointing=bool(self.model_config.enable_gradient_checkpointing),
             train=train,

@@ -29,6 +29,19 @@ V vocab, e bytes per element of the dtype the layers compute in):
     head   = V (e + HEAD_FLOAT32 4)       training; forward only V (e + 4)
     forward only, the call's layer is  e (FORWARD_HIDDEN H + FORWARD_MLP I)  (nothing is saved)
 
+A prompt with images runs the vision tower inside its prefill (``replay.vlm.ImagePrefill``; such a tree is alone in
+its trie, on one device). Per image patch (``VisionShape``: d blocks of width W, MLP width M, h heads, m patch
+mergers, pixel rows of C values; a, b: ``TOWER_BLOCK`` of its type) training adds to the root's resident, until the
+delayed prompt backward,
+
+    tower = e (C + TOWER_MERGER m W) + d (e (a W + b M) + 4 (h + TOWER_NORM_STATS))
+            e (C + d W + TOWER_MERGER m W)   with checkpointing (HF's covers the tower's blocks: each one's input)
+
+and forward only adds e (C + TOWER_FORWARD_HIDDEN W + TOWER_FORWARD_MLP M) to the root's call (nothing is held
+after it). The tower's rotary tables, its output embeddings (the decoder's input) and, under checkpointing, a
+block's recompute in the backward are not counted; nor is the tower in the planner's ``tree_peak`` (a tree with
+images runs on one device whatever its plan).
+
 Not counted: parameters, their gradients and optimizer state (the model's, allocated before the step and
 the same for any schedule), FSDP2's unsharded parameter groups (one or two layers), the token ids and scores
 (bytes per token, not per element), allocator fragmentation; ``device_budget_bytes`` leaves a margin for
@@ -53,7 +66,7 @@ from dataclasses import dataclass
 import torch
 
 from augtree_verl.groups import Tree
-from augtree_verl.model_shape import ModelShape
+from augtree_verl.model_shape import ModelShape, VisionShape
 from augtree_verl.replay.lockstep import CPTrieSlot, Slot, TrieSlot
 from augtree_verl.replay.microbatch import split_micro_batches
 from augtree_verl.replay.offload import MIN_OFFLOAD_BYTES
@@ -73,6 +86,27 @@ FORWARD_HIDDEN, FORWARD_MLP = 2, 3
 # Under checkpointing a prompt keeps each layer's input and, outside the checkpoints, the final norm's input and
 # its normalised output (2 H more).
 CHECKPOINT_EXTRA = 2
+# Elements a vision tower's block saves for its backward per image patch, by the tower's ``model_type`` (counted from
+# transformers' code and checked by tests/replay/test_tower_memory.py): of its width W, 7 from attention (the fused
+# qkv output, which the values' view keeps whole, 3, the rotated queries and keys, the attention's output and the
+# proj input's copy) and each norm's input and output (LayerNorm: 2 x 2), or also RMSNorm's x * rsqrt (Qwen2.5-VL:
+# 2 x 3); of its MLP width M: Qwen2-VL's quick GELU 3 (fc1's output, its sigmoid, their product), Qwen2.5-VL's SwiGLU
+# 4 (gate, silu(gate), up, their product), the others' GELU 2 (fc1's output and the GELU's).
+TOWER_BLOCK = {
+    "qwen2_vl_vision": (11, 3),
+    "qwen2_5_vl_vision": (13, 4),
+    **dict.fromkeys(("qwen3_vl_vision", "qwen3_vl_moe_vision", "qwen3_5_vision", "qwen3_5_moe_vision"), (11, 2)),
+}
+TOWER_BLOCK_OTHER = (13, 4)  # a tower of another type: the most of the above
+# Float32 per patch and block beside them: the norms' statistics (mean and 1 / std, or 1 / rms) and, one per head,
+# the attention's log-sum-exp.
+TOWER_NORM_STATS = 4
+# Per patch and patch merger (the output's, and Qwen3-VL's deepstack ones): its norm's input and output, its MLP's
+# hidden and GELU output, W each (each merger's row is spatial_merge_size^2 patches of W).
+TOWER_MERGER = 4
+# Forward only, a block's largest moment: the residual, its normed copy and the fused qkv (5 W), counted with the
+# MLP's hidden, activation and gate (3 M) though they are not alive at once.
+TOWER_FORWARD_HIDDEN, TOWER_FORWARD_MLP = 5, 3
 # Per scored token and vocabulary entry in a training call: the LM head's logits (e), the float32 tempered
 # logits log-softmax saves and, in its backward, their float32 gradient and the gather's (3 x 4 bytes).
 HEAD_FLOAT32 = 3
@@ -103,7 +137,9 @@ class ReplayMemory:
     ``kv``, ``kv_sum``, ``layer`` (forward only: the forward working set), ``saved``, ``head``: bytes per token
     (``head``: per scored token);
     ``hidden``: bytes of one hidden state [H]; ``dtype_bytes``: e; ``train``; ``budget_bytes``; ``offload``: the
-    replay offloads prompt activations (``replay.offload``)."""
+    replay offloads prompt activations (``replay.offload``); ``tower``: bytes per image patch of the vision tower
+    that a prompt with images runs in its prefill (training: what it keeps until the delayed prompt backward;
+    forward only: its working set during the call; 0 without a tower)."""
 
     kv: int
     kv_sum: int
@@ -116,6 +152,7 @@ class ReplayMemory:
     train: bool
     budget_bytes: int
     offload: bool = False
+    tower: int = 0
 
     @classmethod
     def of(
@@ -132,6 +169,7 @@ class ReplayMemory:
             train=train,
             budget_bytes=budget_bytes,
             offload=offload,
+            vision=VisionShape.of(config),
         )
 
     @classmethod
@@ -144,9 +182,10 @@ class ReplayMemory:
         train: bool,
         budget_bytes: int = 0,
         offload: bool = False,
+        vision: VisionShape | None = None,
     ) -> ReplayMemory:
-        """``of`` from a ``ModelShape`` and e (``dtype_bytes``): the planner's cost model reads its per-token
-        bytes from here, so the planner's memory filter and this guard are one model."""
+        """``of`` from a ``ModelShape`` (and ``vision``, its tower's) and e (``dtype_bytes``): the planner's cost
+        model reads its per-token bytes from here, so the planner's memory filter and this guard are one model."""
         layers, hidden, heads, head_dim = shape.num_layers, shape.hidden_size, shape.num_heads, shape.head_dim
         e = dtype_bytes
         kv_width = layers * shape.kv_width
@@ -166,6 +205,7 @@ class ReplayMemory:
             train=train,
             budget_bytes=budget_bytes,
             offload=offload and train,
+            tower=_tower_bytes(vision, e, checkpointing, train) if vision is not None else 0,
         )
 
     def resident(self, node: TrieNode, *, offload: bool, degree: int = 1) -> int:
@@ -212,19 +252,43 @@ class ReplayMemory:
         batches = [[responses[i] for i in b] for b in split_micro_batches(list(responses), micro_batch_tokens)]
         return self.resident_bytes(prompt, 0, offload=offload) + self.call_bytes(prompt, 0, batches)
 
-    def peak(self, root: TrieNode, *, offload: bool, degree: int = 1) -> tuple[int, list[TrieNode]]:
+    def peak(self, root: TrieNode, *, offload: bool, degree: int = 1, patches: int = 0) -> tuple[int, list[TrieNode]]:
         """(peak bytes, the root-to-node path where it is reached) of replaying the trie ``root`` depth first
-        (its ``micro_batches`` set, ``lockstep``); ``degree`` d > 1: its root context-parallel over d members."""
+        (its ``micro_batches`` set, ``lockstep``); ``degree`` d > 1: its root context-parallel over d members;
+        ``patches``: image patches its root's prefill runs through the vision tower (training: held until the
+        root's delayed backward; forward only: in the root's call)."""
+        tower = patches * self.tower
         best: tuple[int, list[TrieNode]] = (0, [root])
-        stack = [(root, [root], self.resident(root, offload=offload, degree=degree))]
+        stack = [(root, [root], self.resident(root, offload=offload, degree=degree) + (tower if self.train else 0))]
         while stack:
             node, path, held = stack.pop()
-            call = self.call(node, degree if node is root else 1)
+            call = self.call(node, degree if node is root else 1) + (tower if node is root and not self.train else 0)
             if held + call > best[0]:
                 best = (held + call, path)
             for child in node.inner:
                 stack.append((child, path + [child], held + self.resident(child, offload=offload)))
         return best
+
+
+def _tower_bytes(vision: VisionShape, e: int, checkpointing: bool, train: bool) -> int:
+    """Bytes per image patch of ``vision`` (``ReplayMemory.tower``): the tower's copy of the pixel row (which its
+    patch embedding saves), then training each block's saved activations and the mergers' (with checkpointing each
+    block's input instead), forward only one block's working set."""
+    w, m = vision.width, vision.mlp_size
+    if not train:
+        return e * (vision.patch_dim + TOWER_FORWARD_HIDDEN * w + TOWER_FORWARD_MLP * m)
+    mergers = vision.mergers * TOWER_MERGER * w
+    if checkpointing:
+        return e * (vision.patch_dim + vision.depth * w + mergers)
+    hidden, mlp = TOWER_BLOCK.get(vision.model_type, TOWER_BLOCK_OTHER)
+    block = e * (hidden * w + mlp * m) + FLOAT32_BYTES * (vision.heads + TOWER_NORM_STATS)
+    return e * (vision.patch_dim + mergers) + vision.depth * block
+
+
+def image_patches(root: TrieNode, trees: Sequence[Tree]) -> int:
+    """Image patches of the trie ``root``'s trees (``trees``: the step's), which its root's prefill runs through
+    the vision tower (a tree with images is alone in its trie)."""
+    return sum(trees[t].vision.pixels.shape[0] for t in root.trees() if trees[t].vision is not None)
 
 
 def _scored(node: TrieNode) -> int:
@@ -252,11 +316,11 @@ def check_memory(
     the budget and the ways out. With ``group`` (the lock-step group) every rank calls this and all raise
     together: one int64 MAX all-reduce on ``device`` of (this rank + 1 where over, else 0); a rank under its
     budget names the rank that is over."""
+    found = [(s.node, image_patches(s.node, trees), s.degree) for s in slots if isinstance(s, (TrieSlot, CPTrieSlot))]
     worst = max(
         (
-            (*memory.peak(s.node, offload=memory.offload, degree=s.degree), s.node)
-            for s in slots
-            if isinstance(s, (TrieSlot, CPTrieSlot))
+            (*memory.peak(node, offload=memory.offload, degree=degree, patches=patches), node, patches)
+            for node, patches, degree in found
         ),
         key=lambda found: found[0],
         default=None,
@@ -279,17 +343,25 @@ def check_memory(
         )
 
 
-def _message(memory: ReplayMemory, trees: Sequence[Tree], peak: int, path: list[TrieNode], root: TrieNode) -> str:
+def _message(
+    memory: ReplayMemory, trees: Sequence[Tree], peak: int, path: list[TrieNode], root: TrieNode, patches: int
+) -> str:
     node = path[-1]
+    tower = (
+        f", of which {_gib(patches * memory.tower)} the vision tower's activations for {patches} image patches "
+        f"(fewer or smaller images, e.g. a lower max_pixels of the processor, or gradient checkpointing shrink it)"
+        if patches * memory.tower
+        else ""
+    )
     names = [_tree_name(t, trees[t]) for t in root.trees()]
     shown = "; ".join(names[:4]) + (f"; and {len(names) - 4} more" if len(names) > 4 else "")
     mb = max((len(b) * max(node.leaves[k].length for k in b) for b in node.micro_batches), default=0)
     return (
-        f"the replay of the trie of {shown} needs about {_gib(peak)} at its peak on this rank, over the budget of "
-        f"{_gib(memory.budget_bytes)} (replay_memory_budget_gib): at its node of tokens [{node.start}, {node.end}) "
-        f"({node.length} tokens, depth {len(path)}), with the K/V and state of the {sum(n.length for n in path)} "
-        f"tokens of its root-to-node path and its largest micro-batch of {mb} padded tokens. "
-        f"Ways out: {WAYS_OUT}{STOCK_ENGINE}"
+        f"the replay of the trie of {shown} needs about {_gib(peak)} at its peak on this rank{tower}, over the "
+        f"budget of {_gib(memory.budget_bytes)} (replay_memory_budget_gib): at its node of tokens "
+        f"[{node.start}, {node.end}) ({node.length} tokens, depth {len(path)}), with the K/V and state of the "
+        f"{sum(n.length for n in path)} tokens of its root-to-node path and its largest micro-batch of {mb} padded "
+        f"tokens. Ways out: {WAYS_OUT}{STOCK_ENGINE}"
     )
 
 
