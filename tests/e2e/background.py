@@ -69,10 +69,8 @@ class Background:
         """The CPU task the runs train on (written once, on first use)."""
         with self._assets_lock:
             if self._assets is None:
-                from augtree_verl.cpu_loop.task import TaskConfig, write_task
-
                 out = self._tmp.mktemp("cpu-loop")
-                write_task(out, TaskConfig(train_rows=8, test_rows=2))
+                write_task("augtree_verl.cpu_loop.task", out, "--train-rows=8", "--test-rows=2")
                 self._assets = out
         return self._assets
 
@@ -170,6 +168,17 @@ class Background:
         return spec.make(self, self._tmp.mktemp(name), *(self.result(needed) for needed in spec.after))
 
 
+def write_task(module: str, out: Path, *args: str) -> None:
+    """``python -m <module> --out <out> <args>`` (a task's model and data, as ``examples/run_cpu.sh`` writes them), in
+    a process of its own: the model's seeded random weights must not share this process's global RNG with the
+    tests running here meanwhile (a vision model drawn so once lost its answer prior: every response ran to the
+    length limit, and verl 0.9.1 cannot batch equal-length rows of 3D position ids, verl#7899)."""
+    run = subprocess.run(
+        [sys.executable, "-m", module, "--out", str(out), *args], capture_output=True, text=True, timeout=600
+    )
+    assert run.returncode == 0, f"{module} exited {run.returncode}:\n{run.stdout[-3000:]}{run.stderr[-3000:]}"
+
+
 def _kill(proc: subprocess.Popen) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
@@ -242,9 +251,8 @@ def _vision(bg: Background, out: Path) -> dict[str, list[dict]]:
     """``examples/run_cpu.sh`` with ``TASK=vision`` (the tiny vision-language model, the shape task) on each of
     ``VISION_ENGINES``, 2 steps: each engine's steps. The launches share the task (written first) and run at
     once (``Background.concurrently``)."""
-    from augtree_verl.cpu_loop.vision_task import write_vision_task
-
-    write_vision_task(out / "assets", REPO / "tests" / "data" / "qwen2_5_tokenizer")  # as run_cpu.sh would
+    tokenizer = REPO / "tests" / "data" / "qwen2_5_tokenizer"
+    write_task("augtree_verl.cpu_loop.vision_task", out / "assets", f"--tokenizer={tokenizer}")
 
     def launch(strategy: str) -> list[dict]:
         log = out / f"{strategy}.jsonl"
