@@ -316,11 +316,11 @@ def check_memory(
     the budget and the ways out. With ``group`` (the lock-step group) every rank calls this and all raise
     together: one int64 MAX all-reduce on ``device`` of (this rank + 1 where over, else 0); a rank under its
     budget names the rank that is over."""
-    found = [(s.node, image_patches(s.node, trees), s.degree) for s in slots if isinstance(s, (TrieSlot, CPTrieSlot))]
+    tries = [(s.node, s.degree, image_patches(s.node, trees)) for s in slots if isinstance(s, (TrieSlot, CPTrieSlot))]
     worst = max(
         (
             (*memory.peak(node, offload=memory.offload, degree=degree, patches=patches), node, patches)
-            for node, patches, degree in found
+            for node, degree, patches in tries
         ),
         key=lambda found: found[0],
         default=None,

@@ -35,6 +35,8 @@ E2E_WIDTH = 2
 VISION_ENGINES = ("fsdp2", "augtree")
 # How long the Ray head of the job run may take to answer ``ray job list``.
 HEAD_START_S = 120
+# The compare script's overrides, which the Ray job's resume of its augtree_sync run repeats.
+COMPARED_OVERRIDES = (f"actor_rollout_ref.actor.optim.lr={LR}", *SAVE_EVERY_STEP)
 BIN = Path(sys.executable).parent
 
 
@@ -191,8 +193,7 @@ def _compared(bg: Background, out: Path) -> Path:
         "compare_engines.sh",
         run_env(bg.assets, out, OUT_DIR=str(out), WANDB_DIR=str(out), PROMPTS="short"),  # the test's own task
         out,
-        f"actor_rollout_ref.actor.optim.lr={LR}",
-        *SAVE_EVERY_STEP,
+        *COMPARED_OVERRIDES,
     )
     (out / "log.txt").write_text(log)
     return out
@@ -265,9 +266,7 @@ def _vision(bg: Background, out: Path) -> dict[str, list[dict]]:
 
 def sync_run_of(compared: Path) -> Run:
     """The augtree_sync run of the compare script (our engine; the recipes' default trainer mode)."""
-    return Run(
-        compared, (f"actor_rollout_ref.actor.optim.lr={LR}", *SAVE_EVERY_STEP), read_steps(compared / "augtree.jsonl")
-    )
+    return Run(compared, COMPARED_OVERRIDES, read_steps(compared / "augtree.jsonl"))
 
 
 @dataclass(frozen=True)
