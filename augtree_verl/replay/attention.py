@@ -9,13 +9,11 @@ any layer. Calls without a context run the model's original implementation (see 
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
 
 import torch
 import torch.nn.functional as F
-from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from augtree_verl.model_shape import text_config
 from augtree_verl.replay.linear_state import StateCapture, StateStart, route_linear_attention
@@ -79,6 +77,9 @@ def augtree_attention_forward(module, query, key, value, attention_mask, scaling
     -> ([B, S, H, D_v], None) (D_v != D_k: multi-head latent attention, whose values transformers hands over
     unpadded to any implementation but flash attention's)."""
     if augtree_ctx is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
         fallback = ALL_ATTENTION_FUNCTIONS.get(_FALLBACKS.get(id(module.config), "sdpa"), sdpa_attention_forward)
         return fallback(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
     _reject_unsupported(module, kwargs)
@@ -125,7 +126,15 @@ def _describe(value) -> str:
     return f"tensor {tuple(value.shape)}" if isinstance(value, torch.Tensor) else repr(value)
 
 
-AttentionInterface.register(ATTN_NAME, augtree_attention_forward)
+@functools.cache
+def _register() -> None:
+    """``augtree_attention_forward`` in transformers' attention interface as ATTN_NAME, once, before a model is first
+    routed through it. Not at import: transformers' modeling imports take seconds, and the planner (its Ray actor
+    among others) imports the replay's planning side, which imports this package, without running a model."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTN_NAME, augtree_attention_forward)
+
 
 # The model's own attention implementation once its config routes through "augtree", by ``id(config)``
 # (configs are unhashable; an entry leaves with its config). Kept off the config itself: every attribute of a
@@ -142,6 +151,7 @@ def use_augtree_attention(model) -> None:
     implementation ("eager" runs as SDPA; so does a copy of the config, which has no entry). The config
     gains no attribute: a checkpoint saved from the model carries nothing of ours.
     """
+    _register()
     config = text_config(model.config)  # a vision-language model's text decoder (its vision tower keeps its own)
     if config._attn_implementation != ATTN_NAME:
         _FALLBACKS[id(config)] = config._attn_implementation

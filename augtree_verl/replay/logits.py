@@ -15,26 +15,34 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from collections.abc import Callable
 
 import torch
-from transformers.modeling_outputs import MoeModelOutputWithPast
 
 from augtree_verl.replay.vlm import is_vlm
 
 
-@dataclasses.dataclass
-class _DecoderOutput(MoeModelOutputWithPast):
-    """Every field a family's forward may read of its decoder's output: the MoE ones (router_logits None: no
-    auxiliary loss) and, for decoders that can cross-attend (GPT-2, GPT-BigCode, BioGPT), cross_attentions."""
+@functools.cache
+def _decoder_output() -> type:
+    """The decoder output class: every field a family's forward may read of its decoder's output, the MoE ones
+    (router_logits None: no auxiliary loss) and, for decoders that can cross-attend (GPT-2, GPT-BigCode, BioGPT),
+    cross_attentions. Made on first use: the planner imports this package without running a model, and
+    transformers' imports take seconds (its Ray actor's start)."""
+    from transformers.modeling_outputs import MoeModelOutputWithPast
 
-    cross_attentions: tuple[torch.Tensor, ...] | None = None
+    @dataclasses.dataclass
+    class DecoderOutput(MoeModelOutputWithPast):
+        cross_attentions: tuple[torch.Tensor, ...] | None = None
+
+    return DecoderOutput
 
 
 @contextlib.contextmanager
 def _decoder_answers(decoder: torch.nn.Module, hidden: torch.Tensor):
     """``decoder(...)`` returns ``hidden`` as its last hidden state (an instance ``forward`` for the call)."""
-    decoder.forward = lambda *args, **kwargs: _DecoderOutput(last_hidden_state=hidden)
+    output = _decoder_output()(last_hidden_state=hidden)
+    decoder.forward = lambda *args, **kwargs: output
     try:
         yield
     finally:

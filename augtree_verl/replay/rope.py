@@ -37,16 +37,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers.modeling_rope_utils import dynamic_rope_update
 
 from augtree_verl.groups import Tree
 from augtree_verl.plan import Plan
 
 # rope types whose frequencies step at ``original_max_position_embeddings`` (transformers' longrope update)
 STEP_ROPES = ("longrope",)
-# The code object every ``dynamic_rope_update`` wrapper shares: how a rotary module that chooses by length is told
-# apart from one that does not (a decorator leaves no other mark than ``__wrapped__``).
-_UPDATE_CODE = dynamic_rope_update(lambda self, x, position_ids: None).__code__
 
 Origin = list[tuple[int, tuple[int, ...]]]  # per split tree: (the caller's tree index, its response indices)
 
@@ -157,12 +153,22 @@ def pinned(model, length: int | None):
             del module.forward
 
 
+@functools.cache
+def _update_code():
+    """The code object every ``dynamic_rope_update`` wrapper shares: how a rotary module that chooses by length is
+    told apart from one that does not (a decorator leaves no other mark than ``__wrapped__``). Read on first use:
+    the planner imports this module (``split_regimes``), and its Ray actor need not import transformers."""
+    from transformers.modeling_rope_utils import dynamic_rope_update
+
+    return dynamic_rope_update(lambda self, x, position_ids: None).__code__
+
+
 def _length_update(cls) -> Any:
     """The ``dynamic_rope_update`` wrapper in ``cls.forward``'s decorators (e.g. under ``torch.no_grad``), or None;
     its ``__wrapped__`` is the family's own rope forward."""
     fn = getattr(cls, "forward", None)
     while fn is not None:
-        if getattr(fn, "__code__", None) is _UPDATE_CODE:
+        if getattr(fn, "__code__", None) is _update_code():
             return fn
         fn = getattr(fn, "__wrapped__", None)
     return None
