@@ -30,7 +30,9 @@ def flattened_replay(
 
     ``mrope``: the model is a vision-language model, called as verl's engine calls it on a text-only row: position
     ids [4, 1, L] (text positions on the three M-RoPE axes, all 0..L-1) and every position's logits (verl's forward
-    for these models takes no ``logits_to_keep``)."""
+    for these models takes no ``logits_to_keep``). A tree with images (``tree.vision``) is called so on any model,
+    with its ``pixel_values`` and ``image_grid_thw`` and its prompt's positions, which each response continues
+    (``Vision``: text position k, k + shift on the M-RoPE axes)."""
     logps = []
     with torch.set_grad_enabled(loss_fn is not None or keep_graph):
         for t, tree in enumerate(trees):
@@ -39,7 +41,15 @@ def flattened_replay(
                 ids = torch.cat([tree.prompt, resp])[None]
                 # Keep the logits of positions P-1 .. P+R-2, the ones that score the response.
                 keep = len(resp) + 1
-                if mrope:
+                if tree.vision is not None:
+                    vision = tree.vision
+                    after = torch.arange(tree.prompt_len, ids.shape[1], device=ids.device).expand(MROPE_AXES, -1)
+                    after = after + torch.tensor([0] + [vision.shift] * (MROPE_AXES - 1), device=ids.device)[:, None]
+                    positions = torch.cat([vision.positions.to(ids.device), after], dim=1)[:, None]
+                    images = dict(pixel_values=vision.pixels, image_grid_thw=vision.grid_thw)
+                    logits = model(input_ids=ids, position_ids=positions, use_cache=False, **images).logits
+                    logits = logits[0, -keep:-1]
+                elif mrope:
                     positions = torch.arange(ids.shape[1], device=ids.device).expand(MROPE_AXES, 1, -1)
                     logits = model(input_ids=ids, position_ids=positions, use_cache=False).logits[0, -keep:-1]
                 else:

@@ -16,13 +16,14 @@ import torch
 from augtree_verl.groups import Tree, Vision
 from augtree_verl.integration.batch_trees import _vision
 from augtree_verl.replay import Offload, ReplayOptions, ReplayStats, StepPlan, per_response, replay
+from augtree_verl.replay.baseline import flattened_replay
 from augtree_verl.replay.rope import RopeRegimes
 from augtree_verl.replay.vlm import VLMS
 from augtree_verl.testing import harness as H
 from tests.families import IMAGE_TOKEN, family_model
 from tests.integration.test_engine_families import VLM_REMOVE_PADDING, VLM_WEIGHT_DECAY, _vision_output_as_tensor
 from tests.integration.test_engine_parity_dp2 import compare_step
-from tests.parity import assert_grads_match
+from tests.parity import assert_grads_match, assert_logps_match, grads
 
 pytestmark = pytest.mark.slow  # spawns process groups and builds verl engines
 
@@ -122,6 +123,44 @@ def test_image_rows_match_stock_engine(name, tmp_path):
     path = str(tmp_path / name)
     family_model(name, **({"initializer_range": TEXT_INIT[name]} if name in TEXT_INIT else {})).save_pretrained(path)
     H.spawn(_rank_main, (H.free_port(), name, path), nprocs=WORLD, timeout_s=540)
+
+
+def image_trees(rows: list[dict]) -> list[Tree]:
+    """``rows`` (``image_rows``) as trees: one per uid and image, its prompt's positions from the rows'."""
+    trees: dict[tuple, Tree] = {}
+    for row in rows:
+        inputs = row["multi_modal_inputs"]
+        key = (row["uid"], inputs["pixel_values"].sum().item() if inputs else None)
+        tree = trees.get(key)
+        if tree is None:
+            prompt = row["prompt"]
+            vision = inputs and Vision(
+                inputs["pixel_values"], inputs["image_grid_thw"], row["positions"][:, : len(prompt)]
+            )
+            trees[key] = Tree.of_tokens(prompt, [row["response"]], uid=row["uid"], vision=vision or None)
+        else:
+            trees[key] = Tree.of_tokens(
+                tree.prompt, [*tree.responses, row["response"]], uid=tree.uid, vision=tree.vision
+            )
+    return list(trees.values())
+
+
+@pytest.mark.parametrize("name", sorted(VLM_REMOVE_PADDING))
+def test_image_trees_replay_as_the_flattened_baseline(name):
+    """The oracle without verl: ``replay`` of ``GROUPS``' trees (images of several sizes, a text prompt, a uid with
+    two images) against the flattened baseline, each [prompt || response] run with its images as its own sequence:
+    log-probs and every gradient, the vision tower's included."""
+    model = family_model(name, **({"initializer_range": TEXT_INIT[name]} if name in TEXT_INIT else {}))
+    trees = image_trees(image_rows(model, seed=0))
+    loss = lambda t, i, logp: (logp * (i + 1 - 2 * t)).mean()  # advantages of both signs
+    model.zero_grad(set_to_none=True)
+    want = flattened_replay(model, trees, loss, mrope=True)
+    want_grads = grads(model)
+    model.zero_grad(set_to_none=True)
+    got = replay(model, StepPlan.build(trees, rope=RopeRegimes.of(model.config)), per_response(loss))
+    assert any(name.startswith("model.visual.") for name in want_grads)
+    assert_logps_match(got, want)
+    assert_grads_match(grads(model), want_grads)
 
 
 def test_image_tokens_not_matching_the_grid_are_refused_naming_the_tree():
