@@ -43,6 +43,11 @@ Checks (sizes on a GPU; ``--cpu-smoke`` shrinks every one):
     (``cp.state_scan``: its rows, chunk summaries, the conv from a given window, the delta-rule kernel from a
     given initial state, forward and backward) with one member; one line, the worst of ring, tree_move_kv and
     move_q.
+11. a vision-language model (Qwen2.5-VL: 2 text layers of check 3's shape under M-RoPE, a 2-block vision tower of
+    Qwen2.5-VL-7B's width) on prompts with an image each (1,024 and 384 patches) and a text prompt, in bf16 vs the
+    float32 flattened baseline (each [prompt || response] run with its image), as in 3, the tower's gradient
+    included; and the tower's forward runs once per image tree in a training step (the flattened baseline: once per
+    row).
 Expected on one H200: about 2 minutes, peak about 45 GiB (the float32 reference of the 4k x 16k block).
 """
 
@@ -52,6 +57,7 @@ import argparse
 import copy
 import datetime
 import json
+import math
 import socket
 import statistics
 import sys
@@ -61,15 +67,24 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3_5ForCausalLM, Qwen3_5TextConfig
+from transformers import (
+    Qwen2_5_VLConfig,
+    Qwen2_5_VLForConditionalGeneration,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3_5ForCausalLM,
+    Qwen3_5TextConfig,
+)
 from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
 
 from augtree_verl import Plan, ReplayOptions, ReplayStats, StepPlan, Tree, per_response, replay
+from augtree_verl.groups import Vision
 from augtree_verl.ops.attention import attention_backward, attention_forward, cuda_backend_name
 from augtree_verl.ops.merge import empty_state, merge_into
 from augtree_verl.replay.baseline import flattened_replay
 from augtree_verl.replay.offload import Offload
 from augtree_verl.replay.prefix_attention import prefix_causal_attention
+from augtree_verl.replay.rope import RopeRegimes
 
 # bf16 kernel vs float32 reference, max |got - ref| / max |ref| per tensor: bf16 keeps 8 mantissa bits
 # (2^-8 = 3.9e-3 per rounding) and flash kernels also round P to bf16 before P V, so a few ulps.
@@ -134,6 +149,8 @@ class Sizes:
     repeats: int
     hybrid: dict  # the hybrid check's model shape (check 9)
     mla: tuple  # (H = H_kv, (D_k, D_v) pairs): multi-head latent attention, K/V expanded to every query head
+    vision: dict  # the vision check's tower (Qwen2.5-VL vision config) and M-RoPE sections
+    images: tuple  # (text before, (t, h, w) patch grid or None, text after, response lengths) per tree
 
 
 GPU = Sizes(
@@ -151,6 +168,12 @@ GPU = Sizes(
     repeats=3,
     hybrid=QWEN35_SHAPE,
     mla=(32, ((192, 128), (64, 128))),
+    # Qwen2.5-VL-7B's tower width (1280, 16 heads, 14 x 14 patches, 2 x 2 merge), 2 of its 32 blocks
+    vision=dict(
+        tower=dict(depth=2, hidden_size=1280, intermediate_size=3420, num_heads=16, fullatt_block_indexes=[1]),
+        mrope_section=[16, 24, 24],
+    ),
+    images=((20, (1, 32, 32), 30, (200, 64, 129, 17)), (9, (1, 16, 24), 4, (50, 300)), (333, None, 0, (40, 8))),
 )
 SMOKE = Sizes(
     heads=((4, 2), (4, 4)),
@@ -174,6 +197,11 @@ SMOKE = Sizes(
         linear_value_head_dim=16,
     ),
     mla=(4, ((24, 16), (8, 16))),
+    vision=dict(
+        tower=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=4, patch_size=2, fullatt_block_indexes=[0]),
+        mrope_section=[4, 2, 2],
+    ),
+    images=((3, (1, 4, 4), 2, (7, 3, 5, 1)), (2, (1, 2, 4), 3, (4, 6)), (9, None, 0, (4, 2))),
 )
 
 
@@ -651,6 +679,82 @@ def check_hybrid(report, sizes, device):
         dist.destroy_process_group()
 
 
+# ---- 11. vision-language ------------------------------------------------------------------------------------
+
+
+def vision_trees(model, specs, device, seed=0) -> list[Tree]:
+    """``specs`` (``Sizes.images``) as trees: text drawn below the special tokens (the vocabulary's last four), an
+    image's tokens and bf16-rounded patches, its prompt's M-RoPE positions from the model's ``get_rope_index``."""
+    config, g = model.config, torch.Generator().manual_seed(seed)
+    vision = config.vision_config
+    patch_dim = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
+    text = lambda n: torch.randint(0, config.image_token_id, (n,), generator=g)
+    trees = []
+    for before, grid, after, responses in specs:
+        image = [] if grid is None else [config.image_token_id] * (math.prod(grid) // vision.spatial_merge_size**2)
+        prompt = torch.cat([text(before), torch.tensor(image, dtype=torch.long), text(after)])
+        seen = None
+        if grid is not None:
+            pixels = torch.randn(math.prod(grid), patch_dim, generator=g).to(torch.bfloat16).float().to(device)
+            ids, grid_thw = prompt.to(device), torch.tensor([grid], device=device)
+            mrope, _ = model.model.get_rope_index(
+                ids[None], mm_token_type_ids=(ids == config.image_token_id).int()[None], image_grid_thw=grid_thw
+            )
+            positions = torch.cat([torch.arange(len(ids), device=device)[None], mrope[:, 0].to(device)])
+            seen = Vision(pixels, grid_thw, positions)
+        trees.append(Tree.of_tokens(prompt.to(device), [text(r).to(device) for r in responses], vision=seen))
+    return trees
+
+
+def check_vision(report, sizes, device):
+    text = {k: v for k, v in sizes.model.items() if k != "rope_theta"}
+    head_dim = text["hidden_size"] // text["num_attention_heads"]
+    rope = dict(rope_type="default", rope_theta=sizes.model.get("rope_theta", 10000.0))
+    vocab = text["vocab_size"]
+    config = Qwen2_5_VLConfig(
+        text_config=dict(
+            text,
+            num_hidden_layers=sizes.layers,
+            head_dim=head_dim,
+            bos_token_id=None,
+            eos_token_id=None,
+            rope_parameters=dict(rope, mrope_section=sizes.vision["mrope_section"]),
+        ),
+        vision_config=dict(sizes.vision["tower"], out_hidden_size=text["hidden_size"]),
+        image_token_id=vocab - 4,
+        video_token_id=vocab - 3,
+        vision_start_token_id=vocab - 2,
+        vision_end_token_id=vocab - 1,
+        bos_token_id=None,
+        eos_token_id=None,
+        tie_word_embeddings=False,
+        attn_implementation="sdpa",
+    )
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Qwen2_5_VLForConditionalGeneration(config).float().train()
+    trees = vision_trees(model, sizes.images, device)
+    adv = advantages(trees)
+    rope_regimes = RopeRegimes.of(model.config)
+    grouped = lambda m, ts, loss_fn: replay(m, StepPlan.build(ts, rope=rope_regimes), per_response(loss_fn))
+    flattened = lambda m, ts, loss_fn: flattened_replay(m, ts, loss_fn, mrope=True)
+    reference = run_step(model, flattened, trees, adv)  # float32
+    low = model.to(torch.bfloat16)
+    baseline = errors(run_step(low, flattened, trees, adv), reference)
+    calls = []
+    hook = low.model.visual.register_forward_hook(lambda *_: calls.append(1))
+    ours = errors(run_step(low, grouped, trees, adv), reference)
+    hook.remove()
+    judge(
+        report,
+        f"vision-language replay bf16 vs fp32 ({sizes.layers} layers, tower of {config.vision_config.depth})",
+        ours,
+        baseline,
+    )
+    images = sum(t.vision is not None for t in trees)
+    report.check(len(calls) == images, "vision tower once per tree", f"{len(calls)} calls for {images} image trees")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cpu-smoke", action="store_true", help="the same checks on CPU, small shapes")
@@ -682,6 +786,7 @@ def main(argv=None) -> int:
     check_offload(report, sizes, model, device)
     del model
     check_hybrid(report, sizes, device)
+    check_vision(report, sizes, device)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(device=str(device), backend=backend, rows=report.rows), f, indent=1)

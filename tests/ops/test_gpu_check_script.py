@@ -49,6 +49,8 @@ CHECKS = [
     "speed response-heavy",
     "offload long prompt",
     "hybrid replay bf16 vs fp32",
+    "vision-language replay bf16 vs fp32",
+    "vision tower once per tree",
 ]
 
 
