@@ -598,3 +598,12 @@ def test_the_name_scan_sees_imports_and_module_attributes():
         "transfer_queue.kv_clear",
         "verl.workers.config.FSDPEngineConfig",
     }
+
+
+def test_freeze_vision_tower_is_read_by_no_verl_module_but_its_config():
+    """verl 0.9.1 declares ``actor.freeze_vision_tower`` and reads it nowhere, so both settings train alike on either
+    engine (docs/design.md §4) and the engine reads it neither. A verl that starts reading it fails here: the engine
+    must then follow what verl does with it."""
+    root = Path(importlib.util.find_spec("verl").origin).parent
+    readers = sorted(str(p.relative_to(root)) for p in root.rglob("*.py") if "freeze_vision_tower" in p.read_text())
+    assert readers == ["workers/config/actor.py"], readers
