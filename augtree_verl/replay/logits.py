@@ -41,8 +41,8 @@ def _decoder_output() -> type:
 @contextlib.contextmanager
 def _decoder_answers(decoder: torch.nn.Module, hidden: torch.Tensor):
     """``decoder(...)`` returns ``hidden`` as its last hidden state (an instance ``forward`` for the call)."""
-    output = _decoder_output()(last_hidden_state=hidden)
-    decoder.forward = lambda *args, **kwargs: output
+    output = _decoder_output()
+    decoder.forward = lambda *args, **kwargs: output(last_hidden_state=hidden)
     try:
         yield
     finally:
