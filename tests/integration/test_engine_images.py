@@ -79,13 +79,7 @@ def image_rows(model, seed: int) -> list[dict]:
 
 def _image_trees(rows: list[dict]) -> int:
     """Trees with images among ``rows`` (one rank's): one per uid and image."""
-    return len(
-        {
-            (row["uid"], row["multi_modal_inputs"]["pixel_values"].sum().item())
-            for row in rows
-            if row["multi_modal_inputs"]
-        }
-    )
+    return sum(tree.vision is not None for tree in image_trees(rows))
 
 
 def _rank_main(rank: int, port: int, name: str, path: str) -> None:
@@ -127,22 +121,19 @@ def test_image_rows_match_stock_engine(name, tmp_path):
 
 def image_trees(rows: list[dict]) -> list[Tree]:
     """``rows`` (``image_rows``) as trees: one per uid and image, its prompt's positions from the rows'."""
-    trees: dict[tuple, Tree] = {}
+    groups: dict[tuple, list[dict]] = {}
     for row in rows:
         inputs = row["multi_modal_inputs"]
-        key = (row["uid"], inputs["pixel_values"].sum().item() if inputs else None)
-        tree = trees.get(key)
-        if tree is None:
-            prompt = row["prompt"]
-            vision = inputs and Vision(
-                inputs["pixel_values"], inputs["image_grid_thw"], row["positions"][:, : len(prompt)]
-            )
-            trees[key] = Tree.of_tokens(prompt, [row["response"]], uid=row["uid"], vision=vision or None)
-        else:
-            trees[key] = Tree.of_tokens(
-                tree.prompt, [*tree.responses, row["response"]], uid=tree.uid, vision=tree.vision
-            )
-    return list(trees.values())
+        groups.setdefault((row["uid"], inputs["pixel_values"].sum().item() if inputs else None), []).append(row)
+    trees = []
+    for (uid, _), members in groups.items():
+        first = members[0]
+        prompt, inputs = first["prompt"], first["multi_modal_inputs"]
+        vision = None  # a text prompt (verl's agent loop gives it empty multi_modal_inputs and no M-RoPE rows here)
+        if inputs:
+            vision = Vision(inputs["pixel_values"], inputs["image_grid_thw"], first["positions"][:, : len(prompt)])
+        trees.append(Tree.of_tokens(prompt, [row["response"] for row in members], uid=uid, vision=vision))
+    return trees
 
 
 @pytest.mark.parametrize("name", sorted(VLM_REMOVE_PADDING))
